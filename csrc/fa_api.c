@@ -1,0 +1,118 @@
+/* Public entry points: check what the caller passes, then dispatch to the
+ * instruction-set path it asked for (the portable one when the build has no
+ * other). */
+#include "fa_internal.h"
+
+int fa_cpu_has_avx2_fma(void)
+{
+#if FA_HAVE_AVX2 && (defined(__GNUC__) || defined(__clang__))
+    /* libgcc and compiler-rt also check that the OS saves the YMM state */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+#if FA_HAVE_AVX2
+#define FA_DISPATCH(isa, name, sfx, args)                                    \
+    do {                                                                     \
+        if ((isa) == FA_ISA_AVX2) FA_CAT4(fa, name, sfx, avx2) args;         \
+        else FA_CAT4(fa, name, sfx, portable) args;                          \
+    } while (0)
+#else
+#define FA_DISPATCH(isa, name, sfx, args) FA_CAT4(fa, name, sfx, portable) args
+#endif
+
+fa_idx fa_gemm_mc(int elsize) { (void)elsize; return FA_GEMM_MC; }
+fa_idx fa_gemm_nc(int elsize) { return elsize == 4 ? FA_GEMM_NC_F32 : FA_GEMM_NC_F64; }
+
+size_t fa_gemm_work_bytes(int elsize)
+{
+    const size_t nr = elsize == 4 ? FA_NR_F32 : FA_NR_F64;
+    return (size_t)elsize * (FA_GEMM_MC * FA_GEMM_KC + FA_GEMM_KC * (size_t)fa_gemm_nc(elsize) + FA_MR * nr);
+}
+
+static int gemm_ok(const fa_gemm_args *g, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, int elsize)
+{
+    return g->M >= 0 && g->N >= 0 && g->K >= 0 && 0 <= i0 && i0 <= i1 && i1 <= g->M &&
+           0 <= j0 && j0 <= j1 && j1 <= g->N && i1 - i0 <= FA_GEMM_MC && j1 - j0 <= fa_gemm_nc(elsize);
+}
+
+int fa_gemm_f32(fa_isa isa, const fa_gemm_args *g, const float *a, const float *b, float *c,
+                fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
+{
+    if (!gemm_ok(g, i0, i1, j0, j1, 4)) return -1;
+    FA_DISPATCH(isa, gemm, f32, (g, a, b, c, i0, i1, j0, j1, work));
+    return 0;
+}
+
+int fa_gemm_f64(fa_isa isa, const fa_gemm_args *g, const double *a, const double *b, double *c,
+                fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
+{
+    if (!gemm_ok(g, i0, i1, j0, j1, 8)) return -1;
+    FA_DISPATCH(isa, gemm, f64, (g, a, b, c, i0, i1, j0, j1, work));
+    return 0;
+}
+
+size_t fa_softmax_work_bytes(fa_idx n, int elsize) { return (size_t)(n > 0 ? n : 1) * (size_t)elsize; }
+
+int fa_softmax_row_f32(fa_isa isa, fa_idx n, const float *x, fa_idx xs, fa_mask_kind mk,
+                       const void *mask, fa_idx ms, float *out, fa_idx os, void *work)
+{
+    if (n < 0) return -1;
+    FA_DISPATCH(isa, softmax_row, f32, (n, x, xs, mk, mask, ms, out, os, work));
+    return 0;
+}
+
+int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask_kind mk,
+                       const void *mask, fa_idx ms, double *out, fa_idx os, void *work)
+{
+    if (n < 0) return -1;
+    FA_DISPATCH(isa, softmax_row, f64, (n, x, xs, mk, mask, ms, out, os, work));
+    return 0;
+}
+
+fa_idx fa_attn_query_block(int elsize) { return 4 * (elsize == 4 ? FA_NR_F32 : FA_NR_F64); }
+
+size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
+{
+    /* the same on every path */
+    return elsize == 4 ? fa_attn_work_f32_portable(a) : fa_attn_work_f64_portable(a);
+}
+
+static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
+{
+    return a->L >= 0 && a->S >= 0 && a->E >= 0 && a->Ev >= 0 && 0 <= i0 && i0 <= i1 &&
+           i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize) &&
+           (a->mask_kind == FA_MASK_NONE || a->mask_kind == FA_MASK_BOOL ||
+            a->mask_kind == FA_MASK_ADD);
+}
+
+int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                const float *v, const void *mask, float *out, float *w, fa_idx i0, fa_idx i1,
+                void *work)
+{
+    if (!attn_ok(a, i0, i1, 4)) return -1;
+    FA_DISPATCH(isa, attn, f32, (a, q, k, v, mask, out, w, i0, i1, work));
+    return 0;
+}
+
+int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                const double *v, const void *mask, double *out, double *w, fa_idx i0,
+                fa_idx i1, void *work)
+{
+    if (!attn_ok(a, i0, i1, 8)) return -1;
+    FA_DISPATCH(isa, attn, f64, (a, q, k, v, mask, out, w, i0, i1, work));
+    return 0;
+}
+
+void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
+{
+    FA_DISPATCH(isa, exp_array, f32, (n, x, y));
+}
+
+void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y)
+{
+    FA_DISPATCH(isa, exp_array, f64, (n, x, y));
+}

@@ -1,0 +1,27 @@
+/* Shared definitions for the fastattn C99 kernels (no Python headers). */
+#ifndef FA_COMMON_H
+#define FA_COMMON_H
+
+#include <stddef.h>
+
+/* Element counts, indices and strides.  Strides are in elements, never
+ * bytes, and may be zero (broadcast) or negative (reversed views). */
+typedef ptrdiff_t fa_idx;
+
+/* Instruction-set paths.  The caller picks one; the kernels hold no state. */
+typedef enum { FA_ISA_PORTABLE = 0, FA_ISA_AVX2 = 1 } fa_isa;
+
+/* How a mask is stored.  BOOL: one byte per entry, nonzero = may attend
+ * (PyTorch SDPA convention).  ADD: same dtype as the scores, added to the
+ * scaled scores; -inf hides the key whatever the score is. */
+typedef enum { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 } fa_mask_kind;
+
+/* Micro-tile: MR rows by NR columns, NR = one 64-byte cache line. */
+#define FA_MR 6
+#define FA_NR_F32 16
+#define FA_NR_F64 8
+
+#define FA_CAT3_(a, b, c) a##_##b##_##c
+#define FA_CAT3(a, b, c) FA_CAT3_(a, b, c)
+
+#endif

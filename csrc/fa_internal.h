@@ -1,0 +1,43 @@
+/* Per-path kernel entry points behind the dispatch of fa_api.c. */
+#ifndef FA_INTERNAL_H
+#define FA_INTERNAL_H
+
+#include "fastattn.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define FA_HAVE_AVX2 1
+#else
+#define FA_HAVE_AVX2 0
+#endif
+
+/* Cache blocks of the matrix product: an A block of MC x KC and a B panel of
+ * KC x NC, 96 KB and 256 KB, sized for a 1 MB L2. */
+#define FA_GEMM_MC 96
+#define FA_GEMM_KC 256
+#define FA_GEMM_NC_F32 256
+#define FA_GEMM_NC_F64 128
+
+#define FA_CAT4_(a, b, c, d) a##_##b##_##c##_##d
+#define FA_CAT4(a, b, c, d) FA_CAT4_(a, b, c, d)
+
+#define FA_DECLARE(T, SFX, ISA)                                                          \
+    void FA_CAT4(fa, gemm, SFX, ISA)(const fa_gemm_args *g, const T *a, const T *b,       \
+                                     T *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1,    \
+                                     void *work);                                         \
+    void FA_CAT4(fa, softmax_row, SFX, ISA)(fa_idx n, const T *x, fa_idx xs,              \
+                                            fa_mask_kind mk, const void *mask, fa_idx ms, \
+                                            T *out, fa_idx os, void *work);               \
+    size_t FA_CAT4(fa, attn_work, SFX, ISA)(const fa_attn_args *a);                       \
+    void FA_CAT4(fa, attn, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,       \
+                                     const T *v, const void *mask, T *out, T *w,          \
+                                     fa_idx i0, fa_idx i1, void *work);                   \
+    void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y);
+
+FA_DECLARE(float, f32, portable)
+FA_DECLARE(double, f64, portable)
+#if FA_HAVE_AVX2
+FA_DECLARE(float, f32, avx2)
+FA_DECLARE(double, f64, avx2)
+#endif
+
+#endif

@@ -1,0 +1,180 @@
+/* AVX2 + FMA primitives for element type T (float or double): the 6 x NR
+ * register micro-kernel (NR = 16 floats or 8 doubles, two vectors) and the
+ * vector exp of fa_exp_consts.h.  Same contract as fa_prims_portable.h.
+ *
+ * Included by fa_avx2.c (compiled with -mavx2 -mfma) once per type, with T,
+ * FA_NR, FA_NAME and FA_IS_F32 defined. */
+#include <immintrin.h>
+#include "fa_exp_consts.h"
+
+#if FA_IS_F32
+#define V __m256
+#define VLEN 8
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, x) _mm256_storeu_ps(p, x)
+#define VBCAST(p) _mm256_broadcast_ss(p)
+#define VADD(x, y) _mm256_add_ps(x, y)
+#define VSUB(x, y) _mm256_sub_ps(x, y)
+#define VMUL(x, y) _mm256_mul_ps(x, y)
+#define VFMA(x, y, z) _mm256_fmadd_ps(x, y, z)
+#else
+#define V __m256d
+#define VLEN 4
+#define VZERO() _mm256_setzero_pd()
+#define VSET1(x) _mm256_set1_pd(x)
+#define VLOAD(p) _mm256_loadu_pd(p)
+#define VSTORE(p, x) _mm256_storeu_pd(p, x)
+#define VBCAST(p) _mm256_broadcast_sd(p)
+#define VADD(x, y) _mm256_add_pd(x, y)
+#define VSUB(x, y) _mm256_sub_pd(x, y)
+#define VMUL(x, y) _mm256_mul_pd(x, y)
+#define VFMA(x, y, z) _mm256_fmadd_pd(x, y, z)
+#endif
+
+#define FA_UKR_ROW(r)                                                     \
+    if (mr > r) {                                                         \
+        const V t = VBCAST(ak + r * rs_a);                                \
+        c##r##0 = VFMA(t, b0, c##r##0);                                   \
+        c##r##1 = VFMA(t, b1, c##r##1);                                   \
+    }
+#define FA_UKR_STORE(r)                                                   \
+    if (mr > r) {                                                         \
+        T *cr = c + r * ldc;                                              \
+        if (accumulate) {                                                 \
+            c##r##0 = VADD(VLOAD(cr), c##r##0);                           \
+            c##r##1 = VADD(VLOAD(cr + VLEN), c##r##1);                    \
+        }                                                                 \
+        VSTORE(cr, c##r##0);                                              \
+        VSTORE(cr + VLEN, c##r##1);                                       \
+    }
+
+static inline __attribute__((always_inline)) void
+FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
+                  const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate)
+{
+    V c00 = VZERO(), c01 = VZERO(), c10 = VZERO(), c11 = VZERO();
+    V c20 = VZERO(), c21 = VZERO(), c30 = VZERO(), c31 = VZERO();
+    V c40 = VZERO(), c41 = VZERO(), c50 = VZERO(), c51 = VZERO();
+    for (fa_idx k = 0; k < kc; ++k) {
+        const V b0 = VLOAD(b), b1 = VLOAD(b + VLEN);
+        const T *ak = a + k * cs_a;
+        FA_UKR_ROW(0) FA_UKR_ROW(1) FA_UKR_ROW(2)
+        FA_UKR_ROW(3) FA_UKR_ROW(4) FA_UKR_ROW(5)
+        b += ldb;
+    }
+    FA_UKR_STORE(0) FA_UKR_STORE(1) FA_UKR_STORE(2)
+    FA_UKR_STORE(3) FA_UKR_STORE(4) FA_UKR_STORE(5)
+}
+#undef FA_UKR_ROW
+#undef FA_UKR_STORE
+
+static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
+                         const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate)
+{
+    switch (mr) {
+    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
+    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
+    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
+    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
+    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
+    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
+    default: break;
+    }
+}
+
+/* exp of one vector; NaN lanes stay NaN. */
+static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
+{
+#if FA_IS_F32
+    /* max/min return their second operand on NaN, so xc is never NaN. */
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, VSET1(FA_EXPF_LO)), VSET1(FA_EXPF_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, VSET1(FA_EXPF_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, VSET1(FA_EXPF_LN2_HI), xc);
+    r = _mm256_fnmadd_ps(n, VSET1(FA_EXPF_LN2_LO), r);
+    __m256 p = VSET1((float)FA_INV_FACT_7);
+    p = VFMA(p, r, VSET1((float)FA_INV_FACT_6));
+    p = VFMA(p, r, VSET1((float)FA_INV_FACT_5));
+    p = VFMA(p, r, VSET1((float)FA_INV_FACT_4));
+    p = VFMA(p, r, VSET1((float)FA_INV_FACT_3));
+    p = VFMA(p, r, VSET1((float)FA_INV_FACT_2));
+    p = VFMA(p, r, VSET1(1.0f));
+    p = VFMA(p, r, VSET1(1.0f));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    /* n1 = n / 2 rounded toward zero, as in the portable path */
+    const __m256i n1 = _mm256_srai_epi32(_mm256_add_epi32(ni, _mm256_srli_epi32(ni, 31)), 1);
+    const __m256i n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+#else
+    const __m256d xc = _mm256_min_pd(_mm256_max_pd(x, VSET1(FA_EXP_LO)), VSET1(FA_EXP_HI));
+    const __m256d n = _mm256_round_pd(_mm256_mul_pd(xc, VSET1(FA_EXP_LOG2E)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(n, VSET1(FA_EXP_LN2_HI), xc);
+    r = _mm256_fnmadd_pd(n, VSET1(FA_EXP_LN2_LO), r);
+    __m256d p = VSET1(FA_INV_FACT_13);
+    p = VFMA(p, r, VSET1(FA_INV_FACT_12));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_11));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_10));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_9));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_8));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_7));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_6));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_5));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_4));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_3));
+    p = VFMA(p, r, VSET1(FA_INV_FACT_2));
+    p = VFMA(p, r, VSET1(1.0));
+    p = VFMA(p, r, VSET1(1.0));
+    /* n1 = n / 2 toward zero; n2 = n - n1; 2^k built from the low bits of
+     * k + 1.5*2^52 + 1023, shifted into the exponent field. */
+    const __m256d n1 = _mm256_round_pd(_mm256_mul_pd(n, VSET1(0.5)),
+                                       _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256d n2 = _mm256_sub_pd(n, n1);
+    const __m256d magic = VSET1(FA_EXP_ROUND + 1023.0);
+    const __m256d s1 = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n1, magic)), 52));
+    const __m256d s2 = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n2, magic)), 52));
+    const __m256d y = _mm256_mul_pd(_mm256_mul_pd(p, s1), s2);
+    return _mm256_blendv_pd(y, x, _mm256_cmp_pd(x, x, _CMP_UNORD_Q));
+#endif
+}
+
+/* y[j] = exp(x[j]); the tail goes through a padded vector. */
+static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
+{
+    fa_idx j = 0;
+    for (; j + VLEN <= n; j += VLEN) VSTORE(y + j, FA_NAME(vexp1)(VLOAD(x + j)));
+    if (j < n) {
+        T buf[VLEN] = {0};
+        for (fa_idx t = 0; t < n - j; ++t) buf[t] = x[j + t];
+        VSTORE(buf, FA_NAME(vexp1)(VLOAD(buf)));
+        for (fa_idx t = 0; t < n - j; ++t) y[j + t] = buf[t];
+    }
+}
+
+/* z[j] = exp(z[j] - m[j]); l[j] += z[j].  n is a multiple of VLEN. */
+static void FA_NAME(exp_sub_sum)(fa_idx n, T *z, const T *m, T *l)
+{
+    for (fa_idx j = 0; j < n; j += VLEN) {
+        const V e = FA_NAME(vexp1)(VSUB(VLOAD(z + j), VLOAD(m + j)));
+        VSTORE(z + j, e);
+        VSTORE(l + j, VADD(VLOAD(l + j), e));
+    }
+}
+
+#undef V
+#undef VLEN
+#undef VZERO
+#undef VSET1
+#undef VLOAD
+#undef VSTORE
+#undef VBCAST
+#undef VADD
+#undef VSUB
+#undef VMUL
+#undef VFMA

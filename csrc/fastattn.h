@@ -1,0 +1,92 @@
+/* fastattn C API: plain C99 kernels over pointers and element strides.
+ *
+ * Every entry point computes one independent piece of work (one block of a
+ * matrix product, one softmax row, one block of queries of one attention
+ * head) so that the caller can spread pieces over threads; each piece is
+ * computed the same way whatever thread runs it, which makes results
+ * bitwise identical for any thread count.  No function keeps state: the
+ * instruction-set path and the scratch memory come from the caller. */
+#ifndef FASTATTN_H
+#define FASTATTN_H
+
+#include "fa_common.h"
+
+/* ---- CPU ---------------------------------------------------------------- */
+
+/* 1 when the CPU and the OS support AVX2 and FMA, else 0. */
+int fa_cpu_has_avx2_fma(void);
+
+/* ---- Blocked matrix product C = A B ------------------------------------ */
+
+typedef struct {
+    fa_idx M, N, K;
+    fa_idx rs_a, cs_a;   /* A is M x K */
+    fa_idx rs_b, cs_b;   /* B is K x N */
+    fa_idx rs_c, cs_c;   /* C is M x N */
+} fa_gemm_args;
+
+/* Rows and columns of C per piece of work (cache blocks). */
+fa_idx fa_gemm_mc(int elsize);
+fa_idx fa_gemm_nc(int elsize);
+/* Bytes of scratch one call of fa_gemm_* needs. */
+size_t fa_gemm_work_bytes(int elsize);
+/* C[i0:i1, j0:j1] = A[i0:i1, :] B[:, j0:j1] with i1 - i0 <= mc, j1 - j0 <= nc.
+ * Returns 0, or -1 (nothing done) when the block is out of range. */
+int fa_gemm_f32(fa_isa isa, const fa_gemm_args *g, const float *a, const float *b,
+                 float *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work);
+int fa_gemm_f64(fa_isa isa, const fa_gemm_args *g, const double *a, const double *b,
+                 double *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work);
+
+/* ---- Softmax of one row ------------------------------------------------- */
+
+/* out = softmax(x) over n entries with the row maximum subtracted first.
+ * Hidden entries (x == -inf, a false BOOL mask entry, or a -inf ADD mask
+ * entry) get weight 0; a row with no visible entry gives zeros; a NaN in a
+ * visible entry gives a NaN row.  Returns 0, or -1 when n < 0. */
+size_t fa_softmax_work_bytes(fa_idx n, int elsize);
+int fa_softmax_row_f32(fa_isa isa, fa_idx n, const float *x, fa_idx xs,
+                        fa_mask_kind mk, const void *mask, fa_idx ms,
+                        float *out, fa_idx os, void *work);
+int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs,
+                        fa_mask_kind mk, const void *mask, fa_idx ms,
+                        double *out, fa_idx os, void *work);
+
+/* ---- Fused attention for one (batch, head) ------------------------------ */
+
+typedef struct {
+    fa_idx L, S, E, Ev;          /* query rows, keys, key size, value size */
+    fa_idx q_ls, q_es;           /* strides of query (L, E) */
+    fa_idx k_ss, k_es;           /* key (S, E) */
+    fa_idx v_ss, v_es;           /* value (S, Ev) */
+    fa_idx o_ls, o_es;           /* output (L, Ev) */
+    fa_idx w_ls, w_ss;           /* weights (L, S), used when w != NULL */
+    fa_mask_kind mask_kind;
+    fa_idx m_ls, m_ss;           /* mask (L, S) */
+    int causal;                  /* key j is hidden from query i when j > i + causal_offset */
+    fa_idx causal_offset;        /* 0: upper-left alignment, S - L: lower-right */
+    double scale;                /* multiplies Q K^T before the mask is added */
+} fa_attn_args;
+
+/* Query rows per piece of work. */
+fa_idx fa_attn_query_block(int elsize);
+/* Bytes of scratch one call of fa_attn_* needs for these arguments. */
+size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize);
+/* Output rows i0..i1-1 (i1 - i0 <= query block) of
+ *   softmax(scale * Q K^T + mask) V
+ * computed block by block with an online softmax, never forming the L x S
+ * matrix.  When w is not NULL the normalised weights of these rows are
+ * written there too.  A key with zero weight never contributes its value
+ * row, so a non-finite value at a hidden key cannot leak into the output. */
+int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                 const float *v, const void *mask, float *out, float *w,
+                 fa_idx i0, fa_idx i1, void *work);
+int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                 const double *v, const void *mask, double *out, double *w,
+                 fa_idx i0, fa_idx i1, void *work);
+
+/* ---- The exp used by softmax (error bound: fa_exp_consts.h) ------------ */
+
+void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y);
+void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y);
+
+#endif

@@ -1,0 +1,26 @@
+"""fastattn: exact scaled dot-product attention on the CPU, with C/Cython
+kernels under a strict NumPy API.
+
+    >>> import numpy as np, fastattn
+    >>> q = k = v = np.random.default_rng(0).standard_normal((1, 8, 128, 64), np.float32)
+    >>> fastattn.scaled_dot_product_attention(q, k, v, is_causal=True).shape
+    (1, 8, 128, 64)
+"""
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from . import reference
+from ._runtime import (available_simd_paths, get_num_threads, openmp_enabled,
+                       set_num_threads, set_simd_path, simd_path)
+from .attention import scaled_dot_product_attention
+from .ops import matmul, merge_heads, softmax, split_heads
+
+try:
+    __version__ = _version("fastattn")
+except PackageNotFoundError:  # running from a source tree that was built in place
+    __version__ = "0+unknown"
+
+__all__ = [
+    "scaled_dot_product_attention", "matmul", "softmax", "split_heads", "merge_heads",
+    "reference", "simd_path", "set_simd_path", "available_simd_paths", "openmp_enabled",
+    "get_num_threads", "set_num_threads", "__version__",
+]

@@ -1,0 +1,115 @@
+"""Argument checks shared by the public functions.  Every failure is a
+TypeError or ValueError that names the argument, what was seen and what was
+expected."""
+import math
+import numbers
+import operator
+
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def shape_str(shape):
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def require_array(x, name):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    return x
+
+
+def require_ndim(x, name, min_ndim, layout):
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions {layout}, "
+                         f"got shape {shape_str(x.shape)}")
+
+
+def common_float_dtype(**arrays):
+    """The one dtype (float32 or float64, native byte order) of all arrays."""
+    for name, a in arrays.items():
+        if a.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {a.dtype}; expected float32 or float64 "
+                            "(native byte order)")
+    dtypes = {a.dtype for a in arrays.values()}
+    if len(dtypes) > 1:
+        seen = ", ".join(f"{n} {a.dtype}" for n, a in arrays.items())
+        raise TypeError(f"dtypes differ ({seen}); pass arrays of one dtype, float32 or float64")
+    return dtypes.pop()
+
+
+def kernel_view(a):
+    """a itself when the kernels can read it in place (aligned, every stride a
+    whole number of elements), else an aligned contiguous copy."""
+    if a.flags.aligned and all(s % a.itemsize == 0 for s in a.strides):
+        return a
+    return np.ascontiguousarray(a)
+
+
+def broadcast_shapes(named_shapes, what):
+    """np.broadcast_shapes with an error that names the arguments."""
+    try:
+        return np.broadcast_shapes(*(s for _, s in named_shapes))
+    except ValueError:
+        seen = ", ".join(f"{n} {shape_str(s)}" for n, s in named_shapes)
+        raise ValueError(f"{what} do not broadcast: {seen}") from None
+
+
+def check_out(out, shape, dtype, inputs, name="out"):
+    """A caller's output array: right type, dtype, shape; writeable; kernel
+    readable strides; no memory shared with an input."""
+    require_array(out, name)
+    if out.dtype != dtype:
+        raise TypeError(f"{name} has dtype {out.dtype}; expected {dtype}")
+    if out.shape != tuple(shape):
+        raise ValueError(f"{name} has shape {shape_str(out.shape)}; expected {shape_str(shape)}")
+    if not out.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    if kernel_view(out) is not out:
+        raise ValueError(f"{name} must be aligned with strides that are whole elements")
+    for in_name, a in inputs.items():
+        if a is not None and np.may_share_memory(out, a):
+            raise ValueError(f"{name} overlaps {in_name}; pass a separate output array")
+    return out
+
+
+def check_bool(x, name):
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return bool(x)
+
+
+def check_real(x, name):
+    """A finite real number (not a bool)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
+
+
+def check_index(x, name, minimum):
+    if isinstance(x, (bool, np.bool_)) or not hasattr(x, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    x = operator.index(x)
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def mask_kind_and_array(mask, dtype, name):
+    """(kind, array) of a mask: bool masks stay bool (True = keep); floating
+    masks are converted to dtype (added to the scores, -inf hides)."""
+    from . import _core
+
+    if mask is None:
+        return _core.MASK_NONE, None
+    require_array(mask, name)
+    if mask.dtype == np.bool_:
+        return _core.MASK_BOOL, kernel_view(mask)
+    if np.issubdtype(mask.dtype, np.floating):
+        return _core.MASK_ADD, kernel_view(mask.astype(dtype, copy=False))
+    raise TypeError(f"{name} has dtype {mask.dtype}; expected bool (True = may attend) "
+                    "or a floating dtype (added to the scores, -inf = hidden)")

@@ -1,0 +1,407 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Cython layer of fastattn: the parallel loops around the C kernels.
+
+Every function here takes arrays that the Python layer has already checked:
+dtypes float32/float64 (bool for masks), element strides, shapes that agree.
+The loops release the GIL and split the work into independent pieces (see
+csrc/fastattn.h), spread over OpenMP threads when the build has OpenMP.
+"""
+from cython.parallel cimport parallel, prange
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    #include <omp.h>
+    static int fa_have_openmp(void) { return 1; }
+    static int fa_omp_max_threads(void) { return omp_get_max_threads(); }
+    #else
+    static int fa_have_openmp(void) { return 0; }
+    static int fa_omp_max_threads(void) { return 1; }
+    #endif
+    """
+    int fa_have_openmp() nogil
+    int fa_omp_max_threads() nogil
+
+cdef extern from "fastattn.h" nogil:
+    ctypedef Py_ssize_t fa_idx
+    ctypedef enum fa_isa:
+        FA_ISA_PORTABLE
+        FA_ISA_AVX2
+    ctypedef enum fa_mask_kind:
+        FA_MASK_NONE
+        FA_MASK_BOOL
+        FA_MASK_ADD
+    ctypedef struct fa_gemm_args:
+        fa_idx M, N, K
+        fa_idx rs_a, cs_a, rs_b, cs_b, rs_c, cs_c
+    ctypedef struct fa_attn_args:
+        fa_idx L, S, E, Ev
+        fa_idx q_ls, q_es, k_ss, k_es, v_ss, v_es, o_ls, o_es, w_ls, w_ss
+        fa_mask_kind mask_kind
+        fa_idx m_ls, m_ss
+        int causal
+        fa_idx causal_offset
+        double scale
+
+    int fa_cpu_has_avx2_fma()
+    fa_idx fa_gemm_mc(int elsize)
+    fa_idx fa_gemm_nc(int elsize)
+    size_t fa_gemm_work_bytes(int elsize)
+    int fa_gemm_f32(fa_isa isa, const fa_gemm_args *g, const float *a, const float *b,
+                    float *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
+    int fa_gemm_f64(fa_isa isa, const fa_gemm_args *g, const double *a, const double *b,
+                    double *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
+    size_t fa_softmax_work_bytes(fa_idx n, int elsize)
+    int fa_softmax_row_f32(fa_isa isa, fa_idx n, const float *x, fa_idx xs, fa_mask_kind mk,
+                           const void *mask, fa_idx ms, float *out, fa_idx os, void *work)
+    int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask_kind mk,
+                           const void *mask, fa_idx ms, double *out, fa_idx os, void *work)
+    fa_idx fa_attn_query_block(int elsize)
+    size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
+    int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                    const float *v, const void *mask, float *out, float *w,
+                    fa_idx i0, fa_idx i1, void *work)
+    int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                    const double *v, const void *mask, double *out, double *w,
+                    fa_idx i0, fa_idx i1, void *work)
+    void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
+    void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y)
+
+DEF MAXDIM = 64
+
+ISA_PORTABLE = <int>FA_ISA_PORTABLE
+ISA_AVX2 = <int>FA_ISA_AVX2
+MASK_NONE = <int>FA_MASK_NONE
+MASK_BOOL = <int>FA_MASK_BOOL
+MASK_ADD = <int>FA_MASK_ADD
+
+
+def cpu_has_avx2_fma():
+    return bool(fa_cpu_has_avx2_fma())
+
+
+def have_openmp():
+    return bool(fa_have_openmp())
+
+
+def omp_max_threads():
+    return fa_omp_max_threads()
+
+
+def attn_query_block(int elsize):
+    return fa_attn_query_block(elsize)
+
+
+cdef struct Batch:
+    # Leading ("batch") dimensions shared by the operands of one call, and
+    # each operand's element strides over them.
+    int nd
+    fa_idx shape[MAXDIM]
+    fa_idx count
+
+
+cdef int fill_batch(Batch *b, cnp.ndarray a, int nd) except -1:
+    """The first nd axes of a are the batch axes."""
+    cdef int d
+    if nd > MAXDIM:
+        raise ValueError(f"at most {MAXDIM} batch dimensions are supported, got {nd}")
+    b.nd = nd
+    b.count = 1
+    for d in range(nd):
+        b.shape[d] = cnp.PyArray_DIM(a, d)
+        b.count *= b.shape[d]
+    return 0
+
+
+cdef int fill_strides(fa_idx *dst, cnp.ndarray a, int nd) except -1:
+    """Element strides of the first nd axes of a."""
+    cdef int d
+    cdef fa_idx item = cnp.PyArray_ITEMSIZE(a)
+    for d in range(nd):
+        dst[d] = cnp.PyArray_STRIDE(a, d) // item
+    return 0
+
+
+cdef inline fa_idx nd_offset(const Batch *b, const fa_idx *strides, fa_idx flat,
+                             int last_div) noexcept nogil:
+    """Element offset of batch item `flat`; the index of the last batch axis
+    is divided by last_div (grouped-query attention maps query head h to
+    key/value head h // group)."""
+    cdef fa_idx off = 0, i
+    cdef int d
+    for d in range(b.nd - 1, -1, -1):
+        i = flat % b.shape[d]
+        flat = flat // b.shape[d]
+        if d == b.nd - 1:
+            i = i // last_div
+        off += i * strides[d]
+    return off
+
+
+cdef inline fa_idx estride(cnp.ndarray a, int axis):
+    return cnp.PyArray_STRIDE(a, axis) // cnp.PyArray_ITEMSIZE(a)
+
+
+def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
+              cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
+              double scale, int nthreads):
+    """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
+
+    All arrays have the same number of dimensions; the axes before the last
+    two are batch axes, equal to out's except that k and v have out's last
+    batch axis divided by group."""
+    cdef int nd = q.ndim - 2
+    cdef Batch b
+    cdef fa_idx qs[MAXDIM]
+    cdef fa_idx ks[MAXDIM]
+    cdef fa_idx vs[MAXDIM]
+    cdef fa_idx ms[MAXDIM]
+    cdef fa_idx os[MAXDIM]
+    cdef fa_idx ws[MAXDIM]
+    cdef fa_attn_args a
+    cdef cnp.ndarray m_arr, w_arr
+    cdef char *qp = <char *>cnp.PyArray_DATA(q)
+    cdef char *kp = <char *>cnp.PyArray_DATA(k)
+    cdef char *vp = <char *>cnp.PyArray_DATA(v)
+    cdef char *op = <char *>cnp.PyArray_DATA(out)
+    cdef char *mp = NULL
+    cdef char *wp = NULL
+    cdef int elsize = cnp.PyArray_ITEMSIZE(q)
+    cdef int msize = 1
+    fill_batch(&b, out, nd)
+    fill_strides(qs, q, nd)
+    fill_strides(ks, k, nd)
+    fill_strides(vs, v, nd)
+    fill_strides(os, out, nd)
+    memset(&a, 0, sizeof(a))
+    a.L = q.shape[nd]
+    a.E = q.shape[nd + 1]
+    a.S = k.shape[nd]
+    a.Ev = v.shape[nd + 1]
+    a.q_ls, a.q_es = estride(q, nd), estride(q, nd + 1)
+    a.k_ss, a.k_es = estride(k, nd), estride(k, nd + 1)
+    a.v_ss, a.v_es = estride(v, nd), estride(v, nd + 1)
+    a.o_ls, a.o_es = estride(out, nd), estride(out, nd + 1)
+    a.mask_kind = <fa_mask_kind>mask_kind
+    if mask_kind != MASK_NONE:
+        m_arr = mask
+        mp = <char *>cnp.PyArray_DATA(m_arr)
+        msize = cnp.PyArray_ITEMSIZE(m_arr)
+        fill_strides(ms, m_arr, nd)
+        a.m_ls, a.m_ss = estride(m_arr, nd), estride(m_arr, nd + 1)
+    if weights is not None:
+        w_arr = weights
+        wp = <char *>cnp.PyArray_DATA(w_arr)
+        fill_strides(ws, w_arr, nd)
+        a.w_ls, a.w_ss = estride(w_arr, nd), estride(w_arr, nd + 1)
+    a.causal = causal
+    a.causal_offset = causal_offset
+    a.scale = scale
+
+    cdef fa_idx qb = fa_attn_query_block(elsize)
+    cdef fa_idx nqb = (a.L + qb - 1) // qb
+    cdef fa_idx ntasks = nqb * b.count
+    cdef size_t work_bytes = fa_attn_work_bytes(&a, elsize)
+    cdef fa_idx t, item, blk, i0, i1
+    cdef void *work
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef int rc
+    if ntasks == 0:
+        return
+    with nogil, parallel(num_threads=nthreads):
+        work = malloc(work_bytes)
+        if work == NULL:
+            errp[0] = 1
+        # Largest causal blocks first, so that dynamic scheduling balances them.
+        for t in prange(ntasks, schedule="dynamic"):
+            if work == NULL:
+                continue
+            blk = nqb - 1 - t // b.count
+            item = t % b.count
+            i0 = blk * qb
+            i1 = i0 + qb if i0 + qb < a.L else a.L
+            if elsize == 4:
+                rc = fa_attn_f32(<fa_isa>isa, &a,
+                                 <float *>(qp + 4 * nd_offset(&b, qs, item, 1)),
+                                 <float *>(kp + 4 * nd_offset(&b, ks, item, group)),
+                                 <float *>(vp + 4 * nd_offset(&b, vs, item, group)),
+                                 <void *>(mp + msize * nd_offset(&b, ms, item, 1)) if mp != NULL else NULL,
+                                 <float *>(op + 4 * nd_offset(&b, os, item, 1)),
+                                 <float *>(wp + 4 * nd_offset(&b, ws, item, 1)) if wp != NULL else NULL,
+                                 i0, i1, work)
+            else:
+                rc = fa_attn_f64(<fa_isa>isa, &a,
+                                 <double *>(qp + 8 * nd_offset(&b, qs, item, 1)),
+                                 <double *>(kp + 8 * nd_offset(&b, ks, item, group)),
+                                 <double *>(vp + 8 * nd_offset(&b, vs, item, group)),
+                                 <void *>(mp + msize * nd_offset(&b, ms, item, 1)) if mp != NULL else NULL,
+                                 <double *>(op + 8 * nd_offset(&b, os, item, 1)),
+                                 <double *>(wp + 8 * nd_offset(&b, ws, item, 1)) if wp != NULL else NULL,
+                                 i0, i1, work)
+            if rc != 0:
+                errp[0] = 2
+        free(work)
+    if err == 1:
+        raise MemoryError("fastattn: cannot allocate the attention scratch memory")
+    if err == 2:
+        raise RuntimeError("fastattn internal error: attention kernel rejected its arguments")
+
+
+def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray out,
+                 int nthreads):
+    """Softmax along the last axis of x into out (same shape); mask, when
+    given, has x's shape too (stride 0 where broadcast)."""
+    cdef int nd = x.ndim - 1
+    cdef Batch b
+    cdef fa_idx xs[MAXDIM]
+    cdef fa_idx ms[MAXDIM]
+    cdef fa_idx os[MAXDIM]
+    cdef fa_idx n = x.shape[nd]
+    cdef fa_idx x_s = estride(x, nd), o_s = estride(out, nd), m_s = 0
+    cdef char *xp = <char *>cnp.PyArray_DATA(x)
+    cdef char *op = <char *>cnp.PyArray_DATA(out)
+    cdef char *mp = NULL
+    cdef cnp.ndarray m_arr
+    cdef int elsize = cnp.PyArray_ITEMSIZE(x)
+    cdef int msize = 1
+    fill_batch(&b, x, nd)
+    fill_strides(xs, x, nd)
+    fill_strides(os, out, nd)
+    if mask_kind != MASK_NONE:
+        m_arr = mask
+        mp = <char *>cnp.PyArray_DATA(m_arr)
+        msize = cnp.PyArray_ITEMSIZE(m_arr)
+        fill_strides(ms, m_arr, nd)
+        m_s = estride(m_arr, nd)
+    cdef size_t work_bytes = fa_softmax_work_bytes(n, elsize)
+    cdef fa_idx r
+    cdef void *work
+    cdef void *mrow
+    cdef int err = 0
+    cdef int *errp = &err
+    if b.count == 0 or n == 0:
+        return
+    with nogil, parallel(num_threads=nthreads):
+        work = malloc(work_bytes)
+        if work == NULL:
+            errp[0] = 1
+        for r in prange(b.count, schedule="static"):
+            if work == NULL:
+                continue
+            mrow = <void *>(mp + msize * nd_offset(&b, ms, r, 1)) if mp != NULL else NULL
+            if elsize == 4:
+                fa_softmax_row_f32(<fa_isa>isa, n, <float *>(xp + 4 * nd_offset(&b, xs, r, 1)), x_s,
+                                   <fa_mask_kind>mask_kind, mrow, m_s,
+                                   <float *>(op + 4 * nd_offset(&b, os, r, 1)), o_s, work)
+            else:
+                fa_softmax_row_f64(<fa_isa>isa, n, <double *>(xp + 8 * nd_offset(&b, xs, r, 1)), x_s,
+                                   <fa_mask_kind>mask_kind, mrow, m_s,
+                                   <double *>(op + 8 * nd_offset(&b, os, r, 1)), o_s, work)
+        free(work)
+    if err:
+        raise MemoryError("fastattn: cannot allocate the softmax scratch memory")
+
+
+def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads):
+    """out[..., M, N] = a[..., M, K] @ bm[..., K, N]; all three have out's
+    batch shape (stride 0 where broadcast)."""
+    cdef int nd = out.ndim - 2
+    cdef Batch b
+    cdef fa_idx as_[MAXDIM]
+    cdef fa_idx bs[MAXDIM]
+    cdef fa_idx os[MAXDIM]
+    cdef fa_gemm_args g
+    cdef char *ap = <char *>cnp.PyArray_DATA(a)
+    cdef char *bp = <char *>cnp.PyArray_DATA(bm)
+    cdef char *op = <char *>cnp.PyArray_DATA(out)
+    cdef int elsize = cnp.PyArray_ITEMSIZE(out)
+    fill_batch(&b, out, nd)
+    fill_strides(as_, a, nd)
+    fill_strides(bs, bm, nd)
+    fill_strides(os, out, nd)
+    g.M, g.K, g.N = a.shape[nd], a.shape[nd + 1], bm.shape[nd + 1]
+    g.rs_a, g.cs_a = estride(a, nd), estride(a, nd + 1)
+    g.rs_b, g.cs_b = estride(bm, nd), estride(bm, nd + 1)
+    g.rs_c, g.cs_c = estride(out, nd), estride(out, nd + 1)
+    cdef fa_idx mc = fa_gemm_mc(elsize), nc = fa_gemm_nc(elsize)
+    cdef fa_idx nmb = (g.M + mc - 1) // mc, nnb = (g.N + nc - 1) // nc
+    cdef fa_idx ntasks = b.count * nmb * nnb
+    cdef size_t work_bytes = fa_gemm_work_bytes(elsize)
+    cdef fa_idx t, item, i0, j0, i1, j1, rest
+    cdef void *work
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef int rc
+    if ntasks == 0:
+        return
+    with nogil, parallel(num_threads=nthreads):
+        work = malloc(work_bytes)
+        if work == NULL:
+            errp[0] = 1
+        for t in prange(ntasks, schedule="dynamic"):
+            if work == NULL:
+                continue
+            item = t // (nmb * nnb)
+            rest = t % (nmb * nnb)
+            i0 = (rest // nnb) * mc
+            j0 = (rest % nnb) * nc
+            i1 = i0 + mc if i0 + mc < g.M else g.M
+            j1 = j0 + nc if j0 + nc < g.N else g.N
+            if elsize == 4:
+                rc = fa_gemm_f32(<fa_isa>isa, &g, <float *>(ap + 4 * nd_offset(&b, as_, item, 1)),
+                                 <float *>(bp + 4 * nd_offset(&b, bs, item, 1)),
+                                 <float *>(op + 4 * nd_offset(&b, os, item, 1)),
+                                 i0, i1, j0, j1, work)
+            else:
+                rc = fa_gemm_f64(<fa_isa>isa, &g, <double *>(ap + 8 * nd_offset(&b, as_, item, 1)),
+                                 <double *>(bp + 8 * nd_offset(&b, bs, item, 1)),
+                                 <double *>(op + 8 * nd_offset(&b, os, item, 1)),
+                                 i0, i1, j0, j1, work)
+            if rc != 0:
+                errp[0] = 2
+        free(work)
+    if err == 1:
+        raise MemoryError("fastattn: cannot allocate the matmul scratch memory")
+    if err == 2:
+        raise RuntimeError("fastattn internal error: matmul kernel rejected its arguments")
+
+
+ctypedef fused real:
+    float
+    double
+
+
+cdef void merge_heads_loop(const real[:, :, :, ::1] x, real[:, :, ::1] out,
+                           int nthreads) noexcept nogil:
+    cdef Py_ssize_t B = x.shape[0], H = x.shape[1], L = x.shape[2], D = x.shape[3]
+    cdef Py_ssize_t r, bi, li, h, d
+    for r in prange(B * L, schedule="static", num_threads=nthreads):
+        bi = r // L
+        li = r % L
+        for h in range(H):
+            for d in range(D):
+                out[bi, li, h * D + d] = x[bi, h, li, d]
+
+
+def merge_heads(cnp.ndarray x, cnp.ndarray out, int nthreads):
+    """out (B, L, H*D) = x (B, H, L, D) with heads side by side."""
+    if x.dtype.itemsize == 4:
+        merge_heads_loop[float](x, out, nthreads)
+    else:
+        merge_heads_loop[double](x, out, nthreads)
+
+
+def exp(int isa, cnp.ndarray x, cnp.ndarray out):
+    """out = exp(x) with the softmax exp; x and out contiguous, same dtype."""
+    cdef fa_idx n = x.size
+    if x.dtype.itemsize == 4:
+        fa_exp_f32(<fa_isa>isa, n, <float *>cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(out))
+    else:
+        fa_exp_f64(<fa_isa>isa, n, <double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(out))

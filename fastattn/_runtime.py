@@ -1,0 +1,99 @@
+"""Process-wide choices: the instruction-set path and the thread count.
+
+The C kernels hold no state; these settings are read by the Python layer at
+each call and passed down, so changing them from one thread never disturbs a
+call already running in another.
+"""
+import operator
+import os
+
+from . import _core
+
+_PATHS = {"portable": _core.ISA_PORTABLE, "avx2": _core.ISA_AVX2}
+SIMD_ENV = "FASTATTN_SIMD"
+
+
+def available_simd_paths():
+    """The instruction-set paths this CPU and build can run, best last."""
+    return ["portable", "avx2"] if _core.cpu_has_avx2_fma() else ["portable"]
+
+
+def _path_from_env():
+    wanted = os.environ.get(SIMD_ENV, "auto").strip().lower() or "auto"
+    if wanted == "auto":
+        return available_simd_paths()[-1]
+    if wanted not in _PATHS:
+        raise ValueError(f"{SIMD_ENV}={wanted!r}: expected 'auto', 'portable' or 'avx2'")
+    if wanted not in available_simd_paths():
+        raise RuntimeError(f"{SIMD_ENV}={wanted!r} but this CPU or build has no AVX2+FMA path")
+    return wanted
+
+
+_simd_path = _path_from_env()
+_num_threads = None  # None: OpenMP's default (OMP_NUM_THREADS, else the CPU count)
+
+
+def simd_path():
+    """Name of the instruction-set path in use: 'avx2' or 'portable'.
+
+    Chosen at import from the CPU's features, or forced with the environment
+    variable FASTATTN_SIMD=portable|avx2|auto."""
+    return _simd_path
+
+
+def set_simd_path(name):
+    """Switch the instruction-set path ('portable', 'avx2' or 'auto').
+
+    Raises ValueError for an unknown name and RuntimeError for a path this
+    CPU cannot run."""
+    global _simd_path
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if name == "auto":
+        name = available_simd_paths()[-1]
+    if name not in _PATHS:
+        raise ValueError(f"unknown SIMD path {name!r}: expected 'auto', 'portable' or 'avx2'")
+    if name not in available_simd_paths():
+        raise RuntimeError(f"SIMD path {name!r} is not available on this CPU or build")
+    _simd_path = name
+
+
+def isa():
+    return _PATHS[_simd_path]
+
+
+def openmp_enabled():
+    """True when the extension was compiled with OpenMP."""
+    return _core.have_openmp()
+
+
+def _check_threads(n, name):
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    n = operator.index(n)
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+    return n
+
+
+def set_num_threads(n):
+    """Set the number of threads the kernels use (n >= 1), or None for
+    OpenMP's default (OMP_NUM_THREADS when set, else the number of CPUs).
+    Without OpenMP in the build every call runs on one thread."""
+    global _num_threads
+    _num_threads = None if n is None else _check_threads(n, "n")
+
+
+def get_num_threads():
+    """The number of threads a call uses when it is not given num_threads."""
+    if not _core.have_openmp():
+        return 1
+    return _num_threads if _num_threads is not None else _core.omp_max_threads()
+
+
+def resolve_threads(num_threads):
+    """Thread count for one call: the argument if given, else the global one."""
+    if num_threads is None:
+        return get_num_threads()
+    n = _check_threads(num_threads, "num_threads")
+    return n if _core.have_openmp() else 1

@@ -1,0 +1,162 @@
+"""scaled_dot_product_attention: the functional attention API."""
+import math
+
+import numpy as np
+
+from . import _checks as C
+from . import _core, _runtime
+
+_ALIGNMENTS = {"upper_left", "lower_right"}
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 causal_alignment="upper_left", need_weights=False,
+                                 out=None, num_threads=None):
+    """Scaled dot-product attention, ``softmax(query @ key^T * scale + mask) @ value``.
+
+    The arguments up to ``enable_gqa`` have the names, order and meaning of
+    ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch 2.5+);
+    the keyword-only ones are fastattn's additions.  The maths is that of
+    Vaswani et al. 2017, "Attention Is All You Need", eq. (1); it is computed
+    block by block with an online softmax (FlashAttention, Dao et al. 2022),
+    so the L x S matrix is never held in memory unless the weights are asked
+    for.
+
+    Parameters
+    ----------
+    query : ndarray, shape (..., Hq, L, E)
+        float32 or float64.  Any strides, including negative ones and the
+        (B, L, H, E) layout seen through a transposed view.
+    key : ndarray, shape (..., Hkv, S, E)
+    value : ndarray, shape (..., Hkv, S, Ev)
+        Same dtype as query.  The leading axes of query, key and value
+        broadcast by NumPy's rules; L != S and E != Ev are allowed.
+    attn_mask : ndarray or None, broadcastable to (..., Hq, L, S)
+        bool: True = the query may attend to the key (PyTorch's SDPA
+        convention; the opposite of nn.MultiheadAttention's masks).
+        floating: added to the scaled scores; -inf hides the key whatever
+        its score is.  Converted to query's dtype; read through strides,
+        never expanded to full size.
+    dropout_p : float
+        Must be 0: fastattn computes inference-time attention.
+    is_causal : bool
+        Hide later keys: with ``causal_alignment="upper_left"`` (PyTorch's
+        ``is_causal``) query i sees keys 0..i; with ``"lower_right"`` query
+        i sees keys 0..i+S-L, the alignment of a key/value cache where the
+        L queries are the last L of the S positions (PyTorch's
+        ``torch.nn.attention.bias.causal_lower_right``).  No mask is built.
+        Unlike PyTorch, ``is_causal`` may be combined with ``attn_mask``: a
+        key is visible only when both allow it.
+    scale : float or None
+        Multiplies query @ key^T.  None means 1/sqrt(E) (1 when E is 0, where
+        every score is 0); an explicit value, 0 included, is used as given.
+    enable_gqa : bool
+        Grouped-query attention (Ainslie et al. 2023): query head h uses
+        key/value head h // (Hq // Hkv).  Hq must be a multiple of Hkv.
+        Without it, the head axes broadcast like the other leading axes.
+    causal_alignment : {"upper_left", "lower_right"}
+    need_weights : bool
+        Also return the attention weights, shape (..., Hq, L, S).
+    out : ndarray or None, shape (..., Hq, L, Ev)
+        Write the result here, through its strides; for example
+        ``split_heads(merged, H)`` writes straight into a (B, L, H*Ev) buffer.
+        It must not overlap the inputs.
+    num_threads : int or None
+        Threads for this call; None uses ``get_num_threads()``.  The result
+        is bitwise identical whatever the thread count.
+
+    Returns
+    -------
+    out : ndarray, shape (..., Hq, L, Ev), query's dtype
+        A query row with no visible key gives a zero row (and zero weights),
+        never NaN.  A NaN in a visible score gives a NaN row.  A key whose
+        weight is exactly 0 never contributes its value row, so a non-finite
+        value at a hidden key does not reach the output.
+    weights : ndarray, shape (..., Hq, L, S)
+        Only with ``need_weights=True``.
+
+    Raises
+    ------
+    TypeError
+        An argument that is not an ndarray; dtypes other than float32 and
+        float64 or that differ; a mask neither bool nor floating; flags that
+        are not bools.
+    ValueError
+        Shapes that do not agree or broadcast, Hq not a multiple of Hkv,
+        dropout_p != 0, a non-finite scale, a bad ``out``, an unknown
+        causal_alignment, num_threads < 1.
+
+    The caller's arrays are never modified.
+    """
+    for name, a in (("query", query), ("key", key), ("value", value)):
+        C.require_array(a, name)
+        C.require_ndim(a, name, 2, "(..., length, features)")
+    dtype = C.common_float_dtype(query=query, key=key, value=value)
+    L, E = query.shape[-2:]
+    S, Ek = key.shape[-2:]
+    Sv, Ev = value.shape[-2:]
+    if Ek != E:
+        raise ValueError(f"key's last axis ({Ek}) must equal query's last axis E ({E}); "
+                         f"query {C.shape_str(query.shape)}, key {C.shape_str(key.shape)}")
+    if Sv != S:
+        raise ValueError(f"value must have as many rows as key (S = {S}), got {Sv}; "
+                         f"key {C.shape_str(key.shape)}, value {C.shape_str(value.shape)}")
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 (fastattn computes inference-time attention), "
+                         f"got {dropout_p}")
+    causal = C.check_bool(is_causal, "is_causal")
+    gqa = C.check_bool(enable_gqa, "enable_gqa")
+    weights_wanted = C.check_bool(need_weights, "need_weights")
+    if causal_alignment not in _ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be 'upper_left' or 'lower_right', "
+                         f"got {causal_alignment!r}")
+    scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else C.check_real(scale, "scale")
+    nthreads = _runtime.resolve_threads(num_threads)
+
+    if gqa:
+        for name, a in (("query", query), ("key", key), ("value", value)):
+            C.require_ndim(a, name, 3, "(..., heads, length, features) with enable_gqa=True")
+        Hq, Hkv = query.shape[-3], key.shape[-3]
+        if value.shape[-3] != Hkv:
+            raise ValueError(f"key and value must have the same number of heads, "
+                             f"got {Hkv} and {value.shape[-3]}")
+        if Hkv == 0 or Hq % Hkv:
+            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) "
+                             "for grouped-query attention")
+        outer = C.broadcast_shapes([("query", query.shape[:-3]), ("key", key.shape[:-3]),
+                                    ("value", value.shape[:-3])], "the batch axes")
+        batch, kv_batch, group = outer + (Hq,), outer + (Hkv,), Hq // Hkv
+    else:
+        batch = C.broadcast_shapes([("query", query.shape[:-2]), ("key", key.shape[:-2]),
+                                    ("value", value.shape[:-2])],
+                                   "the leading axes (set enable_gqa=True for grouped-query "
+                                   "attention)")
+        kv_batch, group = batch, 1
+
+    kind, mask = C.mask_kind_and_array(attn_mask, dtype, "attn_mask")
+    if mask is not None:
+        target = batch + (L, S)
+        try:
+            mask = np.broadcast_to(mask, target)
+        except ValueError:
+            raise ValueError(f"attn_mask of shape {C.shape_str(attn_mask.shape)} cannot be "
+                             f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}") from None
+
+    out_shape = batch + (L, Ev)
+    inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
+    if out is None:
+        out = np.empty(out_shape, dtype)
+    else:
+        C.check_out(out, out_shape, dtype, inputs)
+    weights = np.empty(batch + (L, S), dtype) if weights_wanted else None
+
+    q = np.broadcast_to(C.kernel_view(query), batch + (L, E))
+    k = np.broadcast_to(C.kernel_view(key), kv_batch + (S, E))
+    v = np.broadcast_to(C.kernel_view(value), kv_batch + (S, Ev))
+    offset = S - L if causal_alignment == "lower_right" else 0
+    _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal, offset,
+                    scale, nthreads)
+    return (out, weights) if weights_wanted else out

@@ -1,0 +1,85 @@
+"""The NumPy reference: the oracle of the tests.
+
+Plain NumPy that follows the five steps of the seeds literally (project,
+score and scale, mask, softmax along the key axis, weighted sum), in
+whatever dtype it is given (the tests give float64).  It materialises every
+intermediate and is meant to be read, not to be fast.
+"""
+import math
+
+import numpy as np
+
+
+def softmax(x, axis=-1, mask=None):
+    """Softmax along axis; mask: bool (True = keep) or floating (added).
+
+    Hidden entries (-inf, or masked out) get weight 0; a row with nothing
+    visible is all zeros; NaN propagates."""
+    if mask is not None and mask.dtype == np.bool_:
+        x = np.where(mask, x, -np.inf)
+    elif mask is not None:
+        x = np.where(mask == -np.inf, -np.inf, x + mask)
+    m = np.max(x, axis=axis, keepdims=True)            # the row maximum (NaN if any)
+    e = np.exp(x - np.where(m == -np.inf, 0, m))       # hidden entries: exp(-inf) = 0
+    s = np.sum(e, axis=axis, keepdims=True)
+    return e / np.where(m == -np.inf, 1, s)            # all hidden: 0 / 1, not 0 / 0
+
+
+def causal_mask(L, S, alignment="upper_left"):
+    """Bool (L, S), True = visible: key j <= query i (+ S - L for lower_right)."""
+    offset = S - L if alignment == "lower_right" else 0
+    return np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
+
+
+def weighted_sum(weights, value):
+    """weights @ value, except that a weight of exactly 0 never reads its
+    value row (so inf or NaN at a hidden key does not leak)."""
+    if np.all(np.isfinite(value)):
+        return weights @ value
+    w = weights[..., :, :, None]
+    return np.where(w != 0, w * value[..., None, :, :], 0).sum(axis=-2)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False,
+                                 scale=None, enable_gqa=False, causal_alignment="upper_left",
+                                 need_weights=False):
+    """softmax(query @ key^T * scale + mask) @ value, step by step."""
+    E = query.shape[-1]
+    if enable_gqa:
+        group = query.shape[-3] // key.shape[-3]
+        key = np.repeat(key, group, axis=-3)
+        value = np.repeat(value, group, axis=-3)
+    L, S = query.shape[-2], key.shape[-2]
+
+    scores = query @ np.swapaxes(key, -1, -2)                                  # step 2: Q K^T
+    scores = scores * (scale if scale is not None else (1 / math.sqrt(E) if E else 1.0))
+
+    visible = np.ones(scores.shape, dtype=bool)                                # step 3: mask
+    if attn_mask is not None and attn_mask.dtype == np.bool_:
+        visible &= attn_mask
+    elif attn_mask is not None:
+        visible &= attn_mask != -np.inf
+        scores = scores + attn_mask
+    if is_causal:
+        visible &= causal_mask(L, S, causal_alignment)
+    scores = np.where(visible, scores, -np.inf)
+
+    weights = softmax(scores, axis=-1)                                         # step 4
+    out = weighted_sum(weights, value)                                         # step 5
+    return (out, weights) if need_weights else out
+
+
+def self_attention(x, w_q, w_k, w_v, **kwargs):
+    """Step 1 too: Q = X W_Q, K = X W_K, V = X W_V, then attention."""
+    return scaled_dot_product_attention(x @ w_q, x @ w_k, x @ w_v, **kwargs)
+
+
+def split_heads(x, num_heads):
+    """(..., L, H*D) -> (..., H, L, D)"""
+    return np.swapaxes(x.reshape(x.shape[:-1] + (num_heads, -1)), -3, -2)
+
+
+def merge_heads(x):
+    """(..., H, L, D) -> (..., L, H*D)"""
+    x = np.swapaxes(x, -3, -2)
+    return x.reshape(x.shape[:-2] + (-1,))

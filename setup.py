@@ -1,0 +1,118 @@
+"""Build of the fastattn extension.
+
+The C99 kernels in csrc/ are compiled here, each with its own flags (the
+AVX2 path with -mavx2 -mfma, everything else for the baseline of the
+target), and linked into the Cython module fastattn._core.
+
+Environment variables read at build time:
+  FASTATTN_OPENMP=0         build without OpenMP even when the compiler has it
+  FASTATTN_MARCH=<arch>     add -march=<arch> (for example native); off by default
+  FASTATTN_SANITIZE=<list>  add -fsanitize=<list> (for example address,undefined)
+"""
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+CSRC = "csrc"
+PORTABLE_SOURCES = ["fa_api.c", "fa_portable.c"]
+AVX2_SOURCES = ["fa_avx2.c"]
+OPENMP_PROBE = r"""
+#include <omp.h>
+#include <stdio.h>
+int main(void) {
+    int n = 0;
+#pragma omp parallel reduction(+ : n)
+    n += 1;
+    printf("%d\n", n);
+    return n > 0 ? 0 : 1;
+}
+"""
+
+
+def _is_x86_64():
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class BuildExt(build_ext):
+    """Probes OpenMP, compiles csrc/ with per-file flags, then builds the module."""
+
+    def _openmp_works(self, flag):
+        tmp = tempfile.mkdtemp()
+        try:
+            src = os.path.join(tmp, "probe.c")
+            with open(src, "w") as f:
+                f.write(OPENMP_PROBE)
+            objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=[flag])
+            exe = os.path.join(tmp, "probe")
+            self.compiler.link_executable(objs, "probe", output_dir=tmp, extra_postargs=[flag])
+            subprocess.run([exe], check=True, capture_output=True, timeout=60)
+            return True
+        except Exception:
+            return False
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def build_extensions(self):
+        unix = self.compiler.compiler_type == "unix"
+        common = ["-O3"] if unix else ["/O2"]
+        link = []
+        march = os.environ.get("FASTATTN_MARCH")
+        if march and unix:
+            common.append("-march=" + march)
+        sanitize = os.environ.get("FASTATTN_SANITIZE")
+        if sanitize and unix:
+            flags = ["-fsanitize=" + sanitize, "-fno-omit-frame-pointer", "-g"]
+            common += flags
+            link += ["-fsanitize=" + sanitize]
+
+        omp_flag = "-fopenmp" if unix else "/openmp"
+        use_omp = os.environ.get("FASTATTN_OPENMP", "1") != "0"
+        if use_omp and not self._openmp_works(omp_flag):
+            warnings.warn("fastattn: the compiler cannot build and run an OpenMP program; "
+                          "building a serial extension")
+            use_omp = False
+        if use_omp:
+            common.append(omp_flag)
+            link.append(omp_flag)
+        print(f"fastattn build: openmp={'yes' if use_omp else 'no'} flags={' '.join(common)}")
+
+        c99 = ["-std=c99", "-Wall", "-Wextra"] if unix else []
+        build_tmp = os.path.join(self.build_temp, "csrc")
+        objects = self.compiler.compile([os.path.join(CSRC, s) for s in PORTABLE_SOURCES],
+                                        output_dir=build_tmp, extra_postargs=common + c99)
+        if _is_x86_64():
+            simd = ["-mavx2", "-mfma"] if unix else ["/arch:AVX2"]
+            objects += self.compiler.compile([os.path.join(CSRC, s) for s in AVX2_SOURCES],
+                                             output_dir=build_tmp,
+                                             extra_postargs=common + c99 + simd)
+        for ext in self.extensions:
+            ext.extra_objects = objects + list(ext.extra_objects or [])
+            ext.extra_compile_args = common + list(ext.extra_compile_args or [])
+            ext.extra_link_args = link + list(ext.extra_link_args or [])
+            if unix:
+                ext.libraries = list(ext.libraries or []) + ["m"]
+        super().build_extensions()
+
+
+extensions = [
+    Extension(
+        "fastattn._core",
+        sources=["fastattn/_core.pyx"],
+        include_dirs=[CSRC, numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        depends=[os.path.join(CSRC, f) for f in os.listdir(CSRC)],
+    )
+]
+
+setup(
+    ext_modules=cythonize(extensions),  # directives: first line of fastattn/_core.pyx
+    cmdclass={"build_ext": BuildExt},
+)
