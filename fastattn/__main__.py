@@ -1,0 +1,37 @@
+"""Command line: `fastattn info | demo`."""
+import argparse
+import sys
+
+
+def info():
+    import numpy
+
+    import fastattn
+    from fastattn import _core
+
+    print(f"fastattn {fastattn.__version__}")
+    print(f"SIMD path: {fastattn.simd_path()} (available: "
+          f"{', '.join(fastattn.available_simd_paths())}; set FASTATTN_SIMD to choose)")
+    print(f"OpenMP: {'compiled in' if fastattn.openmp_enabled() else 'not compiled in (serial build)'}")
+    print(f"threads: {fastattn.get_num_threads()}")
+    print(f"query rows per block: {_core.attn_query_block(4)} (float32), "
+          f"{_core.attn_query_block(8)} (float64)")
+    print(f"numpy {numpy.__version__}, python {sys.version.split()[0]}")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="fastattn", description="CPU attention kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="version, SIMD path, OpenMP and thread count")
+    demo = sub.add_parser("demo", help="the tutorials' worked examples, step by step")
+    demo.add_argument("--plot", metavar="FILE.png", help="draw the weight matrices as heatmaps")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    from fastattn import demo as demo_mod
+    return demo_mod.main(args.plot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
