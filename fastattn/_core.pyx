@@ -378,7 +378,7 @@ ctypedef fused real:
     double
 
 
-cdef void merge_heads_loop(const real[:, :, :, ::1] x, real[:, :, ::1] out,
+cdef void merge_heads_loop(const real[:, :, :, :] x, real[:, :, ::1] out,
                            int nthreads) noexcept nogil:
     cdef Py_ssize_t B = x.shape[0], H = x.shape[1], L = x.shape[2], D = x.shape[3]
     cdef Py_ssize_t r, bi, li, h, d

@@ -19,8 +19,9 @@ def softmax(x, axis=-1, mask=None):
         x = np.where(mask, x, -np.inf)
     elif mask is not None:
         x = np.where(mask == -np.inf, -np.inf, x + mask)
-    m = np.max(x, axis=axis, keepdims=True)            # the row maximum (NaN if any)
-    e = np.exp(x - np.where(m == -np.inf, 0, m))       # hidden entries: exp(-inf) = 0
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)  # row maximum (NaN if any)
+    with np.errstate(invalid="ignore"):                # inf - inf is NaN, as it should be
+        e = np.exp(x - np.where(m == -np.inf, 0, m))   # hidden entries: exp(-inf) = 0
     s = np.sum(e, axis=axis, keepdims=True)
     return e / np.where(m == -np.inf, 1, s)            # all hidden: 0 / 1, not 0 / 0
 
@@ -37,7 +38,8 @@ def weighted_sum(weights, value):
     if np.all(np.isfinite(value)):
         return weights @ value
     w = weights[..., :, :, None]
-    return np.where(w != 0, w * value[..., None, :, :], 0).sum(axis=-2)
+    with np.errstate(invalid="ignore"):  # 0 * inf, discarded by the where
+        return np.where(w != 0, w * value[..., None, :, :], 0).sum(axis=-2)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False,

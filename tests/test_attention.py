@@ -1,0 +1,248 @@
+"""scaled_dot_product_attention against the float64 NumPy reference."""
+import numpy as np
+import pytest
+from conftest import assert_close, f64
+
+import fastattn
+from fastattn import reference as ref
+
+
+def attn_case(rng, dtype, qshape, kshape, vshape, **kwargs):
+    q = rng.standard_normal(qshape).astype(dtype)
+    k = rng.standard_normal(kshape).astype(dtype)
+    v = rng.standard_normal(vshape).astype(dtype)
+    return q, k, v
+
+
+def check(q, k, v, dtype, **kwargs):
+    out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True, **kwargs)
+    mask = kwargs.pop("attn_mask", None)
+    rq, rk, rv, rm = f64(q, k, v, mask)
+    if rm is not None and mask.dtype.kind == "f":
+        rm = mask.astype(dtype).astype(np.float64)  # the kernel adds the mask in query's dtype
+    r_out, r_w = ref.scaled_dot_product_attention(rq, rk, rv, attn_mask=rm, need_weights=True,
+                                                  **kwargs)
+    n = q.shape[-1] + k.shape[-2]
+    assert_close(out, r_out, dtype, n, magnitude=float(np.abs(rv).max(initial=1)))
+    assert_close(w, r_w, dtype, n)
+    # need_weights does not change the output
+    plain = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    np.testing.assert_array_equal(plain, out)
+    return out, w
+
+
+SHAPES = [  # L, S, E, Ev
+    (1, 1, 1, 1), (2, 3, 2, 2), (5, 7, 3, 2), (37, 53, 20, 7), (64, 128, 64, 64),
+    (65, 129, 33, 17), (130, 300, 64, 48), (1, 257, 128, 128), (200, 5, 16, 24),
+]
+
+
+@pytest.mark.parametrize("L,S,E,Ev", SHAPES)
+def test_shapes(simd, dtype, rng, L, S, E, Ev):
+    q, k, v = attn_case(rng, dtype, (2, 3, L, E), (2, 3, S, E), (2, 3, S, Ev))
+    check(q, k, v, dtype)
+
+
+@pytest.mark.parametrize("alignment", ["upper_left", "lower_right"])
+@pytest.mark.parametrize("L,S", [(1, 1), (7, 7), (70, 70), (5, 150), (150, 5), (129, 200), (1, 300)])
+def test_causal(simd, dtype, rng, alignment, L, S):
+    q, k, v = attn_case(rng, dtype, (2, L, 24), (2, S, 24), (2, S, 12))
+    out, w = check(q, k, v, dtype, is_causal=True, causal_alignment=alignment)
+    visible = ref.causal_mask(L, S, alignment)
+    assert np.all(w[:, ~visible] == 0)
+    empty_rows = ~visible.any(axis=1)  # lower_right with L > S: the first L - S rows
+    assert np.all(out[:, empty_rows] == 0)
+
+
+MASK_SHAPES = [(40, 70), (70,), (1, 70), (3, 1, 70), (2, 1, 1, 70), (2, 3, 40, 70), (3, 40, 1)]
+
+
+@pytest.mark.parametrize("mshape", MASK_SHAPES)
+def test_bool_mask_broadcast(simd, dtype, rng, mshape):
+    q, k, v = attn_case(rng, dtype, (2, 3, 40, 16), (2, 3, 70, 16), (2, 3, 70, 8))
+    mask = rng.random(mshape) > 0.4
+    check(q, k, v, dtype, attn_mask=mask)
+
+
+@pytest.mark.parametrize("mask_dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mshape", [(40, 70), (2, 1, 1, 70), (3, 40, 70)])
+def test_float_mask(simd, dtype, rng, mshape, mask_dtype):
+    q, k, v = attn_case(rng, dtype, (2, 3, 40, 16), (2, 3, 70, 16), (2, 3, 70, 8))
+    mask = rng.standard_normal(mshape).astype(mask_dtype)
+    mask[rng.random(mshape) < 0.3] = -np.inf
+    check(q, k, v, dtype, attn_mask=mask)
+
+
+@pytest.mark.parametrize("alignment", ["upper_left", "lower_right"])
+def test_causal_with_padding_mask(simd, dtype, rng, alignment):
+    """A padded batch in a decoder: causal and a key padding mask together."""
+    B, L, S = 3, 33, 45
+    q, k, v = attn_case(rng, dtype, (B, 2, L, 16), (B, 2, S, 16), (B, 2, S, 16))
+    lengths = np.array([45, 30, 1])
+    mask = (np.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
+    check(q, k, v, dtype, attn_mask=mask, is_causal=True, causal_alignment=alignment)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(8, 2), (8, 1), (6, 3), (4, 4)])
+def test_grouped_query(simd, dtype, rng, Hq, Hkv):
+    q, k, v = attn_case(rng, dtype, (2, Hq, 19, 16), (2, Hkv, 31, 16), (2, Hkv, 31, 8))
+    mask = rng.random((2, Hq, 19, 31)) > 0.2
+    check(q, k, v, dtype, enable_gqa=True, attn_mask=mask, is_causal=True)
+
+
+def test_leading_axes_broadcast(simd, dtype, rng):
+    q = rng.standard_normal((4, 1, 3, 10, 8)).astype(dtype)
+    k = rng.standard_normal((1, 5, 3, 12, 8)).astype(dtype)
+    v = rng.standard_normal((5, 1, 12, 6)).astype(dtype)
+    out, _ = check(q, k, v, dtype)
+    assert out.shape == (4, 5, 3, 10, 6)
+
+
+def test_two_dimensional_inputs(simd, dtype, rng):
+    q, k, v = attn_case(rng, dtype, (9, 4), (11, 4), (11, 3))
+    out, w = check(q, k, v, dtype, is_causal=True, causal_alignment="lower_right")
+    assert out.shape == (9, 3) and w.shape == (9, 11)
+
+
+def test_strided_views(simd, dtype, rng):
+    """(B, L, H, E) seen as (B, H, L, E), reversed rows, every other feature,
+    a stride-0 batch: all read in place and all exact."""
+    B, L, S, H, E = 2, 21, 34, 3, 16
+    q_blhe = rng.standard_normal((B, L, H, 2 * E)).astype(dtype)
+    kv = rng.standard_normal((1, S, H, 2 * E)).astype(dtype)
+    q = q_blhe.transpose(0, 2, 1, 3)[:, :, ::-1, ::2]
+    k = np.broadcast_to(kv.transpose(0, 2, 1, 3)[..., :E], (B, H, S, E))
+    v = kv.transpose(0, 2, 1, 3)[:, :, ::-1, E:][..., ::-1]
+    assert q.strides[-1] < 0 or q.strides[-2] < 0
+    check(q, k, v, dtype, attn_mask=rng.random((L, S)) > 0.3)
+
+
+def test_fully_masked_rows_give_zeros(simd, dtype, rng):
+    q, k, v = attn_case(rng, dtype, (2, 9, 8), (2, 140, 8), (2, 140, 5))
+    mask = rng.random((2, 9, 140)) > 0.5
+    mask[0, 3] = False
+    mask[1, :] = False
+    fmask = np.where(mask, 0.0, -np.inf).astype(dtype)
+    for m in (mask, fmask):
+        out, w = check(q, k, v, dtype, attn_mask=m)
+        assert np.all(out[0, 3] == 0) and np.all(w[0, 3] == 0)
+        assert np.all(out[1] == 0) and np.all(w[1] == 0)
+        assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("L,S,E,Ev", [(0, 5, 4, 3), (5, 0, 4, 3), (5, 6, 0, 3), (5, 6, 4, 0)])
+def test_zero_size(simd, dtype, rng, L, S, E, Ev):
+    q, k, v = attn_case(rng, dtype, (2, L, E), (2, S, E), (2, S, Ev))
+    out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True)
+    r_out, r_w = ref.scaled_dot_product_attention(*f64(q, k, v), need_weights=True)
+    assert out.shape == (2, L, Ev) and w.shape == (2, L, S)
+    np.testing.assert_allclose(out, r_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(w, r_w, rtol=1e-6, atol=1e-6)
+    if S == 0:
+        assert np.all(out == 0)
+
+
+def test_empty_batch(simd, dtype):
+    q = np.zeros((0, 3, 4, 8), dtype)
+    assert fastattn.scaled_dot_product_attention(q, q, q).shape == (0, 3, 4, 8)
+
+
+def test_large_logits(simd, dtype, rng):
+    """Scores up to ~4000, exact in float32 (small integers), far past where a
+    naive exp overflows, with each row's maximum in the last key block."""
+    L, S, E = 20, 300, 64
+    q = rng.integers(-8, 9, (L, E)).astype(dtype)
+    k = rng.integers(-8, 9, (S, E)).astype(dtype)
+    k[-1] = q.sum(axis=0) / np.abs(q.sum(axis=0)).max() * 8  # a key most rows like best
+    k[-1] = np.round(k[-1])
+    v = rng.standard_normal((S, 16)).astype(dtype)
+    out, w = check(q, k, v, dtype, scale=1.0)
+    assert np.all(np.isfinite(out))
+
+
+def test_nan_propagates_from_visible_entries(simd, dtype, rng):
+    q, k, v = attn_case(rng, dtype, (6, 8), (150, 8), (150, 4))
+    q[1, 2] = np.nan          # query row 1: every score NaN
+    k[140, 0] = np.nan        # key 140: NaN score in every row that sees it
+    mask = np.ones((6, 150), bool)
+    mask[3:, 140] = False     # rows 3.. do not see key 140
+    out = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert np.all(np.isnan(out[:3]))
+    assert np.all(np.isfinite(out[3:]))
+    r_out = ref.scaled_dot_product_attention(*f64(q, k, v), attn_mask=mask)
+    assert_close(out[3:], r_out[3:], dtype, 158, magnitude=4)
+
+
+def test_nonfinite_value_at_hidden_key_does_not_leak(simd, dtype, rng):
+    q, k, v = attn_case(rng, dtype, (4, 8), (20, 8), (20, 3))
+    v[7] = [np.nan, np.inf, -np.inf]
+    mask = np.ones((4, 20), bool)
+    mask[:2, 7] = False
+    out = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert np.all(np.isfinite(out[:2]))
+    assert np.all(np.isnan(out[2:, 0])) and np.all(np.isinf(out[2:, 1:]))
+    r_out = ref.scaled_dot_product_attention(*f64(q, k, v), attn_mask=mask)
+    assert_close(out[:2], r_out[:2], dtype, 28, magnitude=4)
+    # causal: row i never reads rows > i
+    out = fastattn.scaled_dot_product_attention(q, k[:4], v[5:9], is_causal=True)
+    assert np.all(np.isfinite(out[:2])) and not np.any(np.isfinite(out[2:]))
+
+
+def test_mask_minus_inf_hides_nan_score(simd, dtype, rng):
+    q, k, v = attn_case(rng, dtype, (3, 4), (5, 4), (5, 2))
+    k[2] = np.nan
+    mask = np.zeros((3, 5), dtype)
+    mask[:, 2] = -np.inf
+    out = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    r_out = ref.scaled_dot_product_attention(*f64(q, k, v), attn_mask=mask.astype(np.float64))
+    assert np.all(np.isfinite(out))
+    assert_close(out, r_out, dtype, 9, magnitude=4)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, 3.0])
+def test_explicit_scale(simd, dtype, rng, scale):
+    q, k, v = attn_case(rng, dtype, (2, 10, 8), (2, 13, 8), (2, 13, 4))
+    out, _ = check(q, k, v, dtype, scale=scale)
+    if scale == 0.0:
+        assert_close(out, np.broadcast_to(v.astype(np.float64).mean(axis=-2, keepdims=True),
+                                          out.shape), dtype, 13, magnitude=4)
+
+
+def test_out_writes_into_merged_heads(simd, dtype, rng):
+    B, H, L, E = 2, 4, 17, 8
+    q, k, v = attn_case(rng, dtype, (B, H, L, E), (B, H, L, E), (B, H, L, E))
+    merged = np.full((B, L, H * E), np.nan, dtype)
+    res = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                out=fastattn.split_heads(merged, H))
+    assert np.shares_memory(res, merged)
+    expected = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_array_equal(merged, fastattn.merge_heads(expected))
+
+
+def test_inputs_are_not_modified(simd, dtype, rng):
+    q, k, v = attn_case(rng, dtype, (2, 2, 70, 16), (2, 2, 90, 16), (2, 2, 90, 8))
+    v[0, 0, 3] = np.nan
+    mask = (rng.random((70, 90)) > 0.5).astype(np.float64)
+    copies = [a.copy() for a in (q, k, v, mask)]
+    flags = [a.flags.writeable for a in (q, k, v, mask)]
+    fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True,
+                                          need_weights=True)
+    for a, c, f in zip((q, k, v, mask), copies, flags):
+        np.testing.assert_array_equal(a, c)
+        assert a.flags.writeable == f
+
+
+def test_read_only_and_unaligned_inputs(simd, rng):
+    buf = np.zeros(4 * 3 * 5 * 8 + 1, np.uint8)[1:].view(np.float32)  # misaligned by 1 byte
+    buf[...] = rng.standard_normal(buf.size)
+    q = buf.reshape(3, 5, 8)
+    q.flags.writeable = False
+    assert not q.flags.aligned
+    out = fastattn.scaled_dot_product_attention(q, q, q)
+    r = ref.scaled_dot_product_attention(*f64(q, q, q))
+    assert_close(out, r, np.float32, 13, magnitude=4)
+
+
+def test_dtypes_of_output(simd, dtype, rng):
+    q, k, v = attn_case(rng, dtype, (3, 4), (3, 4), (3, 4))
+    assert fastattn.scaled_dot_product_attention(q, k, v).dtype == dtype
