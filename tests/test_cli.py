@@ -1,11 +1,15 @@
 """The command line, as a user runs it."""
+import os
 import subprocess
 import sys
+import tempfile
 
 
 def run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "fastattn", *args], capture_output=True,
-                          text=True, timeout=300, env=env)
+    # from a directory without the source tree, so that the installed package is found
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run([sys.executable, "-m", "fastattn", *args], capture_output=True,
+                              text=True, timeout=300, env=env, cwd=cwd)
 
 
 def test_info():
@@ -15,7 +19,6 @@ def test_info():
 
 
 def test_info_portable_forced():
-    import os
     r = run("info", env=dict(os.environ, FASTATTN_SIMD="portable"))
     assert r.returncode == 0, r.stderr
     assert "SIMD path: portable" in r.stdout
