@@ -19,6 +19,7 @@
 #define VSUB(x, y) _mm256_sub_ps(x, y)
 #define VMUL(x, y) _mm256_mul_ps(x, y)
 #define VFMA(x, y, z) _mm256_fmadd_ps(x, y, z)
+#define VMAX(x, y) _mm256_max_ps(x, y)
 #else
 #define V __m256d
 #define VLEN 4
@@ -31,6 +32,7 @@
 #define VSUB(x, y) _mm256_sub_pd(x, y)
 #define VMUL(x, y) _mm256_mul_pd(x, y)
 #define VFMA(x, y, z) _mm256_fmadd_pd(x, y, z)
+#define VMAX(x, y) _mm256_max_pd(x, y)
 #endif
 
 #define FA_UKR_ROW(r)                                                     \
@@ -48,11 +50,13 @@
         }                                                                 \
         VSTORE(cr, c##r##0);                                              \
         VSTORE(cr + VLEN, c##r##1);                                       \
+        m0 = VMAX(c##r##0, m0); /* max_ps returns m0 when c is NaN */     \
+        m1 = VMAX(c##r##1, m1);                                           \
     }
 
 static inline __attribute__((always_inline)) void
 FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
-                  const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate)
+                  const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
 {
     V c00 = VZERO(), c01 = VZERO(), c10 = VZERO(), c11 = VZERO();
     V c20 = VZERO(), c21 = VZERO(), c30 = VZERO(), c31 = VZERO();
@@ -64,32 +68,38 @@ FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
         FA_UKR_ROW(3) FA_UKR_ROW(4) FA_UKR_ROW(5)
         b += ldb;
     }
+    V m0 = VSET1(-(T)INFINITY), m1 = m0;
     FA_UKR_STORE(0) FA_UKR_STORE(1) FA_UKR_STORE(2)
     FA_UKR_STORE(3) FA_UKR_STORE(4) FA_UKR_STORE(5)
+    if (colmax) {
+        VSTORE(colmax, VMAX(m0, VLOAD(colmax)));
+        VSTORE(colmax + VLEN, VMAX(m1, VLOAD(colmax + VLEN)));
+    }
 }
 #undef FA_UKR_ROW
 #undef FA_UKR_STORE
 
 static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
-                         const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate)
+                         const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
 {
     switch (mr) {
-    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
+    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
     default: break;
     }
 }
 
-/* exp of one vector; NaN lanes stay NaN. */
+/* exp of one vector.  The clamp returns its second operand on NaN, so a NaN
+ * lane stays NaN through the polynomial (the integer part of a NaN lane is
+ * garbage, but NaN times anything is NaN). */
 static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
 {
 #if FA_IS_F32
-    /* max/min return their second operand on NaN, so xc is never NaN. */
-    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, VSET1(FA_EXPF_LO)), VSET1(FA_EXPF_HI));
+    const __m256 xc = _mm256_min_ps(VSET1(FA_EXPF_HI), _mm256_max_ps(VSET1(FA_EXPF_LO), x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, VSET1(FA_EXPF_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, VSET1(FA_EXPF_LN2_HI), xc);
@@ -109,10 +119,9 @@ static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
     const __m256i bias = _mm256_set1_epi32(127);
     const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
     const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 #else
-    const __m256d xc = _mm256_min_pd(_mm256_max_pd(x, VSET1(FA_EXP_LO)), VSET1(FA_EXP_HI));
+    const __m256d xc = _mm256_min_pd(VSET1(FA_EXP_HI), _mm256_max_pd(VSET1(FA_EXP_LO), x));
     const __m256d n = _mm256_round_pd(_mm256_mul_pd(xc, VSET1(FA_EXP_LOG2E)),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256d r = _mm256_fnmadd_pd(n, VSET1(FA_EXP_LN2_HI), xc);
@@ -139,8 +148,7 @@ static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
     const __m256d magic = VSET1(FA_EXP_ROUND + 1023.0);
     const __m256d s1 = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n1, magic)), 52));
     const __m256d s2 = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n2, magic)), 52));
-    const __m256d y = _mm256_mul_pd(_mm256_mul_pd(p, s1), s2);
-    return _mm256_blendv_pd(y, x, _mm256_cmp_pd(x, x, _CMP_UNORD_Q));
+    return _mm256_mul_pd(_mm256_mul_pd(p, s1), s2);
 #endif
 }
 
@@ -157,14 +165,57 @@ static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
     }
 }
 
-/* z[j] = exp(z[j] - m[j]); l[j] += z[j].  n is a multiple of VLEN. */
-static void FA_NAME(exp_sub_sum)(fa_idx n, T *z, const T *m, T *l)
+/* For each column j of the nk x ld block z (row stride ld, ld a multiple of
+ * VLEN): z[r, j] = exp(z[r, j] - m[j]), sum[j] = sum over r of the new z. */
+static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
 {
-    for (fa_idx j = 0; j < n; j += VLEN) {
-        const V e = FA_NAME(vexp1)(VSUB(VLOAD(z + j), VLOAD(m + j)));
-        VSTORE(z + j, e);
-        VSTORE(l + j, VADD(VLOAD(l + j), e));
+    for (fa_idx j = 0; j < ld; j += VLEN) {
+        const V mj = VLOAD(m + j);
+        V acc = VZERO();
+        for (fa_idx r = 0; r < nk; ++r) {
+            const V e = FA_NAME(vexp1)(VSUB(VLOAD(z + r * ld + j), mj));
+            VSTORE(z + r * ld + j, e);
+            acc = VADD(acc, e);
+        }
+        VSTORE(sum + j, acc);
     }
+}
+
+/* sum over c of x[c] * y[c * ys] */
+static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
+{
+    fa_idx c = 0;
+    T s = 0;
+    if (ys == 1) {
+        V s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
+        for (; c + 4 * VLEN <= n; c += 4 * VLEN) {
+            s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
+            s1 = VFMA(VLOAD(x + c + VLEN), VLOAD(y + c + VLEN), s1);
+            s2 = VFMA(VLOAD(x + c + 2 * VLEN), VLOAD(y + c + 2 * VLEN), s2);
+            s3 = VFMA(VLOAD(x + c + 3 * VLEN), VLOAD(y + c + 3 * VLEN), s3);
+        }
+        for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
+        T lanes[VLEN];
+        VSTORE(lanes, VADD(VADD(s0, s1), VADD(s2, s3)));
+        for (int t = 0; t < VLEN; ++t) s += lanes[t];
+    }
+    for (; c < n; ++c) s += x[c] * y[c * ys];
+    return s;
+}
+
+/* y[c] += alpha * x[c * xs] */
+static void FA_NAME(axpy)(fa_idx n, T alpha, const T *x, fa_idx xs, T *y)
+{
+    fa_idx c = 0;
+    if (xs == 1) {
+        const V av = VSET1(alpha);
+        for (; c + 2 * VLEN <= n; c += 2 * VLEN) {
+            VSTORE(y + c, VFMA(av, VLOAD(x + c), VLOAD(y + c)));
+            VSTORE(y + c + VLEN, VFMA(av, VLOAD(x + c + VLEN), VLOAD(y + c + VLEN)));
+        }
+        for (; c + VLEN <= n; c += VLEN) VSTORE(y + c, VFMA(av, VLOAD(x + c), VLOAD(y + c)));
+    }
+    for (; c < n; ++c) y[c] += alpha * x[c * xs];
 }
 
 #undef V
@@ -178,3 +229,4 @@ static void FA_NAME(exp_sub_sum)(fa_idx n, T *z, const T *m, T *l)
 #undef VSUB
 #undef VMUL
 #undef VFMA
+#undef VMAX

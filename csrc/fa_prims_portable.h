@@ -8,11 +8,13 @@
 #include "fa_exp_consts.h"
 
 /* c[0:mr, 0:FA_NR] (+)= sum_k a(r, k) b[k, 0:FA_NR], with a(r, k) at
- * a[r*rs_a + k*cs_a] and b rows FA_NR wide at stride ldb.  mr is a
- * constant after inlining, so the accumulators live in registers. */
+ * a[r*rs_a + k*cs_a] and b rows FA_NR wide at stride ldb.  When colmax is
+ * not NULL, colmax[j] becomes the max of itself and the stored column j
+ * (NaN ignored).  mr is a constant after inlining, so the accumulators
+ * live in registers. */
 static inline void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a,
                                      fa_idx cs_a, const T *b, fa_idx ldb, T *c,
-                                     fa_idx ldc, int accumulate)
+                                     fa_idx ldc, int accumulate, T *colmax)
 {
     T acc[FA_MR][FA_NR];
     for (int r = 0; r < mr; ++r)
@@ -31,19 +33,21 @@ static inline void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx
             for (int j = 0; j < FA_NR; ++j) cr[j] += acc[r][j];
         else
             for (int j = 0; j < FA_NR; ++j) cr[j] = acc[r][j];
+        if (colmax)
+            for (int j = 0; j < FA_NR; ++j) colmax[j] = cr[j] > colmax[j] ? cr[j] : colmax[j];
     }
 }
 
 static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
-                         const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate)
+                         const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
 {
     switch (mr) {
-    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
-    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate); break;
+    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
     default: break;
     }
 }
@@ -110,12 +114,34 @@ static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
     for (fa_idx j = 0; j < n; ++j) y[j] = FA_NAME(exp1)(x[j]);
 }
 
-/* z[j] = exp(z[j] - m[j]); l[j] += z[j].  m[j] is finite or NaN. */
-static void FA_NAME(exp_sub_sum)(fa_idx n, T *z, const T *m, T *l)
+/* For each column j of the nk x ld block z (row stride ld):
+ * z[r, j] = exp(z[r, j] - m[j]) and sum[j] = sum over r of the new z[r, j]. */
+static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
 {
-    for (fa_idx j = 0; j < n; ++j) {
-        const T e = FA_NAME(exp1)(z[j] - m[j]);
-        z[j] = e;
-        l[j] += e;
+    for (fa_idx j = 0; j < ld; ++j) sum[j] = 0;
+    for (fa_idx r = 0; r < nk; ++r) {
+        T *zr = z + r * ld;
+        for (fa_idx j = 0; j < ld; ++j) {
+            const T e = FA_NAME(exp1)(zr[j] - m[j]);
+            zr[j] = e;
+            sum[j] += e;
+        }
     }
+}
+
+/* sum over c of x[c] * y[c * ys], in eight interleaved partial sums */
+static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
+{
+    T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    fa_idx c = 0;
+    for (; c + 8 <= n; c += 8)
+        for (int t = 0; t < 8; ++t) part[t] += x[c + t] * y[(c + t) * ys];
+    for (; c < n; ++c) part[0] += x[c] * y[c * ys];
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+/* y[c] += alpha * x[c * xs] */
+static void FA_NAME(axpy)(fa_idx n, T alpha, const T *x, fa_idx xs, T *y)
+{
+    for (fa_idx c = 0; c < n; ++c) y[c] += alpha * x[c * xs];
 }

@@ -1,0 +1,127 @@
+/* Attention a few query rows at a time, for element type T: decoding (one
+ * new token against a long key/value cache) and rows whose output the block
+ * kernel found non-finite.  Each row of K and V is read once per key block
+ * for all the rows: dot products give the scores, an online softmax runs
+ * along the keys, and axpy adds the value rows, skipping keys whose weight
+ * is exactly zero, so that a non-finite value at a hidden key never reaches
+ * the output.
+ *
+ * Needs T, FA_NAME and the primitives vexp, dot, axpy. */
+
+#define FA_ROWS_MAX 4   /* the block kernel takes blocks of more rows */
+#define FA_RB 256       /* keys per block */
+
+static size_t FA_NAME(rows_work)(const fa_attn_args *a)
+{
+    return sizeof(T) * (size_t)FA_ROWS_MAX * (size_t)(a->E + FA_RB + a->Ev + 2);
+}
+
+/* One past the last key any of the rows before i1 may see. */
+static fa_idx FA_NAME(key_end)(const fa_attn_args *a, fa_idx i1)
+{
+    if (!a->causal) return a->S;
+    const fa_idx end = i1 + a->causal_offset;
+    return end < 0 ? 0 : end > a->S ? a->S : end;
+}
+
+/* What the mask adds to the logit of query i and key j: 0, the additive mask
+ * value, or -inf when the key is hidden from the query. */
+static T FA_NAME(mask_bias)(const fa_attn_args *a, const void *mask, fa_idx i, fa_idx j)
+{
+    const T ninf = -(T)INFINITY;
+    if (a->causal && j > i + a->causal_offset) return ninf;
+    if (a->mask_kind == FA_MASK_BOOL)
+        return ((const unsigned char *)mask)[i * a->m_ls + j * a->m_ss] ? 0 : ninf;
+    if (a->mask_kind == FA_MASK_ADD) return ((const T *)mask)[i * a->m_ls + j * a->m_ss];
+    return 0;
+}
+
+/* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;
+ * qs holds the query rows times the scale. */
+static void FA_NAME(rows_logits)(const fa_attn_args *a, const T *qs, const T *k,
+                                 const void *mask, fa_idx i0, fa_idx nq, fa_idx s0,
+                                 fa_idx nk, T *s)
+{
+    const T ninf = -(T)INFINITY;
+    for (fa_idx r = 0; r < nk; ++r) {
+        const T *krow = k + (s0 + r) * a->k_ss;
+        for (fa_idx t = 0; t < nq; ++t) {
+            const T b = FA_NAME(mask_bias)(a, mask, i0 + t, s0 + r);
+            s[t * FA_RB + r] = b == ninf ? ninf : FA_NAME(dot)(a->E, qs + t * a->E, krow, a->k_es) + b;
+        }
+    }
+}
+
+static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, const T *v,
+                               const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
+{
+    const fa_idx nq = i1 - i0, E = a->E, Ev = a->Ev;
+    const T ninf = -(T)INFINITY, scale = (T)a->scale;
+    T *qs = work;              /* nq x E: query rows times the scale */
+    T *s = qs + nq * E;        /* nq x FA_RB: logits, then weights, of a key block */
+    T *o = s + nq * FA_RB;     /* nq x Ev: unnormalised output */
+    T *m = o + nq * Ev;        /* running maximum */
+    T *l = m + nq;             /* running sum */
+    const fa_idx s_end = FA_NAME(key_end)(a, i1);
+
+    for (fa_idx t = 0; t < nq; ++t) {
+        for (fa_idx e = 0; e < E; ++e) qs[t * E + e] = q[(i0 + t) * a->q_ls + e * a->q_es] * scale;
+        for (fa_idx c = 0; c < Ev; ++c) o[t * Ev + c] = 0;
+        m[t] = ninf;
+        l[t] = 0;
+    }
+    for (fa_idx s0 = 0; s0 < s_end; s0 += FA_RB) {
+        const fa_idx nk = s_end - s0 < FA_RB ? s_end - s0 : FA_RB;
+        FA_NAME(rows_logits)(a, qs, k, mask, i0, nq, s0, nk, s);
+        for (fa_idx t = 0; t < nq; ++t) {
+            T *st = s + t * FA_RB, bm = ninf;
+            for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
+            if (bm > m[t] && m[t] != ninf) {
+                T alpha = m[t] - bm;
+                FA_NAME(vexp)(1, &alpha, &alpha);
+                l[t] *= alpha;
+                for (fa_idx c = 0; c < Ev; ++c) o[t * Ev + c] *= alpha;
+            }
+            m[t] = bm > m[t] ? bm : m[t];
+            const T ms = m[t] == ninf ? 0 : m[t];
+            for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
+            FA_NAME(vexp)(nk, st, st);
+            T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            fa_idx r = 0;
+            for (; r + 8 <= nk; r += 8)
+                for (int u = 0; u < 8; ++u) part[u] += st[r + u];
+            for (; r < nk; ++r) part[0] += st[r];
+            l[t] += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        for (fa_idx r = 0; r < nk; ++r) {
+            const T *vrow = v + (s0 + r) * a->v_ss;
+            for (fa_idx t = 0; t < nq; ++t) {
+                const T p = s[t * FA_RB + r];
+                if (p != 0) FA_NAME(axpy)(Ev, p, vrow, a->v_es, o + t * Ev);
+            }
+        }
+    }
+    /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
+    for (fa_idx t = 0; t < nq; ++t) {
+        T *orow = out + (i0 + t) * a->o_ls;
+        for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = l[t] == 0 ? 0 : o[t * Ev + c] / l[t];
+    }
+
+    if (w == NULL) return;
+    for (fa_idx s0 = 0; s0 < a->S; s0 += FA_RB) {
+        const fa_idx nk = a->S - s0 < FA_RB ? a->S - s0 : FA_RB;
+        if (s0 < s_end) {
+            FA_NAME(rows_logits)(a, qs, k, mask, i0, nq, s0, nk, s);
+            for (fa_idx t = 0; t < nq; ++t) {
+                const T ms = m[t] == ninf ? 0 : m[t];
+                for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] -= ms;
+                FA_NAME(vexp)(nk, s + t * FA_RB, s + t * FA_RB);
+            }
+        }
+        for (fa_idx t = 0; t < nq; ++t) {
+            T *wrow = w + (i0 + t) * a->w_ls + s0 * a->w_ss;
+            const int zero = s0 >= s_end || l[t] == 0;
+            for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? 0 : s[t * FA_RB + r] / l[t];
+        }
+    }
+}
