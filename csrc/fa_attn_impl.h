@@ -15,7 +15,8 @@
  * which also recomputes, with its zero-weight guard, any row whose output
  * came out non-finite.
  *
- * Needs T, FA_NR, FA_NAME and the primitives ukr, vexp, exp_block, dot, axpy. */
+ * Needs T, FA_NR, FA_NAME and the primitives ukr, vexp, exp_block, pack_t,
+ * normalize, dot, axpy. */
 
 #include "fa_rows_impl.h"
 
@@ -119,13 +120,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         FA_NAME(attn_rows)(a, q, k, v, mask, out, w, i0, i1, (T *)work);
         return;
     }
+    FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, scale, qp, ld);
     for (fa_idx j = 0; j < ld; ++j) {
-        if (j < nq) {
-            const T *qrow = q + (i0 + j) * a->q_ls;
-            for (fa_idx e = 0; e < E; ++e) qp[e * ld + j] = qrow[e * a->q_es] * scale;
-        } else {
-            for (fa_idx e = 0; e < E; ++e) qp[e * ld + j] = 0;
-        }
+        for (fa_idx e = 0; j >= nq && e < E; ++e) qp[e * ld + j] = 0;
         m[j] = ninf;
         ms[j] = 0;
         l[j] = 0;
@@ -165,8 +162,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
 
     /* l is 0 exactly when no key was visible (the maximum alone gives 1);
      * NaN when a visible logit was NaN */
-    for (fa_idx c = 0; c < Ev; ++c)
-        for (fa_idx j = 0; j < ld; ++j) ot[c * ld + j] = l[j] == 0 ? 0 : ot[c * ld + j] / l[j];
+    FA_NAME(normalize)(Ev, ld, ot, l);
     for (fa_idx j = 0; j < nq; ++j) {
         T *orow = out + (i0 + j) * a->o_ls;
         int bad = 0;

@@ -181,6 +181,66 @@ static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
     }
 }
 
+/* dst[e * ld + j] = src[j * rs + e * cs] * scale for j < nq, e < n: a block
+ * of rows, transposed and scaled; 8 x 8 float tiles go through registers. */
+static void FA_NAME(pack_t)(fa_idx nq, fa_idx n, const T *src, fa_idx rs, fa_idx cs, T scale,
+                            T *dst, fa_idx ld)
+{
+    fa_idx j0 = 0, e0 = 0;
+#if FA_IS_F32
+    if (cs == 1) {
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (; j0 + 8 <= nq; j0 += 8)
+            for (e0 = 0; e0 + 8 <= n; e0 += 8) {
+                __m256 r[8], t[8];
+                for (int u = 0; u < 8; ++u) r[u] = _mm256_loadu_ps(src + (j0 + u) * rs + e0);
+                for (int u = 0; u < 8; u += 2) {
+                    t[u] = _mm256_unpacklo_ps(r[u], r[u + 1]);
+                    t[u + 1] = _mm256_unpackhi_ps(r[u], r[u + 1]);
+                }
+                for (int u = 0; u < 8; u += 4) {
+                    r[u] = _mm256_shuffle_ps(t[u], t[u + 2], 0x44);
+                    r[u + 1] = _mm256_shuffle_ps(t[u], t[u + 2], 0xEE);
+                    r[u + 2] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0x44);
+                    r[u + 3] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0xEE);
+                }
+                for (int u = 0; u < 4; ++u) {
+                    t[u] = _mm256_permute2f128_ps(r[u], r[u + 4], 0x20);
+                    t[u + 4] = _mm256_permute2f128_ps(r[u], r[u + 4], 0x31);
+                }
+                for (int u = 0; u < 8; ++u) /* t[u] is feature e0 + u of the 8 rows */
+                    _mm256_storeu_ps(dst + (e0 + u) * ld + j0, _mm256_mul_ps(t[u], sc));
+            }
+        /* the remaining features of these full row groups */
+        for (fa_idx e = n - n % 8; e < n; ++e)
+            for (fa_idx j = 0; j < j0; ++j) dst[e * ld + j] = src[j * rs + e] * scale;
+    }
+#endif
+    for (fa_idx e = 0; e < n; ++e)
+        for (fa_idx j = j0; j < nq; ++j) dst[e * ld + j] = src[j * rs + e * cs] * scale;
+}
+
+/* o[c * ld + j] /= l[j] for c < n, j < ld (a multiple of VLEN), and 0
+ * where l[j] == 0 */
+static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l)
+{
+    const V one = VSET1(1), zero = VZERO();
+    for (fa_idx j = 0; j < ld; j += VLEN) {
+        const V lj = VLOAD(l + j);
+#if FA_IS_F32
+        const V empty = _mm256_cmp_ps(lj, zero, _CMP_EQ_OQ);
+        const V d = _mm256_blendv_ps(lj, one, empty);
+        for (fa_idx c = 0; c < n; ++c)
+            VSTORE(o + c * ld + j, _mm256_blendv_ps(_mm256_div_ps(VLOAD(o + c * ld + j), d), zero, empty));
+#else
+        const V empty = _mm256_cmp_pd(lj, zero, _CMP_EQ_OQ);
+        const V d = _mm256_blendv_pd(lj, one, empty);
+        for (fa_idx c = 0; c < n; ++c)
+            VSTORE(o + c * ld + j, _mm256_blendv_pd(_mm256_div_pd(VLOAD(o + c * ld + j), d), zero, empty));
+#endif
+    }
+}
+
 /* sum over c of x[c] * y[c * ys] */
 static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
 {

@@ -129,6 +129,22 @@ static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
     }
 }
 
+/* dst[e * ld + j] = src[j * rs + e * cs] * scale for j < nq, e < n: a block
+ * of rows, transposed and scaled. */
+static void FA_NAME(pack_t)(fa_idx nq, fa_idx n, const T *src, fa_idx rs, fa_idx cs, T scale,
+                            T *dst, fa_idx ld)
+{
+    for (fa_idx e = 0; e < n; ++e)
+        for (fa_idx j = 0; j < nq; ++j) dst[e * ld + j] = src[j * rs + e * cs] * scale;
+}
+
+/* o[c * ld + j] /= l[j] for c < n, j < ld, and 0 where l[j] == 0 */
+static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l)
+{
+    for (fa_idx c = 0; c < n; ++c)
+        for (fa_idx j = 0; j < ld; ++j) o[c * ld + j] = l[j] == 0 ? 0 : o[c * ld + j] / l[j];
+}
+
 /* sum over c of x[c] * y[c * ys], in eight interleaved partial sums */
 static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
 {
