@@ -120,7 +120,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         FA_NAME(attn_rows)(a, q, k, v, mask, out, w, i0, i1, (T *)work);
         return;
     }
-    FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, scale, qp, ld);
+    FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, scale, qp, ld, 1);
     for (fa_idx j = 0; j < ld; ++j) {
         for (fa_idx e = 0; j >= nq && e < E; ++e) qp[e * ld + j] = 0;
         m[j] = ninf;
@@ -162,19 +162,13 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
 
     /* l is 0 exactly when no key was visible (the maximum alone gives 1);
      * NaN when a visible logit was NaN */
-    FA_NAME(normalize)(Ev, ld, ot, l);
-    for (fa_idx j = 0; j < nq; ++j) {
-        T *orow = out + (i0 + j) * a->o_ls;
-        int bad = 0;
-        for (fa_idx c = 0; c < Ev; ++c) {
-            const T x = ot[c * ld + j];
-            orow[c * a->o_es] = x;
-            bad |= x - x != 0; /* inf or NaN */
-        }
-        /* Zero weights times a non-finite value of a hidden key give NaN in the
-         * products above: recompute such a row with the guarded row kernel. */
-        if (bad) FA_NAME(attn_rows)(a, q, k, v, mask, out, NULL, i0 + j, i0 + j + 1, rows_work);
-    }
+    FA_NAME(normalize)(Ev, ld, ot, l, bl);
+    FA_NAME(pack_t)(Ev, nq, ot, ld, 1, 1, out + i0 * a->o_ls, a->o_ls, a->o_es);
+    /* Zero weights times a non-finite value of a hidden key give NaN in the
+     * products above: recompute any row that is not finite with the guarded
+     * row kernel (it gives the same NaN or inf when they are genuine). */
+    for (fa_idx j = 0; j < nq; ++j)
+        if (bl[j] != 0) FA_NAME(attn_rows)(a, q, k, v, mask, out, NULL, i0 + j, i0 + j + 1, rows_work);
 
     if (w == NULL) return;
     /* The weights, from the final m and l: exp(z - m) / l. */

@@ -184,11 +184,11 @@ static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
 /* dst[e * ld + j] = src[j * rs + e * cs] * scale for j < nq, e < n: a block
  * of rows, transposed and scaled; 8 x 8 float tiles go through registers. */
 static void FA_NAME(pack_t)(fa_idx nq, fa_idx n, const T *src, fa_idx rs, fa_idx cs, T scale,
-                            T *dst, fa_idx ld)
+                            T *dst, fa_idx ld, fa_idx ds)
 {
     fa_idx j0 = 0, e0 = 0;
 #if FA_IS_F32
-    if (cs == 1) {
+    if (cs == 1 && ds == 1) {
         const __m256 sc = _mm256_set1_ps(scale);
         for (; j0 + 8 <= nq; j0 += 8)
             for (e0 = 0; e0 + 8 <= n; e0 += 8) {
@@ -217,27 +217,35 @@ static void FA_NAME(pack_t)(fa_idx nq, fa_idx n, const T *src, fa_idx rs, fa_idx
     }
 #endif
     for (fa_idx e = 0; e < n; ++e)
-        for (fa_idx j = j0; j < nq; ++j) dst[e * ld + j] = src[j * rs + e * cs] * scale;
+        for (fa_idx j = j0; j < nq; ++j) dst[e * ld + j * ds] = src[j * rs + e * cs] * scale;
 }
 
 /* o[c * ld + j] /= l[j] for c < n, j < ld (a multiple of VLEN), and 0
- * where l[j] == 0 */
-static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l)
+ * where l[j] == 0; bad[j] = 0 when column j came out finite, else NaN */
+static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l, T *bad)
 {
     const V one = VSET1(1), zero = VZERO();
     for (fa_idx j = 0; j < ld; j += VLEN) {
         const V lj = VLOAD(l + j);
+        V acc = zero;
 #if FA_IS_F32
         const V empty = _mm256_cmp_ps(lj, zero, _CMP_EQ_OQ);
         const V d = _mm256_blendv_ps(lj, one, empty);
-        for (fa_idx c = 0; c < n; ++c)
-            VSTORE(o + c * ld + j, _mm256_blendv_ps(_mm256_div_ps(VLOAD(o + c * ld + j), d), zero, empty));
+        for (fa_idx c = 0; c < n; ++c) {
+            const V y = _mm256_blendv_ps(_mm256_div_ps(VLOAD(o + c * ld + j), d), zero, empty);
+            VSTORE(o + c * ld + j, y);
+            acc = VADD(acc, VSUB(y, y));
+        }
 #else
         const V empty = _mm256_cmp_pd(lj, zero, _CMP_EQ_OQ);
         const V d = _mm256_blendv_pd(lj, one, empty);
-        for (fa_idx c = 0; c < n; ++c)
-            VSTORE(o + c * ld + j, _mm256_blendv_pd(_mm256_div_pd(VLOAD(o + c * ld + j), d), zero, empty));
+        for (fa_idx c = 0; c < n; ++c) {
+            const V y = _mm256_blendv_pd(_mm256_div_pd(VLOAD(o + c * ld + j), d), zero, empty);
+            VSTORE(o + c * ld + j, y);
+            acc = VADD(acc, VSUB(y, y));
+        }
 #endif
+        VSTORE(bad + j, acc);
     }
 }
 

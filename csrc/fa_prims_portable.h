@@ -129,20 +129,26 @@ static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
     }
 }
 
-/* dst[e * ld + j] = src[j * rs + e * cs] * scale for j < nq, e < n: a block
- * of rows, transposed and scaled. */
+/* dst[e * ld + j * ds] = src[j * rs + e * cs] * scale for j < nq, e < n: a
+ * block of rows, transposed and scaled. */
 static void FA_NAME(pack_t)(fa_idx nq, fa_idx n, const T *src, fa_idx rs, fa_idx cs, T scale,
-                            T *dst, fa_idx ld)
+                            T *dst, fa_idx ld, fa_idx ds)
 {
     for (fa_idx e = 0; e < n; ++e)
-        for (fa_idx j = 0; j < nq; ++j) dst[e * ld + j] = src[j * rs + e * cs] * scale;
+        for (fa_idx j = 0; j < nq; ++j) dst[e * ld + j * ds] = src[j * rs + e * cs] * scale;
 }
 
-/* o[c * ld + j] /= l[j] for c < n, j < ld, and 0 where l[j] == 0 */
-static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l)
+/* o[c * ld + j] /= l[j] for c < n, j < ld, and 0 where l[j] == 0;
+ * bad[j] = 0 when column j came out finite, else NaN */
+static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l, T *bad)
 {
+    for (fa_idx j = 0; j < ld; ++j) bad[j] = 0;
     for (fa_idx c = 0; c < n; ++c)
-        for (fa_idx j = 0; j < ld; ++j) o[c * ld + j] = l[j] == 0 ? 0 : o[c * ld + j] / l[j];
+        for (fa_idx j = 0; j < ld; ++j) {
+            const T y = l[j] == 0 ? 0 : o[c * ld + j] / l[j];
+            o[c * ld + j] = y;
+            bad[j] += y - y;
+        }
 }
 
 /* sum over c of x[c] * y[c * ys], in eight interleaved partial sums */
