@@ -42,13 +42,22 @@ def common_float_dtype(**arrays):
 def kernel_view(a):
     """a itself when the kernels can read it in place (aligned, every stride a
     whole number of elements), else an aligned contiguous copy."""
-    if a.flags.aligned and all(s % a.itemsize == 0 for s in a.strides):
+    flags = a.flags
+    if flags.aligned and (flags.c_contiguous or all(s % a.itemsize == 0 for s in a.strides)):
         return a
     return np.ascontiguousarray(a)
 
 
+def broadcast_view(a, shape):
+    """a seen with shape (stride 0 on broadcast axes), without a copy."""
+    return a if a.shape == shape else np.broadcast_to(a, shape)
+
+
 def broadcast_shapes(named_shapes, what):
     """np.broadcast_shapes with an error that names the arguments."""
+    first = named_shapes[0][1]
+    if all(s == first for _, s in named_shapes):
+        return tuple(first)
     try:
         return np.broadcast_shapes(*(s for _, s in named_shapes))
     except ValueError:

@@ -215,6 +215,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef int rc
     if ntasks == 0:
         return
+    nthreads = min(nthreads, ntasks)  # do not wake threads that would get no work
     with nogil, parallel(num_threads=nthreads):
         work = malloc(work_bytes)
         if work == NULL:
@@ -341,6 +342,7 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
     cdef int rc
     if ntasks == 0:
         return
+    nthreads = min(nthreads, ntasks)
     with nogil, parallel(num_threads=nthreads):
         work = malloc(work_bytes)
         if work == NULL:

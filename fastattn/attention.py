@@ -140,7 +140,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if mask is not None:
         target = batch + (L, S)
         try:
-            mask = np.broadcast_to(mask, target)
+            mask = C.broadcast_view(mask, target)
         except ValueError:
             raise ValueError(f"attn_mask of shape {C.shape_str(attn_mask.shape)} cannot be "
                              f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}") from None
@@ -153,9 +153,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         C.check_out(out, out_shape, dtype, inputs)
     weights = np.empty(batch + (L, S), dtype) if weights_wanted else None
 
-    q = np.broadcast_to(C.kernel_view(query), batch + (L, E))
-    k = np.broadcast_to(C.kernel_view(key), kv_batch + (S, E))
-    v = np.broadcast_to(C.kernel_view(value), kv_batch + (S, Ev))
+    q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
+    k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, E))
+    v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, Ev))
     offset = S - L if causal_alignment == "lower_right" else 0
     _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal, offset,
                     scale, nthreads)

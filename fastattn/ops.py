@@ -46,8 +46,8 @@ def matmul(a, b, *, out=None, num_threads=None):
         out = np.empty(batch + (M, N), dtype)
     else:
         C.check_out(out, batch + (M, N), dtype, {"a": a, "b": b})
-    av = np.broadcast_to(C.kernel_view(a), batch + (M, K))
-    bv = np.broadcast_to(C.kernel_view(b), batch + (K, N))
+    av = C.broadcast_view(C.kernel_view(a), batch + (M, K))
+    bv = C.broadcast_view(C.kernel_view(b), batch + (K, N))
     _core.matmul(_runtime.isa(), av, bv, out, nthreads)
     return out
 
