@@ -107,6 +107,62 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
     return 0;
 }
 
+/* Split keys only where there are few (batch, head) items to spread over
+ * threads, in pieces of at least FA_SPLIT_KEYS keys. */
+#define FA_SPLIT_ITEMS 16
+#define FA_SPLIT_KEYS 1024
+#define FA_SPLIT_MAX 16
+
+fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items, int need_weights)
+{
+    if (need_weights || a->L > FA_ROWS_MAX || items >= FA_SPLIT_ITEMS || a->S < 2 * FA_SPLIT_KEYS)
+        return 1;
+    const fa_idx n = a->S / FA_SPLIT_KEYS;
+    return n < FA_SPLIT_MAX ? n : FA_SPLIT_MAX;
+}
+
+fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1) { return (i1 - i0) * (a->Ev + 2); }
+
+static int part_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi)
+{
+    return attn_ok(a, i0, i1, 8) && i1 - i0 <= FA_ROWS_MAX && 0 <= s_lo && s_lo <= s_hi &&
+           s_hi <= a->S;
+}
+
+int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                     const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+                     fa_idx s_hi, float *state, void *work)
+{
+    if (!part_ok(a, i0, i1, s_lo, s_hi)) return -1;
+    FA_DISPATCH(isa, attn_part, f32, (a, q, k, v, mask, i0, i1, s_lo, s_hi, state, work));
+    return 0;
+}
+
+int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                     const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+                     fa_idx s_hi, double *state, void *work)
+{
+    if (!part_ok(a, i0, i1, s_lo, s_hi)) return -1;
+    FA_DISPATCH(isa, attn_part, f64, (a, q, k, v, mask, i0, i1, s_lo, s_hi, state, work));
+    return 0;
+}
+
+int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
+                      float *out, fa_idx i0, fa_idx i1)
+{
+    if (nsplit < 1 || !attn_ok(a, i0, i1, 8)) return -1;
+    FA_DISPATCH(isa, attn_merge, f32, (a, nsplit, states, out, i0, i1));
+    return 0;
+}
+
+int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
+                      double *out, fa_idx i0, fa_idx i1)
+{
+    if (nsplit < 1 || !attn_ok(a, i0, i1, 8)) return -1;
+    FA_DISPATCH(isa, attn_merge, f64, (a, nsplit, states, out, i0, i1));
+    return 0;
+}
+
 void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
 {
     FA_DISPATCH(isa, exp_array, f32, (n, x, y));

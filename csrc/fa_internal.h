@@ -17,6 +17,10 @@
 #define FA_GEMM_NC_F32 256
 #define FA_GEMM_NC_F64 128
 
+/* Query blocks of at most this many rows go to the row kernel, and may be
+ * split along the keys (fa_attn_part / fa_attn_merge). */
+#define FA_ROWS_MAX 4
+
 #define FA_CAT4_(a, b, c, d) a##_##b##_##c##_##d
 #define FA_CAT4(a, b, c, d) FA_CAT4_(a, b, c, d)
 
@@ -31,6 +35,12 @@
     void FA_CAT4(fa, attn, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,       \
                                      const T *v, const void *mask, T *out, T *w,          \
                                      fa_idx i0, fa_idx i1, void *work);                   \
+    void FA_CAT4(fa, attn_part, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,  \
+                                          const T *v, const void *mask, fa_idx i0,        \
+                                          fa_idx i1, fa_idx s_lo, fa_idx s_hi, T *state,  \
+                                          void *work);                                    \
+    void FA_CAT4(fa, attn_merge, SFX, ISA)(const fa_attn_args *a, fa_idx nsplit,          \
+                                           const T *states, T *out, fa_idx i0, fa_idx i1); \
     void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y);
 
 FA_DECLARE(float, f32, portable)

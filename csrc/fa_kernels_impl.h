@@ -14,5 +14,4 @@ void FA_NAME(exp_array)(fa_idx n, const T *x, T *y) { FA_NAME(vexp)(n, x, y); }
 #undef FA_NAME
 #undef FA_QB
 #undef FA_KB
-#undef FA_ROWS_MAX
 #undef FA_RB

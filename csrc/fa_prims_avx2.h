@@ -186,12 +186,12 @@ static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
 static void FA_NAME(pack_t)(fa_idx nq, fa_idx n, const T *src, fa_idx rs, fa_idx cs, T scale,
                             T *dst, fa_idx ld, fa_idx ds)
 {
-    fa_idx j0 = 0, e0 = 0;
+    fa_idx j0 = 0;
 #if FA_IS_F32
     if (cs == 1 && ds == 1) {
         const __m256 sc = _mm256_set1_ps(scale);
         for (; j0 + 8 <= nq; j0 += 8)
-            for (e0 = 0; e0 + 8 <= n; e0 += 8) {
+            for (fa_idx e0 = 0; e0 + 8 <= n; e0 += 8) {
                 __m256 r[8], t[8];
                 for (int u = 0; u < 8; ++u) r[u] = _mm256_loadu_ps(src + (j0 + u) * rs + e0);
                 for (int u = 0; u < 8; u += 2) {

@@ -8,7 +8,6 @@
  *
  * Needs T, FA_NAME and the primitives vexp, dot, axpy. */
 
-#define FA_ROWS_MAX 4   /* the block kernel takes blocks of more rows */
 #define FA_RB 256       /* keys per block */
 
 static size_t FA_NAME(rows_work)(const fa_attn_args *a)
@@ -52,26 +51,16 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const T *qs, const T *k,
     }
 }
 
-static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, const T *v,
-                               const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
+/* Keys s_lo..s_hi-1 into the running state of nq rows: maximum m, sum l and
+ * unnormalised output o (nq x Ev); qs holds the query rows times the scale. */
+static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const T *qs, const T *k, const T *v,
+                                     const void *mask, fa_idx i0, fa_idx nq, fa_idx s_lo,
+                                     fa_idx s_hi, T *s, T *o, T *m, T *l)
 {
-    const fa_idx nq = i1 - i0, E = a->E, Ev = a->Ev;
-    const T ninf = -(T)INFINITY, scale = (T)a->scale;
-    T *qs = work;              /* nq x E: query rows times the scale */
-    T *s = qs + nq * E;        /* nq x FA_RB: logits, then weights, of a key block */
-    T *o = s + nq * FA_RB;     /* nq x Ev: unnormalised output */
-    T *m = o + nq * Ev;        /* running maximum */
-    T *l = m + nq;             /* running sum */
-    const fa_idx s_end = FA_NAME(key_end)(a, i1);
-
-    for (fa_idx t = 0; t < nq; ++t) {
-        for (fa_idx e = 0; e < E; ++e) qs[t * E + e] = q[(i0 + t) * a->q_ls + e * a->q_es] * scale;
-        for (fa_idx c = 0; c < Ev; ++c) o[t * Ev + c] = 0;
-        m[t] = ninf;
-        l[t] = 0;
-    }
-    for (fa_idx s0 = 0; s0 < s_end; s0 += FA_RB) {
-        const fa_idx nk = s_end - s0 < FA_RB ? s_end - s0 : FA_RB;
+    const fa_idx Ev = a->Ev;
+    const T ninf = -(T)INFINITY;
+    for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
+        const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
         FA_NAME(rows_logits)(a, qs, k, mask, i0, nq, s0, nk, s);
         for (fa_idx t = 0; t < nq; ++t) {
             T *st = s + t * FA_RB, bm = ninf;
@@ -101,6 +90,35 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, co
             }
         }
     }
+}
+
+/* qs = the query rows times the scale; the state starts empty. */
+static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa_idx nq, T *qs,
+                                T *o, T *m, T *l)
+{
+    const T scale = (T)a->scale;
+    for (fa_idx t = 0; t < nq; ++t) {
+        for (fa_idx e = 0; e < a->E; ++e) qs[t * a->E + e] = q[(i0 + t) * a->q_ls + e * a->q_es] * scale;
+        for (fa_idx c = 0; c < a->Ev; ++c) o[t * a->Ev + c] = 0;
+        m[t] = -(T)INFINITY;
+        l[t] = 0;
+    }
+}
+
+static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, const T *v,
+                               const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
+{
+    const fa_idx nq = i1 - i0, E = a->E, Ev = a->Ev;
+    const T ninf = -(T)INFINITY;
+    T *qs = work;              /* nq x E: query rows times the scale */
+    T *s = qs + nq * E;        /* nq x FA_RB: logits, then weights, of a key block */
+    T *o = s + nq * FA_RB;     /* nq x Ev: unnormalised output */
+    T *m = o + nq * Ev;        /* running maximum */
+    T *l = m + nq;             /* running sum */
+    const fa_idx s_end = FA_NAME(key_end)(a, i1);
+
+    FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
+    FA_NAME(rows_accumulate)(a, qs, k, v, mask, i0, nq, 0, s_end, s, o, m, l);
     /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
     for (fa_idx t = 0; t < nq; ++t) {
         T *orow = out + (i0 + t) * a->o_ls;
@@ -123,5 +141,53 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, co
             const int zero = s0 >= s_end || l[t] == 0;
             for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? 0 : s[t * FA_RB + r] / l[t];
         }
+    }
+}
+
+/* The state (m, l, o[0..Ev)) of rows i0..i1-1 over keys s_lo..s_hi-1 only,
+ * nq x (Ev + 2) values in state; fa_attn_merge combines such pieces. */
+void FA_NAME(attn_part)(const fa_attn_args *a, const T *q, const T *k, const T *v,
+                        const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
+                        T *state, void *work)
+{
+    const fa_idx nq = i1 - i0, E = a->E, Ev = a->Ev, end = FA_NAME(key_end)(a, i1);
+    T *qs = (T *)work, *s = qs + nq * E, *o = s + nq * FA_RB, *m = o + nq * Ev, *l = m + nq;
+    FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
+    FA_NAME(rows_accumulate)(a, qs, k, v, mask, i0, nq, s_lo, s_hi < end ? s_hi : end, s, o, m, l);
+    for (fa_idx t = 0; t < nq; ++t) {
+        T *st = state + t * (Ev + 2);
+        st[0] = m[t];
+        st[1] = l[t];
+        for (fa_idx c = 0; c < Ev; ++c) st[2 + c] = o[t * Ev + c];
+    }
+}
+
+/* out rows i0..i1-1 from nsplit pieces of state (each nq x (Ev + 2)): every
+ * piece is rescaled to the largest maximum M by exp(m - M), as in the
+ * log-sum-exp of a softmax split in parts.  A piece whose factor is 0 holds
+ * only zero weights and is skipped, like any key of weight 0. */
+void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, T *out,
+                         fa_idx i0, fa_idx i1)
+{
+    const fa_idx nq = i1 - i0, Ev = a->Ev, len = nq * (Ev + 2);
+    const T ninf = -(T)INFINITY;
+    for (fa_idx t = 0; t < nq; ++t) {
+        T mx = ninf, l = 0, nan = 0;
+        for (fa_idx p = 0; p < nsplit; ++p) {
+            const T mp = states[p * len + t * (Ev + 2)], lp = states[p * len + t * (Ev + 2) + 1];
+            mx = mp > mx ? mp : mx;
+            nan += lp - lp; /* a NaN logit (the maximum ignores NaN) left l NaN */
+        }
+        T *orow = out + (i0 + t) * a->o_ls;
+        for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = nan;
+        for (fa_idx p = 0; nan == 0 && mx != ninf && p < nsplit; ++p) {
+            const T *st = states + p * len + t * (Ev + 2);
+            T f = st[0] - mx;
+            FA_NAME(vexp)(1, &f, &f);
+            if (f == 0) continue;
+            l += f * st[1];
+            for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] += f * st[2 + c];
+        }
+        for (fa_idx c = 0; nan == 0 && c < Ev; ++c) orow[c * a->o_es] = l == 0 ? 0 : orow[c * a->o_es] / l;
     }
 }

@@ -84,6 +84,29 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
                  const double *v, const void *mask, double *out, double *w,
                  fa_idx i0, fa_idx i1, void *work);
 
+/* ---- Decoding split along the keys ------------------------------------- */
+
+/* How many pieces to split the keys of each (batch, head) into, when there
+ * are `items` (batch, head) pairs: more than 1 only for decoding-like calls
+ * (at most 4 query rows, few items, many keys, no weights requested).  It
+ * depends on the shape alone, never on the thread count. */
+fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items, int need_weights);
+/* Values of state one piece holds: (i1 - i0) * (Ev + 2). */
+fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
+/* The running maximum, sum and unnormalised output of rows i0..i1-1 over
+ * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn_*). */
+int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                     const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+                     fa_idx s_hi, float *state, void *work);
+int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                     const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+                     fa_idx s_hi, double *state, void *work);
+/* Output rows i0..i1-1 from nsplit consecutive pieces of state. */
+int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
+                      float *out, fa_idx i0, fa_idx i1);
+int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
+                      double *out, fa_idx i0, fa_idx i1);
+
 /* ---- The exp used by softmax (error bound: fa_exp_consts.h) ------------ */
 
 void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y);

@@ -70,6 +70,18 @@ cdef extern from "fastattn.h" nogil:
     int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                     const double *v, const void *mask, double *out, double *w,
                     fa_idx i0, fa_idx i1, void *work)
+    fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items, int need_weights)
+    fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
+    int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                         const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+                         fa_idx s_hi, float *state, void *work)
+    int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                         const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+                         fa_idx s_hi, double *state, void *work)
+    int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
+                          float *out, fa_idx i0, fa_idx i1)
+    int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
+                          double *out, fa_idx i0, fa_idx i1)
     void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
     void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y)
 
@@ -215,6 +227,11 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef int rc
     if ntasks == 0:
         return
+    cdef fa_idx nsplit = fa_attn_splits(&a, b.count, wp != NULL)
+    if nsplit > 1:
+        split_attention(isa, &a, &b, qp, kp, vp, mp, op, qs, ks, vs, ms, os, msize, elsize,
+                        group, nsplit, work_bytes, nthreads)
+        return
     nthreads = min(nthreads, ntasks)  # do not wake threads that would get no work
     with nogil, parallel(num_threads=nthreads):
         work = malloc(work_bytes)
@@ -253,6 +270,73 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         raise MemoryError("fastattn: cannot allocate the attention scratch memory")
     if err == 2:
         raise RuntimeError("fastattn internal error: attention kernel rejected its arguments")
+
+
+cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, char *qp, char *kp,
+                         char *vp, char *mp, char *op, const fa_idx *qs, const fa_idx *ks,
+                         const fa_idx *vs, const fa_idx *ms, const fa_idx *os, int msize,
+                         int elsize, fa_idx group, fa_idx nsplit, size_t work_bytes,
+                         int nthreads) except -1:
+    """Decoding with few (batch, head) items: every item's keys in nsplit
+    pieces computed in parallel, then merged (csrc/fastattn.h)."""
+    cdef fa_idx chunk = (a.S + nsplit - 1) // nsplit
+    cdef fa_idx slen = fa_attn_state_len(a, 0, a.L)
+    cdef fa_idx ntasks = b.count * nsplit
+    cdef fa_idx t, item, piece, s_lo, s_hi
+    cdef char *states = <char *>malloc(ntasks * slen * elsize)
+    cdef void *work
+    cdef void *mrow
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef int rc
+    if states == NULL:
+        raise MemoryError("fastattn: cannot allocate the split-attention state")
+    with nogil, parallel(num_threads=min(nthreads, ntasks)):
+        work = malloc(work_bytes)
+        if work == NULL:
+            errp[0] = 1
+        for t in prange(ntasks, schedule="dynamic"):
+            if work == NULL:
+                continue
+            item = t // nsplit
+            piece = t % nsplit
+            s_lo = piece * chunk
+            s_hi = s_lo + chunk if s_lo + chunk < a.S else a.S
+            mrow = <void *>(mp + msize * nd_offset(b, ms, item, 1)) if mp != NULL else NULL
+            if elsize == 4:
+                rc = fa_attn_part_f32(<fa_isa>isa, a, <float *>(qp + 4 * nd_offset(b, qs, item, 1)),
+                                      <float *>(kp + 4 * nd_offset(b, ks, item, group)),
+                                      <float *>(vp + 4 * nd_offset(b, vs, item, group)),
+                                      mrow, 0, a.L, s_lo, s_hi,
+                                      <float *>(states + 4 * t * slen), work)
+            else:
+                rc = fa_attn_part_f64(<fa_isa>isa, a, <double *>(qp + 8 * nd_offset(b, qs, item, 1)),
+                                      <double *>(kp + 8 * nd_offset(b, ks, item, group)),
+                                      <double *>(vp + 8 * nd_offset(b, vs, item, group)),
+                                      mrow, 0, a.L, s_lo, s_hi,
+                                      <double *>(states + 8 * t * slen), work)
+            if rc != 0:
+                errp[0] = 2
+        free(work)
+    if err == 0:
+        with nogil:
+            for item in prange(b.count, schedule="static", num_threads=min(nthreads, b.count)):
+                if elsize == 4:
+                    rc = fa_attn_merge_f32(<fa_isa>isa, a, nsplit,
+                                           <float *>(states + 4 * item * nsplit * slen),
+                                           <float *>(op + 4 * nd_offset(b, os, item, 1)), 0, a.L)
+                else:
+                    rc = fa_attn_merge_f64(<fa_isa>isa, a, nsplit,
+                                           <double *>(states + 8 * item * nsplit * slen),
+                                           <double *>(op + 8 * nd_offset(b, os, item, 1)), 0, a.L)
+                if rc != 0:
+                    errp[0] = 2
+    free(states)
+    if err == 1:
+        raise MemoryError("fastattn: cannot allocate the attention scratch memory")
+    if err == 2:
+        raise RuntimeError("fastattn internal error: split attention rejected its arguments")
+    return 0
 
 
 def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray out,

@@ -246,3 +246,49 @@ def test_read_only_and_unaligned_inputs(simd, rng):
 def test_dtypes_of_output(simd, dtype, rng):
     q, k, v = attn_case(rng, dtype, (3, 4), (3, 4), (3, 4))
     assert fastattn.scaled_dot_product_attention(q, k, v).dtype == dtype
+
+
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("kind", ["none", "bool", "float", "causal"])
+def test_decode_split_along_keys(simd, dtype, rng, L, kind):
+    """Few (batch, head) items, few query rows, many keys: the keys are split
+    in pieces computed apart and merged by their log-sum-exp."""
+    S = 5000
+    q, k, v = attn_case(rng, dtype, (1, 2, L, 32), (1, 2, S, 32), (1, 2, S, 24))
+    kwargs = {}
+    if kind == "bool":
+        mask = rng.random((1, 1, 1, S)) > 0.3
+        mask[..., :2500] = False            # whole pieces hidden
+        kwargs["attn_mask"] = mask
+    elif kind == "float":
+        kwargs["attn_mask"] = np.where(rng.random((L, S)) > 0.5, rng.standard_normal((L, S)),
+                                       -np.inf)
+    elif kind == "causal":
+        kwargs.update(is_causal=True, causal_alignment="lower_right")
+    out = fastattn.scaled_dot_product_attention(q, k, v, **kwargs)
+    mask = kwargs.pop("attn_mask", None)
+    rm = None if mask is None or mask.dtype == bool else mask.astype(dtype).astype(np.float64)
+    r = ref.scaled_dot_product_attention(*f64(q, k, v), attn_mask=mask if rm is None else rm,
+                                         **kwargs)
+    assert_close(out, r, dtype, 32 + S, magnitude=4)
+    for n in (1, 2, 3):
+        again = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, num_threads=n,
+                                                      **kwargs)
+        np.testing.assert_array_equal(again, out)
+
+
+def test_decode_split_edge_values(simd, dtype, rng):
+    S = 4096
+    q, k, v = attn_case(rng, dtype, (1, 1, 2, 16), (1, 1, S, 16), (1, 1, S, 8))
+    mask = np.ones((2, S), bool)
+    mask[0] = False                          # a row that sees nothing
+    mask[1, 3000:] = False                   # hidden keys with non-finite values
+    v[0, 0, 3500] = np.nan
+    v[0, 0, 3600] = np.inf
+    out = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert np.all(out[0, 0, 0] == 0)
+    r = ref.scaled_dot_product_attention(*f64(q, k, v), attn_mask=mask)
+    assert np.all(np.isfinite(out))
+    assert_close(out, r, dtype, 16 + S, magnitude=4)
+    q[0, 0, 1, 0] = np.nan                   # a NaN query row stays NaN
+    assert np.all(np.isnan(fastattn.scaled_dot_product_attention(q, k, v)[0, 0, 1]))
