@@ -1,8 +1,9 @@
 """Build of the fastattn extension.
 
 The C99 kernels in csrc/ are compiled here, each with its own flags (the
-AVX2 path with -mavx2 -mfma, everything else for the baseline of the
-target), and linked into the Cython module fastattn._core.
+AVX2 path with -mavx2 -mfma, the AVX-512 path with -mavx512f, everything
+else for the baseline of the target), and linked into the Cython module
+fastattn._core.
 
 Environment variables read at build time:
   FASTATTN_OPENMP=0         build without OpenMP even when the compiler has it
@@ -23,7 +24,9 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = "csrc"
 PORTABLE_SOURCES = ["fa_api.c", "fa_portable.c"]
-AVX2_SOURCES = ["fa_avx2.c"]
+# x86-64 paths, each compiled for its instruction set and chosen at run time
+SIMD_SOURCES = {"fa_avx2.c": ["-mavx2", "-mfma"],
+                "fa_avx512.c": ["-mavx512f", "-mavx2", "-mfma"]}
 OPENMP_PROBE = r"""
 #include <omp.h>
 #include <stdio.h>
@@ -89,10 +92,12 @@ class BuildExt(build_ext):
         objects = self.compiler.compile([os.path.join(CSRC, s) for s in PORTABLE_SOURCES],
                                         output_dir=build_tmp, extra_postargs=common + c99)
         if _is_x86_64():
-            simd = ["-mavx2", "-mfma"] if unix else ["/arch:AVX2"]
-            objects += self.compiler.compile([os.path.join(CSRC, s) for s in AVX2_SOURCES],
-                                             output_dir=build_tmp,
-                                             extra_postargs=common + c99 + simd)
+            for source, flags in SIMD_SOURCES.items():
+                if not unix:  # MSVC spells them /arch:AVX2, /arch:AVX512
+                    flags = ["/arch:AVX512" if "avx512" in source else "/arch:AVX2"]
+                objects += self.compiler.compile([os.path.join(CSRC, source)],
+                                                 output_dir=build_tmp,
+                                                 extra_postargs=common + c99 + flags)
         for ext in self.extensions:
             ext.extra_objects = objects + list(ext.extra_objects or [])
             ext.extra_compile_args = common + list(ext.extra_compile_args or [])

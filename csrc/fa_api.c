@@ -5,8 +5,8 @@
 
 int fa_cpu_has_avx2_fma(void)
 {
-#if FA_HAVE_AVX2 && (defined(__GNUC__) || defined(__clang__))
-    /* libgcc and compiler-rt also check that the OS saves the YMM state */
+#if FA_HAVE_X86_SIMD && (defined(__GNUC__) || defined(__clang__))
+    /* libgcc and compiler-rt also check that the OS saves the vector state */
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
@@ -14,10 +14,21 @@ int fa_cpu_has_avx2_fma(void)
 #endif
 }
 
-#if FA_HAVE_AVX2
+int fa_cpu_has_avx512(void)
+{
+#if FA_HAVE_X86_SIMD && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return fa_cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+#if FA_HAVE_X86_SIMD
 #define FA_DISPATCH(isa, name, sfx, args)                                    \
     do {                                                                     \
-        if ((isa) == FA_ISA_AVX2) FA_CAT4(fa, name, sfx, avx2) args;         \
+        if ((isa) == FA_ISA_AVX512) FA_CAT4(fa, name, sfx, avx512) args;     \
+        else if ((isa) == FA_ISA_AVX2) FA_CAT4(fa, name, sfx, avx2) args;    \
         else FA_CAT4(fa, name, sfx, portable) args;                          \
     } while (0)
 #else
@@ -29,7 +40,8 @@ fa_idx fa_gemm_nc(int elsize) { return elsize == 4 ? FA_GEMM_NC_F32 : FA_GEMM_NC
 
 size_t fa_gemm_work_bytes(int elsize)
 {
-    const size_t nr = elsize == 4 ? FA_NR_F32 : FA_NR_F64;
+    /* NC is a multiple of every path's NR, so the padded B panels fit */
+    const size_t nr = FA_NR_BYTES_MAX / (size_t)elsize;
     return (size_t)elsize * (FA_GEMM_MC * FA_GEMM_KC + FA_GEMM_KC * (size_t)fa_gemm_nc(elsize) + FA_MR * nr);
 }
 
@@ -73,7 +85,7 @@ int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask
     return 0;
 }
 
-fa_idx fa_attn_query_block(int elsize) { return 4 * (elsize == 4 ? FA_NR_F32 : FA_NR_F64); }
+fa_idx fa_attn_query_block(int elsize) { return FA_QB_BYTES / elsize; }
 
 size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
 {

@@ -20,7 +20,7 @@
 
 #include "fa_rows_impl.h"
 
-#define FA_QB (4 * FA_NR)   /* query rows per block: 64 floats, 32 doubles */
+#define FA_QB (FA_QB_BYTES / (fa_idx)sizeof(T)) /* query rows per block: 64 floats, 32 doubles */
 #define FA_KB 128           /* keys per block */
 
 size_t FA_NAME(attn_work)(const fa_attn_args *a)

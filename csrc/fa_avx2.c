@@ -1,16 +1,17 @@
 /* The AVX2 + FMA path, compiled with -mavx2 -mfma and called only when
  * fa_cpu_has_avx2_fma() says the CPU has both. */
 #include "fa_internal.h"
-#if FA_HAVE_AVX2
+#if FA_HAVE_X86_SIMD
 #include <math.h>
 
 #define FA_ISA avx2
-#define FA_PRIMS "fa_prims_avx2.h"
+#define FA_SIMD "fa_simd_avx2.h"
+#define FA_PRIMS "fa_prims_simd.h"
 
 #define T float
 #define FA_SFX f32
 #define FA_IS_F32 1
-#define FA_NR FA_NR_F32
+#define FA_NR 16
 #define FA_GEMM_NC FA_GEMM_NC_F32
 #include "fa_kernels_impl.h"
 #undef T
@@ -22,7 +23,7 @@
 #define T double
 #define FA_SFX f64
 #define FA_IS_F32 0
-#define FA_NR FA_NR_F64
+#define FA_NR 8
 #define FA_GEMM_NC FA_GEMM_NC_F64
 #include "fa_kernels_impl.h"
 #else

@@ -9,17 +9,17 @@
 typedef ptrdiff_t fa_idx;
 
 /* Instruction-set paths.  The caller picks one; the kernels hold no state. */
-typedef enum { FA_ISA_PORTABLE = 0, FA_ISA_AVX2 = 1 } fa_isa;
+typedef enum { FA_ISA_PORTABLE = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2 } fa_isa;
 
 /* How a mask is stored.  BOOL: one byte per entry, nonzero = may attend
  * (PyTorch SDPA convention).  ADD: same dtype as the scores, added to the
  * scaled scores; -inf hides the key whatever the score is. */
 typedef enum { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 } fa_mask_kind;
 
-/* Micro-tile: MR rows by NR columns, NR = one 64-byte cache line. */
+/* Micro-tile: MR rows by NR columns; NR is two vectors of the path (64
+ * bytes on the portable and AVX2 paths, 128 bytes on AVX-512). */
 #define FA_MR 6
-#define FA_NR_F32 16
-#define FA_NR_F64 8
+#define FA_NR_BYTES_MAX 128
 
 #define FA_CAT3_(a, b, c) a##_##b##_##c
 #define FA_CAT3(a, b, c) FA_CAT3_(a, b, c)

@@ -5,9 +5,9 @@
 #include "fastattn.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
-#define FA_HAVE_AVX2 1
+#define FA_HAVE_X86_SIMD 1 /* the AVX2 and AVX-512 paths are compiled in */
 #else
-#define FA_HAVE_AVX2 0
+#define FA_HAVE_X86_SIMD 0
 #endif
 
 /* Cache blocks of the matrix product: an A block of MC x KC and a B panel of
@@ -16,6 +16,10 @@
 #define FA_GEMM_KC 256
 #define FA_GEMM_NC_F32 256
 #define FA_GEMM_NC_F64 128
+
+/* Query rows per block of the attention kernel (256 bytes of a column), the
+ * same on every path so that the split of work does not depend on it. */
+#define FA_QB_BYTES 256
 
 /* Query blocks of at most this many rows go to the row kernel, and may be
  * split along the keys (fa_attn_part / fa_attn_merge). */
@@ -45,9 +49,11 @@
 
 FA_DECLARE(float, f32, portable)
 FA_DECLARE(double, f64, portable)
-#if FA_HAVE_AVX2
+#if FA_HAVE_X86_SIMD
 FA_DECLARE(float, f32, avx2)
 FA_DECLARE(double, f64, avx2)
+FA_DECLARE(float, f32, avx512)
+FA_DECLARE(double, f64, avx512)
 #endif
 
 #endif

@@ -9,7 +9,7 @@
 #define T float
 #define FA_SFX f32
 #define FA_IS_F32 1
-#define FA_NR FA_NR_F32
+#define FA_NR 16
 #define FA_GEMM_NC FA_GEMM_NC_F32
 #include "fa_kernels_impl.h"
 #undef T
@@ -21,6 +21,6 @@
 #define T double
 #define FA_SFX f64
 #define FA_IS_F32 0
-#define FA_NR FA_NR_F64
+#define FA_NR 8
 #define FA_GEMM_NC FA_GEMM_NC_F64
 #include "fa_kernels_impl.h"

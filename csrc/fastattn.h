@@ -15,6 +15,8 @@
 
 /* 1 when the CPU and the OS support AVX2 and FMA, else 0. */
 int fa_cpu_has_avx2_fma(void);
+/* 1 when they also support AVX-512 (foundation), else 0. */
+int fa_cpu_has_avx512(void);
 
 /* ---- Blocked matrix product C = A B ------------------------------------ */
 

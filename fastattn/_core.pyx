@@ -33,6 +33,7 @@ cdef extern from "fastattn.h" nogil:
     ctypedef enum fa_isa:
         FA_ISA_PORTABLE
         FA_ISA_AVX2
+        FA_ISA_AVX512
     ctypedef enum fa_mask_kind:
         FA_MASK_NONE
         FA_MASK_BOOL
@@ -50,6 +51,7 @@ cdef extern from "fastattn.h" nogil:
         double scale
 
     int fa_cpu_has_avx2_fma()
+    int fa_cpu_has_avx512()
     fa_idx fa_gemm_mc(int elsize)
     fa_idx fa_gemm_nc(int elsize)
     size_t fa_gemm_work_bytes(int elsize)
@@ -89,6 +91,7 @@ DEF MAXDIM = 64
 
 ISA_PORTABLE = <int>FA_ISA_PORTABLE
 ISA_AVX2 = <int>FA_ISA_AVX2
+ISA_AVX512 = <int>FA_ISA_AVX512
 MASK_NONE = <int>FA_MASK_NONE
 MASK_BOOL = <int>FA_MASK_BOOL
 MASK_ADD = <int>FA_MASK_ADD
@@ -96,6 +99,10 @@ MASK_ADD = <int>FA_MASK_ADD
 
 def cpu_has_avx2_fma():
     return bool(fa_cpu_has_avx2_fma())
+
+
+def cpu_has_avx512():
+    return bool(fa_cpu_has_avx512())
 
 
 def have_openmp():

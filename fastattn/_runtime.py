@@ -9,13 +9,18 @@ import os
 
 from . import _core
 
-_PATHS = {"portable": _core.ISA_PORTABLE, "avx2": _core.ISA_AVX2}
+_PATHS = {"portable": _core.ISA_PORTABLE, "avx2": _core.ISA_AVX2, "avx512": _core.ISA_AVX512}
 SIMD_ENV = "FASTATTN_SIMD"
 
 
 def available_simd_paths():
     """The instruction-set paths this CPU and build can run, best last."""
-    return ["portable", "avx2"] if _core.cpu_has_avx2_fma() else ["portable"]
+    paths = ["portable"]
+    if _core.cpu_has_avx2_fma():
+        paths.append("avx2")
+    if _core.cpu_has_avx512():
+        paths.append("avx512")
+    return paths
 
 
 def _path_from_env():
@@ -23,9 +28,9 @@ def _path_from_env():
     if wanted == "auto":
         return available_simd_paths()[-1]
     if wanted not in _PATHS:
-        raise ValueError(f"{SIMD_ENV}={wanted!r}: expected 'auto', 'portable' or 'avx2'")
+        raise ValueError(f"{SIMD_ENV}={wanted!r}: expected 'auto', 'portable', 'avx2' or 'avx512'")
     if wanted not in available_simd_paths():
-        raise RuntimeError(f"{SIMD_ENV}={wanted!r} but this CPU or build has no AVX2+FMA path")
+        raise RuntimeError(f"{SIMD_ENV}={wanted!r} but this CPU or build cannot run that path")
     return wanted
 
 
@@ -34,15 +39,15 @@ _num_threads = None  # None: OpenMP's default (OMP_NUM_THREADS, else the CPU cou
 
 
 def simd_path():
-    """Name of the instruction-set path in use: 'avx2' or 'portable'.
+    """Name of the instruction-set path in use: 'avx512', 'avx2' or 'portable'.
 
-    Chosen at import from the CPU's features, or forced with the environment
-    variable FASTATTN_SIMD=portable|avx2|auto."""
+    Chosen at import from the CPU's features (the widest it has), or forced
+    with the environment variable FASTATTN_SIMD=portable|avx2|avx512|auto."""
     return _simd_path
 
 
 def set_simd_path(name):
-    """Switch the instruction-set path ('portable', 'avx2' or 'auto').
+    """Switch the instruction-set path ('portable', 'avx2', 'avx512' or 'auto').
 
     Raises ValueError for an unknown name and RuntimeError for a path this
     CPU cannot run."""
@@ -52,7 +57,8 @@ def set_simd_path(name):
     if name == "auto":
         name = available_simd_paths()[-1]
     if name not in _PATHS:
-        raise ValueError(f"unknown SIMD path {name!r}: expected 'auto', 'portable' or 'avx2'")
+        raise ValueError(f"unknown SIMD path {name!r}: expected 'auto', 'portable', 'avx2' "
+                         "or 'avx512'")
     if name not in available_simd_paths():
         raise RuntimeError(f"SIMD path {name!r} is not available on this CPU or build")
     _simd_path = name

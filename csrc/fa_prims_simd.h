@@ -1,39 +1,14 @@
-/* AVX2 + FMA primitives for element type T (float or double): the 6 x NR
- * register micro-kernel (NR = 16 floats or 8 doubles, two vectors) and the
- * vector exp of fa_exp_consts.h.  Same contract as fa_prims_portable.h.
+/* SIMD primitives for element type T (float or double): the 6 x NR
+ * register micro-kernel (NR = two vectors: 16 floats or 8 doubles in 256
+ * bits, 32 or 16 in 512 bits), the vector exp of fa_exp_consts.h, and the
+ * small loops of the attention kernels.  Same contract as
+ * fa_prims_portable.h.
  *
- * Included by fa_avx2.c (compiled with -mavx2 -mfma) once per type, with T,
- * FA_NR, FA_NAME and FA_IS_F32 defined. */
-#include <immintrin.h>
+ * Written against the vector operations of fa_simd_avx2.h or
+ * fa_simd_avx512.h, which the including file (fa_avx2.c, fa_avx512.c)
+ * includes first, with T, FA_NR (= 2 * VLEN), FA_NAME and FA_IS_F32 defined. */
+#include FA_SIMD
 #include "fa_exp_consts.h"
-
-#if FA_IS_F32
-#define V __m256
-#define VLEN 8
-#define VZERO() _mm256_setzero_ps()
-#define VSET1(x) _mm256_set1_ps(x)
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSTORE(p, x) _mm256_storeu_ps(p, x)
-#define VBCAST(p) _mm256_broadcast_ss(p)
-#define VADD(x, y) _mm256_add_ps(x, y)
-#define VSUB(x, y) _mm256_sub_ps(x, y)
-#define VMUL(x, y) _mm256_mul_ps(x, y)
-#define VFMA(x, y, z) _mm256_fmadd_ps(x, y, z)
-#define VMAX(x, y) _mm256_max_ps(x, y)
-#else
-#define V __m256d
-#define VLEN 4
-#define VZERO() _mm256_setzero_pd()
-#define VSET1(x) _mm256_set1_pd(x)
-#define VLOAD(p) _mm256_loadu_pd(p)
-#define VSTORE(p, x) _mm256_storeu_pd(p, x)
-#define VBCAST(p) _mm256_broadcast_sd(p)
-#define VADD(x, y) _mm256_add_pd(x, y)
-#define VSUB(x, y) _mm256_sub_pd(x, y)
-#define VMUL(x, y) _mm256_mul_pd(x, y)
-#define VFMA(x, y, z) _mm256_fmadd_pd(x, y, z)
-#define VMAX(x, y) _mm256_max_pd(x, y)
-#endif
 
 #define FA_UKR_ROW(r)                                                     \
     if (mr > r) {                                                         \
@@ -99,12 +74,11 @@ static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a
 static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
 {
 #if FA_IS_F32
-    const __m256 xc = _mm256_min_ps(VSET1(FA_EXPF_HI), _mm256_max_ps(VSET1(FA_EXPF_LO), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, VSET1(FA_EXPF_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, VSET1(FA_EXPF_LN2_HI), xc);
-    r = _mm256_fnmadd_ps(n, VSET1(FA_EXPF_LN2_LO), r);
-    __m256 p = VSET1((float)FA_INV_FACT_7);
+    const V xc = VMIN(VSET1(FA_EXPF_HI), VMAX(VSET1(FA_EXPF_LO), x));
+    const V n = VROUND(VMUL(xc, VSET1(FA_EXPF_LOG2E)));
+    V r = VFNMA(n, VSET1(FA_EXPF_LN2_HI), xc);
+    r = VFNMA(n, VSET1(FA_EXPF_LN2_LO), r);
+    V p = VSET1((float)FA_INV_FACT_7);
     p = VFMA(p, r, VSET1((float)FA_INV_FACT_6));
     p = VFMA(p, r, VSET1((float)FA_INV_FACT_5));
     p = VFMA(p, r, VSET1((float)FA_INV_FACT_4));
@@ -112,21 +86,20 @@ static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
     p = VFMA(p, r, VSET1((float)FA_INV_FACT_2));
     p = VFMA(p, r, VSET1(1.0f));
     p = VFMA(p, r, VSET1(1.0f));
-    const __m256i ni = _mm256_cvtps_epi32(n);
+    const VI ni = VCVTI(n);
     /* n1 = n / 2 rounded toward zero, as in the portable path */
-    const __m256i n1 = _mm256_srai_epi32(_mm256_add_epi32(ni, _mm256_srli_epi32(ni, 31)), 1);
-    const __m256i n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    const VI n1 = VI_SRAI(VI_ADD(ni, VI_SRLI(ni, 31)), 1);
+    const VI n2 = VI_SUB(ni, n1);
+    const VI bias = VI_SET1(127);
+    const V s1 = VI_AS(VI_SLLI(VI_ADD(n1, bias), 23));
+    const V s2 = VI_AS(VI_SLLI(VI_ADD(n2, bias), 23));
+    return VMUL(VMUL(p, s1), s2);
 #else
-    const __m256d xc = _mm256_min_pd(VSET1(FA_EXP_HI), _mm256_max_pd(VSET1(FA_EXP_LO), x));
-    const __m256d n = _mm256_round_pd(_mm256_mul_pd(xc, VSET1(FA_EXP_LOG2E)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256d r = _mm256_fnmadd_pd(n, VSET1(FA_EXP_LN2_HI), xc);
-    r = _mm256_fnmadd_pd(n, VSET1(FA_EXP_LN2_LO), r);
-    __m256d p = VSET1(FA_INV_FACT_13);
+    const V xc = VMIN(VSET1(FA_EXP_HI), VMAX(VSET1(FA_EXP_LO), x));
+    const V n = VROUND(VMUL(xc, VSET1(FA_EXP_LOG2E)));
+    V r = VFNMA(n, VSET1(FA_EXP_LN2_HI), xc);
+    r = VFNMA(n, VSET1(FA_EXP_LN2_LO), r);
+    V p = VSET1(FA_INV_FACT_13);
     p = VFMA(p, r, VSET1(FA_INV_FACT_12));
     p = VFMA(p, r, VSET1(FA_INV_FACT_11));
     p = VFMA(p, r, VSET1(FA_INV_FACT_10));
@@ -142,13 +115,12 @@ static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
     p = VFMA(p, r, VSET1(1.0));
     /* n1 = n / 2 toward zero; n2 = n - n1; 2^k built from the low bits of
      * k + 1.5*2^52 + 1023, shifted into the exponent field. */
-    const __m256d n1 = _mm256_round_pd(_mm256_mul_pd(n, VSET1(0.5)),
-                                       _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __m256d n2 = _mm256_sub_pd(n, n1);
-    const __m256d magic = VSET1(FA_EXP_ROUND + 1023.0);
-    const __m256d s1 = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n1, magic)), 52));
-    const __m256d s2 = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n2, magic)), 52));
-    return _mm256_mul_pd(_mm256_mul_pd(p, s1), s2);
+    const V n1 = VTRUNC(VMUL(n, VSET1(0.5)));
+    const V n2 = VSUB(n, n1);
+    const V magic = VSET1(FA_EXP_ROUND + 1023.0);
+    const V s1 = VI_AS(VI_SLLI(VAS_I(VADD(n1, magic)), 52));
+    const V s2 = VI_AS(VI_SLLI(VAS_I(VADD(n2, magic)), 52));
+    return VMUL(VMUL(p, s1), s2);
 #endif
 }
 
@@ -228,23 +200,13 @@ static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l, T *bad)
     for (fa_idx j = 0; j < ld; j += VLEN) {
         const V lj = VLOAD(l + j);
         V acc = zero;
-#if FA_IS_F32
-        const V empty = _mm256_cmp_ps(lj, zero, _CMP_EQ_OQ);
-        const V d = _mm256_blendv_ps(lj, one, empty);
+        const VMASK empty = VEQ(lj, zero);
+        const V d = VBLEND(lj, one, empty);
         for (fa_idx c = 0; c < n; ++c) {
-            const V y = _mm256_blendv_ps(_mm256_div_ps(VLOAD(o + c * ld + j), d), zero, empty);
+            const V y = VBLEND(VDIV(VLOAD(o + c * ld + j), d), zero, empty);
             VSTORE(o + c * ld + j, y);
             acc = VADD(acc, VSUB(y, y));
         }
-#else
-        const V empty = _mm256_cmp_pd(lj, zero, _CMP_EQ_OQ);
-        const V d = _mm256_blendv_pd(lj, one, empty);
-        for (fa_idx c = 0; c < n; ++c) {
-            const V y = _mm256_blendv_pd(_mm256_div_pd(VLOAD(o + c * ld + j), d), zero, empty);
-            VSTORE(o + c * ld + j, y);
-            acc = VADD(acc, VSUB(y, y));
-        }
-#endif
         VSTORE(bad + j, acc);
     }
 }
@@ -287,6 +249,8 @@ static void FA_NAME(axpy)(fa_idx n, T alpha, const T *x, fa_idx xs, T *y)
 }
 
 #undef V
+#undef VI
+#undef VMASK
 #undef VLEN
 #undef VZERO
 #undef VSET1
@@ -296,5 +260,21 @@ static void FA_NAME(axpy)(fa_idx n, T alpha, const T *x, fa_idx xs, T *y)
 #undef VADD
 #undef VSUB
 #undef VMUL
+#undef VDIV
 #undef VFMA
+#undef VFNMA
 #undef VMAX
+#undef VMIN
+#undef VROUND
+#undef VTRUNC
+#undef VEQ
+#undef VBLEND
+#undef VCVTI
+#undef VI_SET1
+#undef VI_ADD
+#undef VI_SUB
+#undef VI_SRAI
+#undef VI_SRLI
+#undef VI_SLLI
+#undef VI_AS
+#undef VAS_I

@@ -1,0 +1,61 @@
+/* Vector operations of the AVX2 + FMA path for element type T (FA_IS_F32
+ * selects float or double): 256-bit registers.  fa_prims_simd.h is written
+ * against these names; fa_simd_avx512.h defines the same for 512 bits. */
+#include <immintrin.h>
+
+#if FA_IS_F32
+#define V __m256
+#define VI __m256i
+#define VMASK __m256
+#define VLEN 8
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, x) _mm256_storeu_ps(p, x)
+#define VBCAST(p) _mm256_broadcast_ss(p)
+#define VADD(x, y) _mm256_add_ps(x, y)
+#define VSUB(x, y) _mm256_sub_ps(x, y)
+#define VMUL(x, y) _mm256_mul_ps(x, y)
+#define VDIV(x, y) _mm256_div_ps(x, y)
+#define VFMA(x, y, z) _mm256_fmadd_ps(x, y, z)
+#define VFNMA(x, y, z) _mm256_fnmadd_ps(x, y, z)
+#define VMAX(x, y) _mm256_max_ps(x, y)
+#define VMIN(x, y) _mm256_min_ps(x, y)
+#define VROUND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VEQ(x, y) _mm256_cmp_ps(x, y, _CMP_EQ_OQ)
+#define VBLEND(x, y, m) _mm256_blendv_ps(x, y, m)
+#define VCVTI(x) _mm256_cvtps_epi32(x)
+#define VI_SET1(x) _mm256_set1_epi32(x)
+#define VI_ADD(x, y) _mm256_add_epi32(x, y)
+#define VI_SUB(x, y) _mm256_sub_epi32(x, y)
+#define VI_SRAI(x, k) _mm256_srai_epi32(x, k)
+#define VI_SRLI(x, k) _mm256_srli_epi32(x, k)
+#define VI_SLLI(x, k) _mm256_slli_epi32(x, k)
+#define VI_AS(x) _mm256_castsi256_ps(x)
+#define VAS_I(x) _mm256_castps_si256(x)
+#else
+#define V __m256d
+#define VI __m256i
+#define VMASK __m256d
+#define VLEN 4
+#define VZERO() _mm256_setzero_pd()
+#define VSET1(x) _mm256_set1_pd(x)
+#define VLOAD(p) _mm256_loadu_pd(p)
+#define VSTORE(p, x) _mm256_storeu_pd(p, x)
+#define VBCAST(p) _mm256_broadcast_sd(p)
+#define VADD(x, y) _mm256_add_pd(x, y)
+#define VSUB(x, y) _mm256_sub_pd(x, y)
+#define VMUL(x, y) _mm256_mul_pd(x, y)
+#define VDIV(x, y) _mm256_div_pd(x, y)
+#define VFMA(x, y, z) _mm256_fmadd_pd(x, y, z)
+#define VFNMA(x, y, z) _mm256_fnmadd_pd(x, y, z)
+#define VMAX(x, y) _mm256_max_pd(x, y)
+#define VMIN(x, y) _mm256_min_pd(x, y)
+#define VROUND(x) _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VTRUNC(x) _mm256_round_pd(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC)
+#define VEQ(x, y) _mm256_cmp_pd(x, y, _CMP_EQ_OQ)
+#define VBLEND(x, y, m) _mm256_blendv_pd(x, y, m)
+#define VI_SLLI(x, k) _mm256_slli_epi64(x, k)
+#define VI_AS(x) _mm256_castsi256_pd(x)
+#define VAS_I(x) _mm256_castpd_si256(x)
+#endif

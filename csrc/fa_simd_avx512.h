@@ -1,0 +1,61 @@
+/* Vector operations of the AVX-512 path for element type T (FA_IS_F32
+ * selects float or double): 512-bit registers, comparisons into mask
+ * registers.  The same names as fa_simd_avx2.h. */
+#include <immintrin.h>
+
+#if FA_IS_F32
+#define V __m512
+#define VI __m512i
+#define VMASK __mmask16
+#define VLEN 16
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, x) _mm512_storeu_ps(p, x)
+#define VBCAST(p) _mm512_set1_ps(*(p))
+#define VADD(x, y) _mm512_add_ps(x, y)
+#define VSUB(x, y) _mm512_sub_ps(x, y)
+#define VMUL(x, y) _mm512_mul_ps(x, y)
+#define VDIV(x, y) _mm512_div_ps(x, y)
+#define VFMA(x, y, z) _mm512_fmadd_ps(x, y, z)
+#define VFNMA(x, y, z) _mm512_fnmadd_ps(x, y, z)
+#define VMAX(x, y) _mm512_max_ps(x, y)
+#define VMIN(x, y) _mm512_min_ps(x, y)
+#define VROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VEQ(x, y) _mm512_cmp_ps_mask(x, y, _CMP_EQ_OQ)
+#define VBLEND(x, y, m) _mm512_mask_blend_ps(m, x, y)
+#define VCVTI(x) _mm512_cvtps_epi32(x)
+#define VI_SET1(x) _mm512_set1_epi32(x)
+#define VI_ADD(x, y) _mm512_add_epi32(x, y)
+#define VI_SUB(x, y) _mm512_sub_epi32(x, y)
+#define VI_SRAI(x, k) _mm512_srai_epi32(x, k)
+#define VI_SRLI(x, k) _mm512_srli_epi32(x, k)
+#define VI_SLLI(x, k) _mm512_slli_epi32(x, k)
+#define VI_AS(x) _mm512_castsi512_ps(x)
+#define VAS_I(x) _mm512_castps_si512(x)
+#else
+#define V __m512d
+#define VI __m512i
+#define VMASK __mmask8
+#define VLEN 8
+#define VZERO() _mm512_setzero_pd()
+#define VSET1(x) _mm512_set1_pd(x)
+#define VLOAD(p) _mm512_loadu_pd(p)
+#define VSTORE(p, x) _mm512_storeu_pd(p, x)
+#define VBCAST(p) _mm512_set1_pd(*(p))
+#define VADD(x, y) _mm512_add_pd(x, y)
+#define VSUB(x, y) _mm512_sub_pd(x, y)
+#define VMUL(x, y) _mm512_mul_pd(x, y)
+#define VDIV(x, y) _mm512_div_pd(x, y)
+#define VFMA(x, y, z) _mm512_fmadd_pd(x, y, z)
+#define VFNMA(x, y, z) _mm512_fnmadd_pd(x, y, z)
+#define VMAX(x, y) _mm512_max_pd(x, y)
+#define VMIN(x, y) _mm512_min_pd(x, y)
+#define VROUND(x) _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VTRUNC(x) _mm512_roundscale_pd(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC)
+#define VEQ(x, y) _mm512_cmp_pd_mask(x, y, _CMP_EQ_OQ)
+#define VBLEND(x, y, m) _mm512_mask_blend_pd(m, x, y)
+#define VI_SLLI(x, k) _mm512_slli_epi64(x, k)
+#define VI_AS(x) _mm512_castsi512_pd(x)
+#define VAS_I(x) _mm512_castpd_si512(x)
+#endif
