@@ -42,7 +42,8 @@ size_t fa_gemm_work_bytes(int elsize)
 {
     /* NC is a multiple of every path's NR, so the padded B panels fit */
     const size_t nr = FA_NR_BYTES_MAX / (size_t)elsize;
-    return (size_t)elsize * (FA_GEMM_MC * FA_GEMM_KC + FA_GEMM_KC * (size_t)fa_gemm_nc(elsize) + FA_MR * nr);
+    return (size_t)elsize * (FA_GEMM_MC * FA_GEMM_KC + FA_GEMM_KC * (size_t)fa_gemm_nc(elsize) + FA_MR * nr) +
+           FA_ALIGN;
 }
 
 static int gemm_ok(const fa_gemm_args *g, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, int elsize)
@@ -67,7 +68,7 @@ int fa_gemm_f64(fa_isa isa, const fa_gemm_args *g, const double *a, const double
     return 0;
 }
 
-size_t fa_softmax_work_bytes(fa_idx n, int elsize) { return (size_t)(n > 0 ? n : 1) * (size_t)elsize; }
+size_t fa_softmax_work_bytes(fa_idx n, int elsize) { return (size_t)(n > 0 ? n : 1) * (size_t)elsize + FA_ALIGN; }
 
 int fa_softmax_row_f32(fa_isa isa, fa_idx n, const float *x, fa_idx xs, fa_mask_kind mk,
                        const void *mask, fa_idx ms, float *out, fa_idx os, void *work)

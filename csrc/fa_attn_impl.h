@@ -16,7 +16,7 @@
  * came out non-finite.
  *
  * Needs T, FA_NR, FA_NAME and the primitives ukr, vexp, exp_block, pack_t,
- * normalize, dot, axpy. */
+ * normalize, dot, gemv_t. */
 
 #include "fa_rows_impl.h"
 
@@ -26,9 +26,10 @@
 size_t FA_NAME(attn_work)(const fa_attn_args *a)
 {
     /* Qp E x QB, S^T and the mask tile KB x QB each, O^T Ev x QB, six vectors
-     * of QB, and the row kernel's scratch for repairs */
+     * of QB, and the row kernel's scratch for repairs; QB columns are whole
+     * multiples of 64 bytes, so every row of these starts aligned */
     return sizeof(T) * (size_t)FA_QB * (size_t)(a->E + 2 * FA_KB + a->Ev + 6) +
-           FA_NAME(rows_work)(a);
+           FA_NAME(rows_work)(a) + FA_ALIGN;
 }
 
 /* st[r, j] = logit of query i0 + j and key s0 + r: the scaled score plus the
@@ -102,7 +103,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     const fa_idx nq = i1 - i0, ld = (nq + FA_NR - 1) / FA_NR * FA_NR;
     const fa_idx E = a->E, Ev = a->Ev;
     const T ninf = -(T)INFINITY, scale = (T)a->scale;
-    T *qp = (T *)work;          /* E x ld: query block, transposed, scaled, zero padded */
+    T *qp = (T *)FA_ALIGNED(work); /* E x ld: query block, transposed, scaled, zero padded */
     T *st = qp + E * ld;        /* FA_KB x ld: logits, then weights, of a key block */
     T *bias = st + FA_KB * ld;  /* FA_KB x ld: the mask of a key block */
     T *ot = bias + FA_KB * ld;  /* Ev x ld: unnormalised output, transposed */
@@ -117,7 +118,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
 
     if (nq <= 0) return;
     if (nq <= FA_ROWS_MAX) {
-        FA_NAME(attn_rows)(a, q, k, v, mask, out, w, i0, i1, (T *)work);
+        FA_NAME(attn_rows)(a, q, k, v, mask, out, w, i0, i1, qp);
         return;
     }
     FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, scale, qp, ld, 1);

@@ -10,7 +10,7 @@ void FA_NAME(gemm)(const fa_gemm_args *g, const T *a, const T *b, T *c,
                           fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
 {
     const fa_idx mb = i1 - i0, nb = j1 - j0;
-    T *ap = (T *)work;                       /* FA_GEMM_MC x FA_GEMM_KC */
+    T *ap = (T *)FA_ALIGNED(work);           /* FA_GEMM_MC x FA_GEMM_KC */
     T *bp = ap + FA_GEMM_MC * FA_GEMM_KC;    /* FA_GEMM_KC x FA_GEMM_NC */
     T *tile = bp + FA_GEMM_KC * FA_GEMM_NC;  /* FA_MR x FA_NR */
 

@@ -2,7 +2,16 @@
 #ifndef FA_INTERNAL_H
 #define FA_INTERNAL_H
 
+#include <stdint.h>
 #include "fastattn.h"
+
+/* Scratch from the caller is aligned here to 64 bytes, so that no vector
+ * load or store of it straddles a cache line (a split 512-bit store stalls
+ * the load that follows it); every work size counts these extra bytes. */
+#define FA_ALIGN 64
+#define FA_ALIGNED(p) ((void *)(((uintptr_t)(p) + FA_ALIGN - 1) & ~(uintptr_t)(FA_ALIGN - 1)))
+/* n elements of size es rounded up to whole multiples of FA_ALIGN bytes */
+#define FA_PAD(n, es) ((((n) * (es) + FA_ALIGN - 1) / FA_ALIGN) * FA_ALIGN / (es))
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define FA_HAVE_X86_SIMD 1 /* the AVX2 and AVX-512 paths are compiled in */

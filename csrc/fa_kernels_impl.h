@@ -15,3 +15,6 @@ void FA_NAME(exp_array)(fa_idx n, const T *x, T *y) { FA_NAME(vexp)(n, x, y); }
 #undef FA_QB
 #undef FA_KB
 #undef FA_RB
+#undef FA_EP
+#undef FA_EVP
+#undef FA_ROWS_SCALARS

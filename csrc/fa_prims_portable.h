@@ -162,8 +162,14 @@ static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-/* y[c] += alpha * x[c * xs] */
-static void FA_NAME(axpy)(fa_idx n, T alpha, const T *x, fa_idx xs, T *y)
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c * cs], for c < n, leaving
+ * out the rows whose p[r] is exactly 0 (their x is never read). */
+static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, fa_idx cs,
+                            T *o)
 {
-    for (fa_idx c = 0; c < n; ++c) y[c] += alpha * x[c * xs];
+    for (fa_idx r = 0; r < nk; ++r) {
+        if (p[r] == 0) continue;
+        const T *xr = x + r * rs;
+        for (fa_idx c = 0; c < n; ++c) o[c] += p[r] * xr[c * cs];
+    }
 }

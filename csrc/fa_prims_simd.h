@@ -225,27 +225,51 @@ static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
             s3 = VFMA(VLOAD(x + c + 3 * VLEN), VLOAD(y + c + 3 * VLEN), s3);
         }
         for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
-        T lanes[VLEN];
-        VSTORE(lanes, VADD(VADD(s0, s1), VADD(s2, s3)));
-        for (int t = 0; t < VLEN; ++t) s += lanes[t];
+        s = VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));
     }
     for (; c < n; ++c) s += x[c] * y[c * ys];
     return s;
 }
 
-/* y[c] += alpha * x[c * xs] */
-static void FA_NAME(axpy)(fa_idx n, T alpha, const T *x, fa_idx xs, T *y)
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c * cs], for c < n, leaving
+ * out the rows whose p[r] is exactly 0 (their x is never read).  With cs = 1
+ * up to 8 vectors of o stay in registers for the whole sweep over r. */
+static inline __attribute__((always_inline)) void
+FA_NAME(gemv_t_body)(const int nv, fa_idx nk, const T *p, const T *x, fa_idx rs, T *o)
+{
+    V acc[8];
+    for (int u = 0; u < nv; ++u) acc[u] = VLOAD(o + u * VLEN);
+    for (fa_idx r = 0; r < nk; ++r) {
+        if (p[r] == 0) continue;
+        const V pr = VSET1(p[r]);
+        const T *xr = x + r * rs;
+        for (int u = 0; u < nv; ++u) acc[u] = VFMA(pr, VLOAD(xr + u * VLEN), acc[u]);
+    }
+    for (int u = 0; u < nv; ++u) VSTORE(o + u * VLEN, acc[u]);
+}
+
+static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, fa_idx cs,
+                            T *o)
 {
     fa_idx c = 0;
-    if (xs == 1) {
-        const V av = VSET1(alpha);
-        for (; c + 2 * VLEN <= n; c += 2 * VLEN) {
-            VSTORE(y + c, VFMA(av, VLOAD(x + c), VLOAD(y + c)));
-            VSTORE(y + c + VLEN, VFMA(av, VLOAD(x + c + VLEN), VLOAD(y + c + VLEN)));
+    if (cs == 1) {
+        for (; c + 8 * VLEN <= n; c += 8 * VLEN) FA_NAME(gemv_t_body)(8, nk, p, x + c, rs, o + c);
+        switch ((n - c) / VLEN) {
+        case 7: FA_NAME(gemv_t_body)(7, nk, p, x + c, rs, o + c); break;
+        case 6: FA_NAME(gemv_t_body)(6, nk, p, x + c, rs, o + c); break;
+        case 5: FA_NAME(gemv_t_body)(5, nk, p, x + c, rs, o + c); break;
+        case 4: FA_NAME(gemv_t_body)(4, nk, p, x + c, rs, o + c); break;
+        case 3: FA_NAME(gemv_t_body)(3, nk, p, x + c, rs, o + c); break;
+        case 2: FA_NAME(gemv_t_body)(2, nk, p, x + c, rs, o + c); break;
+        case 1: FA_NAME(gemv_t_body)(1, nk, p, x + c, rs, o + c); break;
+        default: break;
         }
-        for (; c + VLEN <= n; c += VLEN) VSTORE(y + c, VFMA(av, VLOAD(x + c), VLOAD(y + c)));
+        c += (n - c) / VLEN * VLEN;
     }
-    for (; c < n; ++c) y[c] += alpha * x[c * xs];
+    for (fa_idx r = 0; c < n && r < nk; ++r) {
+        if (p[r] == 0) continue;
+        for (fa_idx cc = c; cc < n; ++cc) o[cc] += p[r] * x[r * rs + cc * cs];
+    }
 }
 
 #undef V
@@ -278,3 +302,4 @@ static void FA_NAME(axpy)(fa_idx n, T alpha, const T *x, fa_idx xs, T *y)
 #undef VI_SLLI
 #undef VI_AS
 #undef VAS_I
+#undef VREDUCE

@@ -2,17 +2,23 @@
  * new token against a long key/value cache) and rows whose output the block
  * kernel found non-finite.  Each row of K and V is read once per key block
  * for all the rows: dot products give the scores, an online softmax runs
- * along the keys, and axpy adds the value rows, skipping keys whose weight
+ * along the keys, and gemv_t adds the value rows, skipping keys whose weight
  * is exactly zero, so that a non-finite value at a hidden key never reaches
  * the output.
  *
- * Needs T, FA_NAME and the primitives vexp, dot, axpy. */
+ * Needs T, FA_NAME and the primitives vexp, dot, gemv_t. */
 
 #define FA_RB 256       /* keys per block */
 
+/* Row strides of the scratch arrays: whole multiples of 64 bytes. */
+#define FA_EP(a) FA_PAD((a)->E, (fa_idx)sizeof(T))
+#define FA_EVP(a) FA_PAD((a)->Ev, (fa_idx)sizeof(T))
+#define FA_ROWS_SCALARS FA_PAD(2 * FA_ROWS_MAX, (fa_idx)sizeof(T))
+
+/* Scratch of the row kernel, from a 64-byte aligned start. */
 static size_t FA_NAME(rows_work)(const fa_attn_args *a)
 {
-    return sizeof(T) * (size_t)FA_ROWS_MAX * (size_t)(a->E + FA_RB + a->Ev + 2);
+    return sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + FA_EVP(a)) + FA_ROWS_SCALARS);
 }
 
 /* One past the last key any of the rows before i1 may see. */
@@ -46,7 +52,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const T *qs, const T *k,
         const T *krow = k + (s0 + r) * a->k_ss;
         for (fa_idx t = 0; t < nq; ++t) {
             const T b = FA_NAME(mask_bias)(a, mask, i0 + t, s0 + r);
-            s[t * FA_RB + r] = b == ninf ? ninf : FA_NAME(dot)(a->E, qs + t * a->E, krow, a->k_es) + b;
+            s[t * FA_RB + r] = b == ninf ? ninf : FA_NAME(dot)(a->E, qs + t * FA_EP(a), krow, a->k_es) + b;
         }
     }
 }
@@ -69,7 +75,7 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const T *qs, const T
                 T alpha = m[t] - bm;
                 FA_NAME(vexp)(1, &alpha, &alpha);
                 l[t] *= alpha;
-                for (fa_idx c = 0; c < Ev; ++c) o[t * Ev + c] *= alpha;
+                for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] *= alpha;
             }
             m[t] = bm > m[t] ? bm : m[t];
             const T ms = m[t] == ninf ? 0 : m[t];
@@ -82,13 +88,9 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const T *qs, const T
             for (; r < nk; ++r) part[0] += st[r];
             l[t] += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        for (fa_idx r = 0; r < nk; ++r) {
-            const T *vrow = v + (s0 + r) * a->v_ss;
-            for (fa_idx t = 0; t < nq; ++t) {
-                const T p = s[t * FA_RB + r];
-                if (p != 0) FA_NAME(axpy)(Ev, p, vrow, a->v_es, o + t * Ev);
-            }
-        }
+        for (fa_idx t = 0; t < nq; ++t)
+            FA_NAME(gemv_t)(nk, Ev, s + t * FA_RB, v + s0 * a->v_ss, a->v_ss, a->v_es,
+                            o + t * FA_EVP(a));
     }
 }
 
@@ -98,8 +100,8 @@ static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa
 {
     const T scale = (T)a->scale;
     for (fa_idx t = 0; t < nq; ++t) {
-        for (fa_idx e = 0; e < a->E; ++e) qs[t * a->E + e] = q[(i0 + t) * a->q_ls + e * a->q_es] * scale;
-        for (fa_idx c = 0; c < a->Ev; ++c) o[t * a->Ev + c] = 0;
+        for (fa_idx e = 0; e < a->E; ++e) qs[t * FA_EP(a) + e] = q[(i0 + t) * a->q_ls + e * a->q_es] * scale;
+        for (fa_idx c = 0; c < a->Ev; ++c) o[t * FA_EVP(a) + c] = 0;
         m[t] = -(T)INFINITY;
         l[t] = 0;
     }
@@ -108,13 +110,13 @@ static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa
 static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, const T *v,
                                const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
 {
-    const fa_idx nq = i1 - i0, E = a->E, Ev = a->Ev;
+    const fa_idx nq = i1 - i0, Ev = a->Ev;
     const T ninf = -(T)INFINITY;
-    T *qs = work;              /* nq x E: query rows times the scale */
-    T *s = qs + nq * E;        /* nq x FA_RB: logits, then weights, of a key block */
-    T *o = s + nq * FA_RB;     /* nq x Ev: unnormalised output */
-    T *m = o + nq * Ev;        /* running maximum */
-    T *l = m + nq;             /* running sum */
+    T *qs = work;                         /* nq x E: query rows times the scale */
+    T *s = qs + FA_ROWS_MAX * FA_EP(a);   /* nq x FA_RB: logits, then weights */
+    T *o = s + FA_ROWS_MAX * FA_RB;       /* nq x Ev: unnormalised output */
+    T *m = o + FA_ROWS_MAX * FA_EVP(a);   /* running maximum */
+    T *l = m + FA_ROWS_MAX;               /* running sum */
     const fa_idx s_end = FA_NAME(key_end)(a, i1);
 
     FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
@@ -122,7 +124,7 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, co
     /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
     for (fa_idx t = 0; t < nq; ++t) {
         T *orow = out + (i0 + t) * a->o_ls;
-        for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = l[t] == 0 ? 0 : o[t * Ev + c] / l[t];
+        for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = l[t] == 0 ? 0 : o[t * FA_EVP(a) + c] / l[t];
     }
 
     if (w == NULL) return;
@@ -150,15 +152,16 @@ void FA_NAME(attn_part)(const fa_attn_args *a, const T *q, const T *k, const T *
                         const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                         T *state, void *work)
 {
-    const fa_idx nq = i1 - i0, E = a->E, Ev = a->Ev, end = FA_NAME(key_end)(a, i1);
-    T *qs = (T *)work, *s = qs + nq * E, *o = s + nq * FA_RB, *m = o + nq * Ev, *l = m + nq;
+    const fa_idx nq = i1 - i0, Ev = a->Ev, end = FA_NAME(key_end)(a, i1);
+    T *qs = (T *)FA_ALIGNED(work), *s = qs + FA_ROWS_MAX * FA_EP(a);
+    T *o = s + FA_ROWS_MAX * FA_RB, *m = o + FA_ROWS_MAX * FA_EVP(a), *l = m + FA_ROWS_MAX;
     FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
     FA_NAME(rows_accumulate)(a, qs, k, v, mask, i0, nq, s_lo, s_hi < end ? s_hi : end, s, o, m, l);
     for (fa_idx t = 0; t < nq; ++t) {
         T *st = state + t * (Ev + 2);
         st[0] = m[t];
         st[1] = l[t];
-        for (fa_idx c = 0; c < Ev; ++c) st[2 + c] = o[t * Ev + c];
+        for (fa_idx c = 0; c < Ev; ++c) st[2 + c] = o[t * FA_EVP(a) + c];
     }
 }
 

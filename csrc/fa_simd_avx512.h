@@ -33,6 +33,7 @@
 #define VI_SLLI(x, k) _mm512_slli_epi32(x, k)
 #define VI_AS(x) _mm512_castsi512_ps(x)
 #define VAS_I(x) _mm512_castps_si512(x)
+#define VREDUCE(x) _mm512_reduce_add_ps(x) /* a tree of shuffles and adds */
 #else
 #define V __m512d
 #define VI __m512i
@@ -58,4 +59,5 @@
 #define VI_SLLI(x, k) _mm512_slli_epi64(x, k)
 #define VI_AS(x) _mm512_castsi512_pd(x)
 #define VAS_I(x) _mm512_castpd_si512(x)
+#define VREDUCE(x) _mm512_reduce_add_pd(x)
 #endif

@@ -5,7 +5,7 @@
 void FA_NAME(softmax_row)(fa_idx n, const T *x, fa_idx xs, fa_mask_kind mk,
                                  const void *mask, fa_idx ms, T *out, fa_idx os, void *work)
 {
-    T *z = (T *)work;
+    T *z = (T *)FA_ALIGNED(work);
     const T ninf = -(T)INFINITY;
     T m = ninf;
 
