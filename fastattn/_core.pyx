@@ -244,12 +244,13 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         work = malloc(work_bytes)
         if work == NULL:
             errp[0] = 1
-        # Largest causal blocks first, so that dynamic scheduling balances them.
+        # Head by head, so that the threads share one head's keys and values
+        # in cache; within a head the largest causal blocks come first.
         for t in prange(ntasks, schedule="dynamic"):
             if work == NULL:
                 continue
-            blk = nqb - 1 - t // b.count
-            item = t % b.count
+            item = t // nqb
+            blk = nqb - 1 - t % nqb
             i0 = blk * qb
             i1 = i0 + qb if i0 + qb < a.L else a.L
             if elsize == 4:
