@@ -86,6 +86,9 @@ static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
     p = VFMA(p, r, VSET1((float)FA_INV_FACT_2));
     p = VFMA(p, r, VSET1(1.0f));
     p = VFMA(p, r, VSET1(1.0f));
+#ifdef VSCALEF
+    return VSCALEF(p, n);
+#else
     const VI ni = VCVTI(n);
     /* n1 = n / 2 rounded toward zero, as in the portable path */
     const VI n1 = VI_SRAI(VI_ADD(ni, VI_SRLI(ni, 31)), 1);
@@ -94,6 +97,7 @@ static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
     const V s1 = VI_AS(VI_SLLI(VI_ADD(n1, bias), 23));
     const V s2 = VI_AS(VI_SLLI(VI_ADD(n2, bias), 23));
     return VMUL(VMUL(p, s1), s2);
+#endif
 #else
     const V xc = VMIN(VSET1(FA_EXP_HI), VMAX(VSET1(FA_EXP_LO), x));
     const V n = VROUND(VMUL(xc, VSET1(FA_EXP_LOG2E)));
@@ -113,6 +117,9 @@ static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
     p = VFMA(p, r, VSET1(FA_INV_FACT_2));
     p = VFMA(p, r, VSET1(1.0));
     p = VFMA(p, r, VSET1(1.0));
+#ifdef VSCALEF
+    return VSCALEF(p, n);
+#else
     /* n1 = n / 2 toward zero; n2 = n - n1; 2^k built from the low bits of
      * k + 1.5*2^52 + 1023, shifted into the exponent field. */
     const V n1 = VTRUNC(VMUL(n, VSET1(0.5)));
@@ -121,6 +128,7 @@ static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
     const V s1 = VI_AS(VI_SLLI(VAS_I(VADD(n1, magic)), 52));
     const V s2 = VI_AS(VI_SLLI(VAS_I(VADD(n2, magic)), 52));
     return VMUL(VMUL(p, s1), s2);
+#endif
 #endif
 }
 
@@ -303,3 +311,4 @@ static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx 
 #undef VI_AS
 #undef VAS_I
 #undef VREDUCE
+#undef VSCALEF

@@ -34,6 +34,7 @@
 #define VI_AS(x) _mm512_castsi512_ps(x)
 #define VAS_I(x) _mm512_castps_si512(x)
 #define VREDUCE(x) _mm512_reduce_add_ps(x) /* a tree of shuffles and adds */
+#define VSCALEF(x, n) _mm512_scalef_ps(x, n) /* x * 2^n, one rounding, subnormals too */
 #else
 #define V __m512d
 #define VI __m512i
@@ -60,4 +61,5 @@
 #define VI_AS(x) _mm512_castsi512_pd(x)
 #define VAS_I(x) _mm512_castpd_si512(x)
 #define VREDUCE(x) _mm512_reduce_add_pd(x)
+#define VSCALEF(x, n) _mm512_scalef_pd(x, n)
 #endif
