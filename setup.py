@@ -87,7 +87,10 @@ class BuildExt(build_ext):
             link.append(omp_flag)
         print(f"fastattn build: openmp={'yes' if use_omp else 'no'} flags={' '.join(common)}")
 
-        c99 = ["-std=c99", "-Wall", "-Wextra"] if unix else []
+        # -fno-trapping-math: floating-point exceptions are never unmasked, so
+        # gcc may turn the branch-free selects of the exp into vector code; no
+        # result changes (unlike -ffast-math, NaN and inf keep their meaning).
+        c99 = ["-std=c99", "-Wall", "-Wextra", "-fno-trapping-math"] if unix else []
         build_tmp = os.path.join(self.build_temp, "csrc")
         objects = self.compiler.compile([os.path.join(CSRC, s) for s in PORTABLE_SOURCES],
                                         output_dir=build_tmp, extra_postargs=common + c99)

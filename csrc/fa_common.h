@@ -21,6 +21,14 @@ typedef enum { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 } fa_mask_kin
 #define FA_MR 6
 #define FA_NR_BYTES_MAX 128
 
+/* Bodies specialised by a constant argument (a tile height) must be inlined
+ * for the constant to reach them. */
+#if defined(__GNUC__) || defined(__clang__)
+#define FA_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define FA_ALWAYS_INLINE inline
+#endif
+
 #define FA_CAT3_(a, b, c) a##_##b##_##c
 #define FA_CAT3(a, b, c) FA_CAT3_(a, b, c)
 

@@ -11,10 +11,43 @@
  * a[r*rs_a + k*cs_a] and b rows FA_NR wide at stride ldb.  When colmax is
  * not NULL, colmax[j] becomes the max of itself and the stored column j
  * (NaN ignored).  mr is a constant after inlining, so the accumulators
- * live in registers. */
-static inline void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a,
-                                     fa_idx cs_a, const T *b, fa_idx ldb, T *c,
-                                     fa_idx ldc, int accumulate, T *colmax)
+ * live in registers: 16-byte vectors of the GNU vector extension (SSE2,
+ * NEON and every other target gcc and clang know) where the compiler has
+ * it, which left to itself vectorises this loop nest along the wrong axis;
+ * plain C elsewhere. */
+#if defined(__GNUC__) || defined(__clang__)
+typedef T FA_NAME(v16) __attribute__((vector_size(16)));
+#define FA_VW (16 / (int)sizeof(T))
+
+static FA_ALWAYS_INLINE void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a,
+                                               fa_idx cs_a, const T *b, fa_idx ldb, T *c,
+                                               fa_idx ldc, int accumulate, T *colmax)
+{
+    FA_NAME(v16) acc[FA_MR][FA_NR / FA_VW];
+    for (int r = 0; r < mr; ++r)
+        for (int u = 0; u < FA_NR / FA_VW; ++u) acc[r][u] = (FA_NAME(v16)){0};
+    for (fa_idx k = 0; k < kc; ++k) {
+        FA_NAME(v16) bv[FA_NR / FA_VW];
+        memcpy(bv, b + k * ldb, sizeof bv);
+        const T *ak = a + k * cs_a;
+        for (int r = 0; r < mr; ++r) {
+            const T ar = ak[r * rs_a];
+            for (int u = 0; u < FA_NR / FA_VW; ++u) acc[r][u] += ar * bv[u];
+        }
+    }
+    for (int r = 0; r < mr; ++r) {
+        T *cr = c + r * ldc, t[FA_NR];
+        memcpy(t, acc[r], sizeof t);
+        for (int j = 0; j < FA_NR; ++j) cr[j] = accumulate ? cr[j] + t[j] : t[j];
+        if (colmax)
+            for (int j = 0; j < FA_NR; ++j) colmax[j] = cr[j] > colmax[j] ? cr[j] : colmax[j];
+    }
+}
+#undef FA_VW
+#else
+static void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
+                              const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate,
+                              T *colmax)
 {
     T acc[FA_MR][FA_NR];
     for (int r = 0; r < mr; ++r)
@@ -29,14 +62,12 @@ static inline void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx
     }
     for (int r = 0; r < mr; ++r) {
         T *cr = c + r * ldc;
-        if (accumulate)
-            for (int j = 0; j < FA_NR; ++j) cr[j] += acc[r][j];
-        else
-            for (int j = 0; j < FA_NR; ++j) cr[j] = acc[r][j];
+        for (int j = 0; j < FA_NR; ++j) cr[j] = accumulate ? cr[j] + acc[r][j] : acc[r][j];
         if (colmax)
             for (int j = 0; j < FA_NR; ++j) colmax[j] = cr[j] > colmax[j] ? cr[j] : colmax[j];
     }
 }
+#endif
 
 static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
                          const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
@@ -54,7 +85,7 @@ static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a
 
 /* exp of one element; the algorithm of fa_exp_consts.h.  Branch-free so
  * that loops over it vectorise.  NaN in, NaN out. */
-static inline T FA_NAME(exp1)(T x)
+static FA_ALWAYS_INLINE T FA_NAME(exp1)(T x)
 {
 #if FA_IS_F32
     float xc = x < FA_EXPF_LO ? FA_EXPF_LO : x;

@@ -29,7 +29,7 @@
         m1 = VMAX(c##r##1, m1);                                           \
     }
 
-static inline __attribute__((always_inline)) void
+static FA_ALWAYS_INLINE void
 FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
                   const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
 {
@@ -71,7 +71,7 @@ static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a
 /* exp of one vector.  The clamp returns its second operand on NaN, so a NaN
  * lane stays NaN through the polynomial (the integer part of a NaN lane is
  * garbage, but NaN times anything is NaN). */
-static inline __attribute__((always_inline)) V FA_NAME(vexp1)(V x)
+static FA_ALWAYS_INLINE V FA_NAME(vexp1)(V x)
 {
 #if FA_IS_F32
     const V xc = VMIN(VSET1(FA_EXPF_HI), VMAX(VSET1(FA_EXPF_LO), x));
@@ -242,7 +242,7 @@ static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
 /* o[c] += sum over r < nk of p[r] * x[r * rs + c * cs], for c < n, leaving
  * out the rows whose p[r] is exactly 0 (their x is never read).  With cs = 1
  * up to 8 vectors of o stay in registers for the whole sweep over r. */
-static inline __attribute__((always_inline)) void
+static FA_ALWAYS_INLINE void
 FA_NAME(gemv_t_body)(const int nv, fa_idx nk, const T *p, const T *x, fa_idx rs, T *o)
 {
     V acc[8];

@@ -34,7 +34,7 @@
 #define VI_AS(x) _mm256_castsi256_ps(x)
 #define VAS_I(x) _mm256_castps_si256(x)
 /* sum of the lanes, as a tree in registers */
-static inline __attribute__((always_inline)) float fa_reduce_add_ps256(__m256 x)
+static FA_ALWAYS_INLINE float fa_reduce_add_ps256(__m256 x)
 {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) float fa_reduce_add_ps256(__m256 x)
 #define VI_SLLI(x, k) _mm256_slli_epi64(x, k)
 #define VI_AS(x) _mm256_castsi256_pd(x)
 #define VAS_I(x) _mm256_castpd_si256(x)
-static inline __attribute__((always_inline)) double fa_reduce_add_pd256(__m256d x)
+static FA_ALWAYS_INLINE double fa_reduce_add_pd256(__m256d x)
 {
     __m128d h = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
     return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
