@@ -3,30 +3,12 @@
  * with 512-bit vectors. */
 #include "fa_internal.h"
 #if FA_HAVE_X86_SIMD
-#include <math.h>
-
 #define FA_ISA avx512
 #define FA_SIMD "fa_simd_avx512.h"
 #define FA_PRIMS "fa_prims_simd.h"
-
-#define T float
-#define FA_SFX f32
-#define FA_IS_F32 1
-#define FA_NR 32
-#define FA_GEMM_NC FA_GEMM_NC_F32
-#include "fa_kernels_impl.h"
-#undef T
-#undef FA_SFX
-#undef FA_IS_F32
-#undef FA_NR
-#undef FA_GEMM_NC
-
-#define T double
-#define FA_SFX f64
-#define FA_IS_F32 0
-#define FA_NR 16
-#define FA_GEMM_NC FA_GEMM_NC_F64
-#include "fa_kernels_impl.h"
+#define FA_NR_F32 32
+#define FA_NR_F64 16
+#include "fa_instantiate.h"
 #else
 typedef int fa_avx512_unused; /* ISO C forbids an empty translation unit */
 #endif

@@ -1,9 +1,21 @@
-/* Every kernel for one element type and one instruction-set path.  The
- * including file defines T, FA_SFX, FA_ISA, FA_IS_F32, FA_NR and
- * FA_GEMM_NC, and names the primitives of its path in FA_PRIMS. */
+/* Every kernel for one element type and one instruction-set path, included
+ * twice by fa_instantiate.h with T, FA_SFX, FA_IS_F32, FA_NR and FA_GEMM_NC
+ * defined. */
 #define FA_NAME(n) FA_CAT4(fa, n, FA_SFX, FA_ISA)
 
 #include FA_PRIMS
+
+/* sum of x[0..n) in eight interleaved partial sums: vectorises without
+ * reassociation and keeps the rounding error of long rows small */
+static T FA_NAME(sum)(fa_idx n, const T *x)
+{
+    T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    fa_idx j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int t = 0; t < 8; ++t) part[t] += x[j + t];
+    for (; j < n; ++j) part[0] += x[j];
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
 
 #include "fa_gemm_impl.h"
 #include "fa_softmax_impl.h"

@@ -81,12 +81,7 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const T *qs, const T
             const T ms = m[t] == ninf ? 0 : m[t];
             for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
             FA_NAME(vexp)(nk, st, st);
-            T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            fa_idx r = 0;
-            for (; r + 8 <= nk; r += 8)
-                for (int u = 0; u < 8; ++u) part[u] += st[r + u];
-            for (; r < nk; ++r) part[0] += st[r];
-            l[t] += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+            l[t] += FA_NAME(sum)(nk, st);
         }
         for (fa_idx t = 0; t < nq; ++t)
             FA_NAME(gemv_t)(nk, Ev, s + t * FA_RB, v + s0 * a->v_ss, a->v_ss, a->v_es,

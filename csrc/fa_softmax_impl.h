@@ -28,13 +28,6 @@ void FA_NAME(softmax_row)(fa_idx n, const T *x, fa_idx xs, fa_mask_kind mk,
     for (fa_idx j = 0; j < n; ++j) z[j] -= m;
     FA_NAME(vexp)(n, z, z);
 
-    /* Eight interleaved partial sums: vectorises without reassociation and
-     * keeps the rounding error of long rows small. */
-    T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    fa_idx j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int t = 0; t < 8; ++t) part[t] += z[j + t];
-    for (; j < n; ++j) part[0] += z[j];
-    const T sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    const T sum = FA_NAME(sum)(n, z);
     for (fa_idx k = 0; k < n; ++k) out[k * os] = z[k] / sum;
 }
