@@ -163,6 +163,16 @@ cdef inline fa_idx nd_offset(const Batch *b, const fa_idx *strides, fa_idx flat,
     return off
 
 
+cdef int raise_on(int err, str what) except -1:
+    """The error a parallel loop flagged: 1 = a thread's scratch allocation
+    failed, 2 = a kernel rejected its arguments (a bug of this module)."""
+    if err == 1:
+        raise MemoryError(f"fastattn: cannot allocate the {what} scratch memory")
+    if err == 2:
+        raise RuntimeError(f"fastattn internal error: the {what} kernel rejected its arguments")
+    return 0
+
+
 cdef inline fa_idx estride(cnp.ndarray a, int axis):
     return cnp.PyArray_STRIDE(a, axis) // cnp.PyArray_ITEMSIZE(a)
 
@@ -274,10 +284,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
             if rc != 0:
                 errp[0] = 2
         free(work)
-    if err == 1:
-        raise MemoryError("fastattn: cannot allocate the attention scratch memory")
-    if err == 2:
-        raise RuntimeError("fastattn internal error: attention kernel rejected its arguments")
+    raise_on(err, "attention")
 
 
 cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, char *qp, char *kp,
@@ -340,11 +347,7 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, char *q
                 if rc != 0:
                     errp[0] = 2
     free(states)
-    if err == 1:
-        raise MemoryError("fastattn: cannot allocate the attention scratch memory")
-    if err == 2:
-        raise RuntimeError("fastattn internal error: split attention rejected its arguments")
-    return 0
+    return raise_on(err, "split attention")
 
 
 def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray out,
@@ -398,8 +401,7 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
                                    <fa_mask_kind>mask_kind, mrow, m_s,
                                    <double *>(op + 8 * nd_offset(&b, os, r, 1)), o_s, work)
         free(work)
-    if err:
-        raise MemoryError("fastattn: cannot allocate the softmax scratch memory")
+    raise_on(err, "softmax")
 
 
 def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads):
@@ -461,10 +463,7 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
             if rc != 0:
                 errp[0] = 2
         free(work)
-    if err == 1:
-        raise MemoryError("fastattn: cannot allocate the matmul scratch memory")
-    if err == 2:
-        raise RuntimeError("fastattn internal error: matmul kernel rejected its arguments")
+    raise_on(err, "matmul")
 
 
 ctypedef fused real:
