@@ -42,7 +42,7 @@ size_t fa_gemm_work_bytes(int elsize)
 {
     /* NC is a multiple of every path's NR, so the padded B panels fit */
     const size_t nr = FA_NR_BYTES_MAX / (size_t)elsize;
-    return (size_t)elsize * (FA_GEMM_MC * FA_GEMM_KC + FA_GEMM_KC * (size_t)fa_gemm_nc(elsize) + FA_MR * nr) +
+    return (size_t)elsize * (FA_GEMM_MC * FA_GEMM_KC + FA_GEMM_KC * (size_t)fa_gemm_nc(elsize) + FA_MR_MAX * nr) +
            FA_ALIGN;
 }
 

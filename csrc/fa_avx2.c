@@ -5,6 +5,7 @@
 #define FA_ISA avx2
 #define FA_SIMD "fa_simd_avx2.h"
 #define FA_PRIMS "fa_prims_simd.h"
+#define FA_MR 6
 #define FA_NR_F32 16
 #define FA_NR_F64 8
 #include "fa_instantiate.h"

@@ -6,6 +6,7 @@
 #define FA_ISA avx512
 #define FA_SIMD "fa_simd_avx512.h"
 #define FA_PRIMS "fa_prims_simd.h"
+#define FA_MR 8
 #define FA_NR_F32 32
 #define FA_NR_F64 16
 #include "fa_instantiate.h"

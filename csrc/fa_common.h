@@ -16,9 +16,11 @@ typedef enum { FA_ISA_PORTABLE = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2 } fa_isa;
  * scaled scores; -inf hides the key whatever the score is. */
 typedef enum { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 } fa_mask_kind;
 
-/* Micro-tile: MR rows by NR columns; NR is two vectors of the path (64
- * bytes on the portable and AVX2 paths, 128 bytes on AVX-512). */
-#define FA_MR 6
+/* Micro-tile: MR rows by NR columns, both set per path (fa_instantiate.h):
+ * NR is two vectors (64 bytes on the portable and AVX2 paths, 128 bytes on
+ * AVX-512), MR what the registers hold (6 with 16 vector registers, 8 with
+ * 32).  These are the largest. */
+#define FA_MR_MAX 8
 #define FA_NR_BYTES_MAX 128
 
 /* Bodies specialised by a constant argument (a tile height) must be inlined

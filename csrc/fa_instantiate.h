@@ -1,7 +1,7 @@
 /* Every kernel of one instruction-set path, for float and for double.  The
  * including file defines FA_ISA (the name suffix), FA_PRIMS (the primitives
- * header), FA_SIMD (its vector operations, if any), and FA_NR_F32 and
- * FA_NR_F64 (the micro-tile width of the path). */
+ * header), FA_SIMD (its vector operations, if any), FA_MR (the micro-tile
+ * height of the path), and FA_NR_F32 and FA_NR_F64 (its width). */
 #include <math.h>
 
 #define T float

@@ -20,7 +20,8 @@
 #endif
 
 /* Cache blocks of the matrix product: an A block of MC x KC and a B panel of
- * KC x NC, 96 KB and 256 KB, sized for a 1 MB L2. */
+ * KC x NC, 96 KB and 256 KB, sized for a 1 MB L2.  MC is a multiple of every
+ * path's MR, NC of every path's NR. */
 #define FA_GEMM_MC 96
 #define FA_GEMM_KC 256
 #define FA_GEMM_NC_F32 256

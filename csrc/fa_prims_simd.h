@@ -1,6 +1,6 @@
-/* SIMD primitives for element type T (float or double): the 6 x NR
+/* SIMD primitives for element type T (float or double): the MR x NR
  * register micro-kernel (NR = two vectors: 16 floats or 8 doubles in 256
- * bits, 32 or 16 in 512 bits), the vector exp of fa_exp_consts.h, and the
+ * bits, 32 or 16 in 512 bits; MR = 6 or 8 rows), the vector exp of fa_exp_consts.h, and the
  * small loops of the attention kernels.  Same contract as
  * fa_prims_portable.h.
  *
@@ -36,16 +36,17 @@ FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
     V c00 = VZERO(), c01 = VZERO(), c10 = VZERO(), c11 = VZERO();
     V c20 = VZERO(), c21 = VZERO(), c30 = VZERO(), c31 = VZERO();
     V c40 = VZERO(), c41 = VZERO(), c50 = VZERO(), c51 = VZERO();
+    V c60 = VZERO(), c61 = VZERO(), c70 = VZERO(), c71 = VZERO(); /* only when FA_MR is 8 */
     for (fa_idx k = 0; k < kc; ++k) {
         const V b0 = VLOAD(b), b1 = VLOAD(b + VLEN);
         const T *ak = a + k * cs_a;
-        FA_UKR_ROW(0) FA_UKR_ROW(1) FA_UKR_ROW(2)
-        FA_UKR_ROW(3) FA_UKR_ROW(4) FA_UKR_ROW(5)
+        FA_UKR_ROW(0) FA_UKR_ROW(1) FA_UKR_ROW(2) FA_UKR_ROW(3)
+        FA_UKR_ROW(4) FA_UKR_ROW(5) FA_UKR_ROW(6) FA_UKR_ROW(7)
         b += ldb;
     }
     V m0 = VSET1(-(T)INFINITY), m1 = m0;
-    FA_UKR_STORE(0) FA_UKR_STORE(1) FA_UKR_STORE(2)
-    FA_UKR_STORE(3) FA_UKR_STORE(4) FA_UKR_STORE(5)
+    FA_UKR_STORE(0) FA_UKR_STORE(1) FA_UKR_STORE(2) FA_UKR_STORE(3)
+    FA_UKR_STORE(4) FA_UKR_STORE(5) FA_UKR_STORE(6) FA_UKR_STORE(7)
     if (colmax) {
         VSTORE(colmax, VMAX(m0, VLOAD(colmax)));
         VSTORE(colmax + VLEN, VMAX(m1, VLOAD(colmax + VLEN)));
@@ -58,6 +59,10 @@ static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a
                          const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
 {
     switch (mr) {
+#if FA_MR == 8
+    case 8: FA_NAME(ukr_body)(8, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 7: FA_NAME(ukr_body)(7, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+#endif
     case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
     case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
     case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
