@@ -44,7 +44,8 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     const T ninf = -(T)INFINITY;
     const int per_key = a->mask_kind != FA_MASK_NONE && a->m_ls == 0;
     const int tile = a->mask_kind != FA_MASK_NONE && a->m_ls != 0;
-    /* keys after s0 + r - offset - i0 are hidden from column j < jlim(r) */
+    /* the block crosses the causal diagonal: its last key is hidden from the
+     * first row (blocks wholly past the diagonal are never visited) */
     const int diagonal = a->causal && s0 + nk - 1 > i0 + a->causal_offset;
 
     if (a->mask_kind != FA_MASK_NONE) {
