@@ -48,24 +48,32 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
      * first row (blocks wholly past the diagonal are never visited) */
     const int diagonal = a->causal && s0 + nk - 1 > i0 + a->causal_offset;
 
-    if (a->mask_kind != FA_MASK_NONE) {
-        int any = 0;
-        for (fa_idx j = 0; j < (per_key ? 1 : nq); ++j) {
-            for (fa_idx r = 0; r < nk; ++r) {
-                const fa_idx off = (i0 + j) * a->m_ls + (s0 + r) * a->m_ss;
-                T b;
-                if (a->mask_kind == FA_MASK_BOOL)
-                    b = ((const unsigned char *)mask)[off] ? 0 : ninf;
-                else
-                    b = ((const T *)mask)[off];
-                bias[per_key ? r : r * ld + j] = b;
-                any |= b != ninf;
+    if (tile) { /* the mask of the block, transposed like the query block */
+        if (a->mask_kind == FA_MASK_BOOL) { /* as 0 / -inf rows in st, free until the scores */
+            for (fa_idx j = 0; j < nq; ++j) {
+                const unsigned char *row = (const unsigned char *)mask + (i0 + j) * a->m_ls + s0 * a->m_ss;
+                for (fa_idx r = 0; r < nk; ++r) st[j * nk + r] = row[r * a->m_ss] ? 0 : ninf;
             }
+            FA_NAME(pack_t)(nq, nk, st, nk, 1, 1, bias, ld, 1);
+        } else {
+            FA_NAME(pack_t)(nq, nk, (const T *)mask + i0 * a->m_ls + s0 * a->m_ss, a->m_ls,
+                            a->m_ss, 1, bias, ld, 1);
+        }
+        int any = 0;
+        for (fa_idx r = 0; r < nk; ++r) {
+            for (fa_idx j = 0; j < nq; ++j) any |= bias[r * ld + j] != ninf;
+            for (fa_idx j = nq; j < ld; ++j) bias[r * ld + j] = 0;
         }
         if (!any) return 0;
-        if (tile)
-            for (fa_idx r = 0; r < nk; ++r)
-                for (fa_idx j = nq; j < ld; ++j) bias[r * ld + j] = 0;
+    } else if (per_key) {
+        int any = 0;
+        for (fa_idx r = 0; r < nk; ++r) {
+            const fa_idx off = (s0 + r) * a->m_ss;
+            bias[r] = a->mask_kind == FA_MASK_BOOL ? (((const unsigned char *)mask)[off] ? 0 : ninf)
+                                                   : ((const T *)mask)[off];
+            any |= bias[r] != ninf;
+        }
+        if (!any) return 0;
     }
 
     for (fa_idx j = 0; j < ld; ++j) bm[j] = ninf;
