@@ -39,6 +39,17 @@ def common_float_dtype(**arrays):
     return dtypes.pop()
 
 
+def check_float_dtype(dtype, name):
+    """numpy.dtype(dtype) when it is float32 or float64, else a TypeError."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32 or float64, got {dtype!r}")
+    return dt
+
+
 def kernel_view(a):
     """a itself when the kernels can read it in place (aligned, every stride a
     whole number of elements), else an aligned contiguous copy."""

@@ -85,3 +85,42 @@ def merge_heads(x):
     """(..., H, L, D) -> (..., L, H*D)"""
     x = np.swapaxes(x, -3, -2)
     return x.reshape(x.shape[:-2] + (-1,))
+
+
+def multi_head_attention(query, key, value, num_heads, q_proj_weight, k_proj_weight,
+                         v_proj_weight, out_proj_weight, in_proj_bias=None, out_proj_bias=None,
+                         key_padding_mask=None, attn_mask=None, is_causal=False,
+                         need_weights=False, average_attn_weights=True):
+    """nn.MultiheadAttention's forward on batch-first (N, L, E) inputs, step
+    by step: project, split heads, attention, merge heads, output projection.
+
+    The key/value heads are k_proj_weight.shape[0] // head_dim (fewer than
+    num_heads: grouped-query attention).  Masks in nn.MultiheadAttention's
+    convention: bool True = ignore, floating added; key_padding_mask (N, S),
+    attn_mask (L, S) or (N * num_heads, L, S).  A row with nothing visible
+    gives zeros before the output projection."""
+    E = q_proj_weight.shape[0]
+    head_dim = E // num_heads
+    kv_heads = k_proj_weight.shape[0] // head_dim
+    bq, bk, bv = (0, 0, 0) if in_proj_bias is None else np.split(
+        in_proj_bias, [E, E + kv_heads * head_dim])
+    q = split_heads(query @ q_proj_weight.T + bq, num_heads)          # (N, H, L, D)
+    k = split_heads(key @ k_proj_weight.T + bk, kv_heads)
+    v = split_heads(value @ v_proj_weight.T + bv, kv_heads)
+    N, L, S = query.shape[0], query.shape[1], key.shape[1]
+
+    additive = np.zeros((N, num_heads, L, S))                         # True = ignore -> -inf
+    for m in (key_padding_mask if key_padding_mask is None else key_padding_mask[:, None, None, :],
+              attn_mask if attn_mask is None or attn_mask.ndim == 2
+              else attn_mask.reshape(N, num_heads, L, S)):
+        if m is not None:
+            additive = additive + (np.where(m, -np.inf, 0.0) if m.dtype == np.bool_ else m)
+    out, weights = scaled_dot_product_attention(q, k, v, attn_mask=additive, is_causal=is_causal,
+                                                enable_gqa=kv_heads != num_heads,
+                                                need_weights=True)
+    out = merge_heads(out) @ out_proj_weight.T                        # concat, W_O
+    if out_proj_bias is not None:
+        out = out + out_proj_bias
+    if average_attn_weights:
+        weights = weights.mean(axis=1)
+    return (out, weights) if need_weights else out

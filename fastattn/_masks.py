@@ -1,0 +1,49 @@
+"""Masks between the two conventions, and two masks made into one.
+
+The functional API (PyTorch's scaled_dot_product_attention): bool True = may
+attend.  nn.MultiheadAttention's masks: bool True = ignore.  Floating masks
+mean the same in both: added to the scaled scores, -inf hides.
+"""
+import numpy as np
+
+from . import _checks as C
+
+
+def _require_mask(mask, name, bool_meaning):
+    C.require_array(mask, name)
+    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+        raise TypeError(f"{name} has dtype {mask.dtype}; expected bool ({bool_meaning}) or a "
+                        "floating dtype (added to the scores, -inf hides)")
+
+
+def from_mha(mask, name, dtype):
+    """An nn.MultiheadAttention mask (bool True = ignore; floating added) as
+    a functional-API mask: the negation of a bool mask, a float mask in dtype."""
+    if mask is None:
+        return None
+    _require_mask(mask, name, "True = ignore, nn.MultiheadAttention's convention")
+    return ~mask if mask.dtype == np.bool_ else mask.astype(dtype, copy=False)
+
+
+def _additive(mask, dtype):
+    if mask.dtype == np.bool_:
+        return np.where(mask, dtype.type(0), dtype.type(-np.inf))
+    return mask.astype(dtype, copy=False)
+
+
+def both(a, a_name, b, b_name, dtype):
+    """One functional-API mask that hides what a or b hides (either may be
+    None): two bool masks give their AND; otherwise the sum of the additive
+    forms (bool False -> -inf) in dtype.  The result has the broadcast shape
+    of the two."""
+    if a is None or b is None:
+        return b if a is None else a
+    _require_mask(a, a_name, "True = may attend")
+    _require_mask(b, b_name, "True = may attend")
+    try:
+        if a.dtype == np.bool_ and b.dtype == np.bool_:
+            return np.logical_and(a, b)
+        return _additive(a, dtype) + _additive(b, dtype)
+    except ValueError:
+        raise ValueError(f"{a_name} of shape {C.shape_str(a.shape)} and {b_name} of shape "
+                         f"{C.shape_str(b.shape)} do not broadcast") from None

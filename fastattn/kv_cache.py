@@ -1,0 +1,208 @@
+"""KVCache: preallocated keys and values of the positions seen so far, for
+generating one step at a time."""
+import numpy as np
+
+from . import _checks as C
+from . import _masks
+from .attention import scaled_dot_product_attention
+
+
+def _read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+class KVCache:
+    """The keys and values of an autoregressive decoder, kept between steps.
+
+    Buffers of shape (batch_size, num_kv_heads, capacity, head_dim) (and
+    value_dim for the values) are allocated once; each step writes its new
+    keys and values in place after the ones already held, and attention
+    reads the filled prefix through views, so nothing is reallocated or
+    copied per step.  With ``is_causal=True`` the new queries are aligned
+    with the last positions (bottom-right causal alignment, PyTorch's
+    ``causal_lower_right``), so one step of L new tokens gives exactly the
+    rows of a full causal pass over the whole sequence.
+
+    Padded batches: every sequence of the batch writes its step at the same
+    slots; the slots of padding tokens (``key_padding_mask`` True in
+    ``append``) are recorded and hidden from every later query through a
+    (batch, 1, 1, length) key mask, a view of a (batch, capacity) boolean
+    array, never expanded.  Left padding (prompts of unequal length padded
+    in front, as Hugging Face's ``generate`` does) and right padding both
+    work; ``lengths`` gives the real tokens of each sequence.
+
+    Parameters
+    ----------
+    batch_size, num_kv_heads, capacity, head_dim : int
+        capacity is the number of positions the cache can hold (>= 1).
+    value_dim : int or None
+        Size of a value head; None means head_dim.
+    dtype : float32 or float64
+
+    Raises
+    ------
+    TypeError for non-int sizes or another dtype; ValueError for sizes < 1
+    (value_dim and head_dim may be 0).
+    """
+
+    def __init__(self, batch_size, num_kv_heads, capacity, head_dim, *, value_dim=None,
+                 dtype=np.float32):
+        batch_size = C.check_index(batch_size, "batch_size", 1)
+        num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
+        capacity = C.check_index(capacity, "capacity", 1)
+        head_dim = C.check_index(head_dim, "head_dim", 0)
+        value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
+        dtype = C.check_float_dtype(dtype, "dtype")
+        # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
+        self._key = np.zeros((batch_size, num_kv_heads, capacity, head_dim), dtype)
+        self._value = np.zeros((batch_size, num_kv_heads, capacity, value_dim), dtype)
+        self._real = np.zeros((batch_size, capacity), bool)  # True = a real token, may be attended
+        self._length = 0
+        self._padded = False
+
+    # ---- sizes -------------------------------------------------------------
+    batch_size = property(lambda self: self._key.shape[0])
+    num_kv_heads = property(lambda self: self._key.shape[1])
+    capacity = property(lambda self: self._key.shape[2])
+    head_dim = property(lambda self: self._key.shape[3])
+    value_dim = property(lambda self: self._value.shape[3])
+    dtype = property(lambda self: self._key.dtype)
+
+    @property
+    def length(self):
+        """Positions filled so far (padding included), the S of attention."""
+        return self._length
+
+    @property
+    def lengths(self):
+        """Real (non-padding) tokens held per sequence, int64 (batch_size,)."""
+        return np.count_nonzero(self._real[:, :self._length], axis=1).astype(np.int64)
+
+    @property
+    def key(self):
+        """Read-only view of the keys held, (batch_size, num_kv_heads, length, head_dim)."""
+        return _read_only(self._key[:, :, :self._length])
+
+    @property
+    def value(self):
+        """Read-only view of the values held, (batch_size, num_kv_heads, length, value_dim)."""
+        return _read_only(self._value[:, :, :self._length])
+
+    @property
+    def attn_mask(self):
+        """Read-only bool view (batch_size, 1, 1, length), True = a real token
+        that may be attended (the functional API's convention), or None when
+        no padding was ever appended."""
+        return _read_only(self._real[:, None, None, :self._length]) if self._padded else None
+
+    def __repr__(self):
+        return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+                f"capacity={self.capacity}, head_dim={self.head_dim}, "
+                f"value_dim={self.value_dim}, dtype={self.dtype.name}, length={self.length})")
+
+    def reset(self):
+        """Forget every position (the buffers are kept for the next sequence)."""
+        self._length = 0
+        self._real[:] = False
+        self._padded = False
+
+    def append(self, key, value, key_padding_mask=None):
+        """Write L new positions after the ones held, in place.
+
+        Parameters
+        ----------
+        key : ndarray, (batch_size, num_kv_heads, L, head_dim), the cache's dtype
+        value : ndarray, (batch_size, num_kv_heads, L, value_dim)
+            Any strides (for example head views of a projection); copied
+            into the buffers, never kept.
+        key_padding_mask : bool ndarray (batch_size, L) or None
+            nn.MultiheadAttention's convention: True = padding, never
+            attended by any later query.
+
+        Raises
+        ------
+        TypeError for non-arrays, a dtype other than the cache's or a
+        non-bool mask; ValueError for shapes that do not match the cache or
+        when the L positions do not fit in the remaining capacity (nothing
+        is written then).
+        """
+        B, Hkv, D, Dv = self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim
+        for name, a, last, last_name in (("key", key, D, "head_dim"),
+                                         ("value", value, Dv, "value_dim")):
+            C.require_array(a, name)
+            if a.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {a.dtype}; this KVCache holds {self.dtype}")
+            if a.ndim != 4 or a.shape[:2] != (B, Hkv) or a.shape[3] != last:
+                raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
+                                 f"(batch_size, num_kv_heads, L, {last_name}) = "
+                                 f"({B}, {Hkv}, L, {last})")
+        L = key.shape[2]
+        if value.shape[2] != L:
+            raise ValueError(f"key and value must hold the same number of positions, got "
+                             f"{L} and {value.shape[2]}")
+        if key_padding_mask is not None:
+            C.require_array(key_padding_mask, "key_padding_mask")
+            if key_padding_mask.dtype != np.bool_:
+                raise TypeError(f"key_padding_mask has dtype {key_padding_mask.dtype}; expected "
+                                "bool (True = padding)")
+            if key_padding_mask.shape != (B, L):
+                raise ValueError(f"key_padding_mask has shape "
+                                 f"{C.shape_str(key_padding_mask.shape)}; expected "
+                                 f"(batch_size, L) = ({B}, {L})")
+        n = self._length
+        if n + L > self.capacity:
+            raise ValueError(f"KVCache capacity exceeded: it holds {n} of {self.capacity} "
+                             f"positions and {L} more were appended; create it with a larger "
+                             "capacity or reset() it")
+        self._key[:, :, n:n + L] = key
+        self._value[:, :, n:n + L] = value
+        if key_padding_mask is None:
+            self._real[:, n:n + L] = True
+        else:
+            np.logical_not(key_padding_mask, out=self._real[:, n:n + L])
+            self._padded = self._padded or bool(key_padding_mask.any())
+        self._length = n + L
+
+    def attend(self, query, *, attn_mask=None, is_causal=True, scale=None, need_weights=False,
+               out=None, num_threads=None):
+        """Attention of query over every position held (padding hidden).
+
+        Parameters
+        ----------
+        query : ndarray, (batch_size, Hq, L, head_dim), the cache's dtype
+            Hq a multiple of num_kv_heads (grouped-query attention,
+            Ainslie et al. 2023, when larger).  With is_causal the L queries
+            are the last L positions held, usually the ones just appended.
+        attn_mask : ndarray or None, broadcastable to (batch_size, Hq, L, length)
+            The functional API's convention: bool True = may attend; floating
+            added to the scores (-inf hides).  Combined with the padding.
+        is_causal : bool
+            Bottom-right causal alignment: query i sees positions
+            0 .. length - L + i (default True).
+        scale, need_weights, out, num_threads
+            As in ``scaled_dot_product_attention``.
+
+        Returns
+        -------
+        out (batch_size, Hq, L, value_dim), and the weights
+        (batch_size, Hq, L, length) with need_weights.  A query that sees
+        no real token gives zeros.
+
+        Raises the errors of ``scaled_dot_product_attention``, and TypeError
+        for a query whose dtype is not the cache's.
+        """
+        C.require_array(query, "query")
+        if query.dtype != self.dtype:
+            raise TypeError(f"query has dtype {query.dtype}; this KVCache holds {self.dtype}")
+        if query.ndim != 4 or query.shape[0] != self.batch_size or query.shape[3] != self.head_dim:
+            raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
+                             f"(batch_size, Hq, L, head_dim) = ({self.batch_size}, Hq, L, "
+                             f"{self.head_dim})")
+        mask = _masks.both(attn_mask, "attn_mask", self.attn_mask, "the cache's padding",
+                           self.dtype)
+        return scaled_dot_product_attention(
+            query, self._key[:, :, :self._length], self._value[:, :, :self._length],
+            attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
+            causal_alignment="lower_right", need_weights=need_weights, out=out,
+            num_threads=num_threads)

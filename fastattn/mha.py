@@ -1,0 +1,431 @@
+"""MultiHeadAttention: the whole attention layer (projections, heads,
+attention, output projection) with PyTorch nn.MultiheadAttention's weights."""
+import numpy as np
+
+from . import _checks as C
+from . import _masks
+from .attention import scaled_dot_product_attention
+from .kv_cache import KVCache
+from .ops import split_heads
+
+
+class MultiHeadAttention:
+    """Multi-head attention (Vaswani et al. 2017, sec. 3.2.2) with the
+    parameters, state-dict names and mask conventions of PyTorch's
+    ``torch.nn.MultiheadAttention``, and grouped-query attention
+    (Ainslie et al. 2023) as an extension.
+
+    ``MultiHead(Q, K, V) = Concat(head_1..head_h) W_O^T + b_O`` with
+    ``head_i = Attention(Q W_Qi^T + b_Qi, K W_Ki^T + b_Ki, V W_Vi^T + b_Vi)``.
+    The projections are matrix products of NumPy's BLAS; the heads are
+    views of the projections (no copy); attention writes each head straight
+    into the concatenated (L, embed_dim) buffer that the output projection
+    reads.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Model size E of query and output; a multiple of num_heads.
+    num_heads : int
+        Query heads H; head_dim = embed_dim // num_heads.
+    kdim, vdim : int or None
+        Features of key and value (cross-attention); None means embed_dim.
+    num_kv_heads : int or None
+        Key/value heads Hkv (grouped-query attention when < num_heads;
+        num_heads must be a multiple).  None means num_heads.  PyTorch's
+        module has no such argument: with Hkv < H the key and value
+        projections have Hkv * head_dim rows instead of embed_dim.
+    bias : bool
+        Add in_proj_bias and out_proj.bias.
+    batch_first : bool
+        Inputs and output are (N, L, E) when True, (L, N, E) when False.
+        True by default here; PyTorch's default is False.
+    dtype : float32 or float64
+        Of the weights; inputs must have it too.
+    rng : numpy.random.Generator, int or None
+        Source of the initial weights, drawn as PyTorch draws them: Xavier
+        uniform for the input projections (Glorot & Bengio 2010), uniform
+        in +-1/sqrt(embed_dim) for the output projection, zero biases.
+        Usually replaced by ``load_state_dict`` or ``from_torch``.
+
+    Weights (NumPy arrays of dtype, named as in the PyTorch state dict)
+    -------------------------------------------------------------------
+    in_proj_weight : (embed_dim + 2 * Hkv * head_dim, embed_dim), rows q; k; v,
+        when kdim == vdim == embed_dim, else None
+    q_proj_weight (embed_dim, embed_dim), k_proj_weight (Hkv * head_dim, kdim),
+    v_proj_weight (Hkv * head_dim, vdim) : when kdim or vdim differ, else None
+    in_proj_bias : (embed_dim + 2 * Hkv * head_dim,) or None
+    out_proj_weight, out_proj_bias : "out_proj.weight" (embed_dim, embed_dim)
+        and "out_proj.bias" (embed_dim,) in the state dict
+
+    Raises
+    ------
+    TypeError for non-int sizes, a non-bool flag or another dtype;
+    ValueError for sizes < 1, embed_dim not a multiple of num_heads or
+    num_heads not a multiple of num_kv_heads.
+    """
+
+    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, num_kv_heads=None,
+                 bias=True, batch_first=True, dtype=np.float32, rng=None):
+        self.embed_dim = C.check_index(embed_dim, "embed_dim", 1)
+        self.num_heads = C.check_index(num_heads, "num_heads", 1)
+        self.kdim = self.embed_dim if kdim is None else C.check_index(kdim, "kdim", 1)
+        self.vdim = self.embed_dim if vdim is None else C.check_index(vdim, "vdim", 1)
+        self.num_kv_heads = (self.num_heads if num_kv_heads is None
+                             else C.check_index(num_kv_heads, "num_kv_heads", 1))
+        bias = C.check_bool(bias, "bias")
+        self.batch_first = C.check_bool(batch_first, "batch_first")
+        self.dtype = C.check_float_dtype(dtype, "dtype")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim ({self.embed_dim}) must be a multiple of num_heads "
+                             f"({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        self.head_dim = self.embed_dim // self.num_heads
+        self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
+        self._params = {name: np.zeros(shape, self.dtype)
+                        for name, shape in self._param_shapes(bias).items()}
+        self._init_weights(np.random.default_rng(rng))
+
+    # ---- parameters -------------------------------------------------------
+    @property
+    def kv_dim(self):
+        """Rows of the key and value projections, num_kv_heads * head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    def _param_shapes(self, bias):
+        E, kv = self.embed_dim, self.kv_dim
+        if self._qkv_same_embed_dim:
+            shapes = {"in_proj_weight": (E + 2 * kv, E)}
+        else:
+            shapes = {"q_proj_weight": (E, E), "k_proj_weight": (kv, self.kdim),
+                      "v_proj_weight": (kv, self.vdim)}
+        if bias:
+            shapes["in_proj_bias"] = (E + 2 * kv,)
+        shapes["out_proj.weight"] = (E, E)
+        if bias:
+            shapes["out_proj.bias"] = (E,)
+        return shapes
+
+    def _init_weights(self, rng):
+        E, kv = self.embed_dim, self.kv_dim
+
+        def uniform(shape, bound):
+            return rng.uniform(-bound, bound, shape).astype(self.dtype)
+
+        def xavier(rows, cols):  # fan_in = cols, fan_out = rows
+            return uniform((rows, cols), np.sqrt(6.0 / (rows + cols)))
+
+        p = self._params
+        if self._qkv_same_embed_dim:  # PyTorch draws the packed matrix as one
+            p["in_proj_weight"][...] = xavier(E + 2 * kv, E)
+        else:
+            p["q_proj_weight"][...] = xavier(E, E)
+            p["k_proj_weight"][...] = xavier(kv, self.kdim)
+            p["v_proj_weight"][...] = xavier(kv, self.vdim)
+        p["out_proj.weight"][...] = uniform((E, E), 1.0 / np.sqrt(E))
+
+    in_proj_weight = property(lambda self: self._params.get("in_proj_weight"))
+    q_proj_weight = property(lambda self: self._params.get("q_proj_weight"))
+    k_proj_weight = property(lambda self: self._params.get("k_proj_weight"))
+    v_proj_weight = property(lambda self: self._params.get("v_proj_weight"))
+    in_proj_bias = property(lambda self: self._params.get("in_proj_bias"))
+    out_proj_weight = property(lambda self: self._params.get("out_proj.weight"))
+    out_proj_bias = property(lambda self: self._params.get("out_proj.bias"))
+
+    def state_dict(self):
+        """The weights by their PyTorch names (the arrays themselves, not copies)."""
+        return dict(self._params)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Load weights by the names of ``torch.nn.MultiheadAttention.state_dict()``.
+
+        Parameters
+        ----------
+        state_dict : mapping of name -> array-like
+            ``in_proj_weight`` (rows q; k; v) or ``q_proj_weight``,
+            ``k_proj_weight``, ``v_proj_weight`` (when kdim or vdim differ
+            from embed_dim), ``in_proj_bias``, ``out_proj.weight``,
+            ``out_proj.bias`` (the biases when bias=True).  Any floating
+            dtype, converted (copied) to this module's dtype.  NumPy arrays,
+            or anything numpy.asarray reads, such as a CPU torch tensor that
+            does not require grad.
+        strict : bool
+            When True every expected name must be present and no other.
+
+        Raises
+        ------
+        ValueError for missing or unexpected names (strict) and for a shape
+        other than the expected one; TypeError for a non-mapping or a
+        non-floating array.  Nothing is loaded when an error is raised.
+        """
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+            raise TypeError(f"state_dict must be a mapping of names to arrays, got "
+                            f"{type(state_dict).__name__}")
+        strict = C.check_bool(strict, "strict")
+        expected = {name: a.shape for name, a in self._params.items()}
+        if strict:
+            missing = sorted(set(expected) - set(state_dict.keys()))
+            unexpected = sorted(set(state_dict.keys()) - set(expected))
+            if missing or unexpected:
+                raise ValueError(f"state_dict does not match this MultiHeadAttention "
+                                 f"({self!r}): missing {missing}, unexpected {unexpected}")
+        new = {}
+        for name, shape in expected.items():
+            if name not in state_dict:
+                continue
+            a = np.asarray(state_dict[name])
+            if not np.issubdtype(a.dtype, np.floating):
+                raise TypeError(f"state_dict[{name!r}] has dtype {a.dtype}; expected a "
+                                "floating dtype")
+            if a.shape != shape:
+                raise ValueError(f"state_dict[{name!r}] has shape {C.shape_str(a.shape)}; "
+                                 f"expected {C.shape_str(shape)}")
+            new[name] = np.array(a, dtype=self.dtype, copy=True)
+        self._params.update(new)
+
+    @classmethod
+    def from_torch(cls, module):
+        """A MultiHeadAttention with the sizes, layout and weights of a
+        ``torch.nn.MultiheadAttention`` (needs torch only to read the module).
+
+        Raises ValueError for the options fastattn does not implement
+        (add_bias_kv, add_zero_attn) and TypeError for another object."""
+        needed = ("embed_dim", "num_heads", "kdim", "vdim", "batch_first", "in_proj_bias",
+                  "out_proj", "state_dict")
+        if not all(hasattr(module, a) for a in needed):
+            raise TypeError(f"module must be a torch.nn.MultiheadAttention, got "
+                            f"{type(module).__name__}")
+        if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
+            raise ValueError("add_bias_kv and add_zero_attn are not supported by fastattn")
+        state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+        mha = cls(module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
+                  bias=module.in_proj_bias is not None, batch_first=bool(module.batch_first),
+                  dtype=state["out_proj.weight"].dtype)
+        mha.load_state_dict(state)
+        return mha
+
+    def __repr__(self):
+        extra = "" if self._qkv_same_embed_dim else f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.num_kv_heads != self.num_heads:
+            extra += f", num_kv_heads={self.num_kv_heads}"
+        return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+                f"{extra}, bias={self.in_proj_bias is not None}, "
+                f"batch_first={self.batch_first}, dtype={self.dtype.name})")
+
+    def new_cache(self, batch_size, capacity):
+        """An empty KVCache sized for this layer (num_kv_heads, head_dim, dtype)."""
+        return KVCache(batch_size, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype)
+
+    # ---- forward ----------------------------------------------------------
+    def forward(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
+                is_causal=False, need_weights=False, average_attn_weights=True, cache=None,
+                num_threads=None):
+        """Attention of query over key/value, with the projections.
+
+        Parameters
+        ----------
+        query : ndarray (N, L, embed_dim) when batch_first, (L, N, embed_dim)
+            otherwise, or (L, embed_dim) unbatched; the module's dtype.
+        key : ndarray (N, S, kdim) / (S, N, kdim) / (S, kdim), or None
+        value : ndarray (N, S, vdim) / (S, N, vdim) / (S, vdim), or None
+            Both None: self-attention (key = value = query).  Any strides.
+        key_padding_mask : ndarray (N, S) ((S,) unbatched) or None
+            **nn.MultiheadAttention's convention: bool True = ignore this key**
+            (padding); floating: added to the scores of that key.  The
+            functional ``scaled_dot_product_attention`` uses the opposite
+            bool convention (True = may attend); masks are converted here.
+        attn_mask : ndarray (L, S) or (N * num_heads, L, S) ((num_heads, L, S)
+            unbatched), or None
+            Same convention: bool True = not allowed to attend; floating added.
+        is_causal : bool
+            Query i sees keys 0..i, or, with a cache, the keys up to its own
+            position (bottom-right alignment).  PyTorch's module documents
+            the same effect but treats the flag as a hint that attn_mask is
+            causal; here no mask is needed, and with one a key is visible
+            when both allow it.
+        need_weights : bool
+            Also return the attention weights (default False; PyTorch's
+            default is True).
+        average_attn_weights : bool
+            Weights averaged over the heads, (N, L, S), else per head
+            (N, num_heads, L, S); unbatched without N.
+        cache : KVCache or None
+            Self-attention step of a decoder: the new keys and values
+            (projected from key/value, or from query when omitted) are
+            appended to the cache, and query attends to everything it holds;
+            S is then ``cache.length`` after the append for attn_mask and the
+            weights, while key_padding_mask (bool only) marks padding among
+            the new positions.  The cache must have the batch size,
+            num_kv_heads, head_dim and dtype of this layer
+            (``new_cache`` makes one).
+        num_threads : int or None
+            Threads of the attention kernel (NumPy's BLAS has its own).
+
+        Returns
+        -------
+        output : ndarray shaped like query, the module's dtype
+        weights : ndarray, only when need_weights=True
+
+        Unlike PyTorch (which returns ``(output, weights or None)`` and gives
+        NaN), a query row with no visible key has zero attention output, so
+        its output row is out_proj.bias (zeros without bias), never NaN.
+
+        Raises
+        ------
+        TypeError for non-arrays, a dtype other than the module's, or a mask
+        neither bool nor floating; ValueError for shapes that disagree, only
+        one of key and value, or a cache that does not fit (its capacity
+        included).  The caller's arrays are never modified.
+        """
+        need_weights = C.check_bool(need_weights, "need_weights")
+        average = C.check_bool(average_attn_weights, "average_attn_weights")
+        is_causal = C.check_bool(is_causal, "is_causal")
+        self._check_inputs(query, key, value)
+        batched = query.ndim == 3
+        self_attention = key is None
+        if self_attention:
+            key = value = query
+        if not batched:  # a batch of one, batch first (PyTorch ignores batch_first here)
+            query, key, value = query[None], key[None], value[None]
+            if isinstance(key_padding_mask, np.ndarray):
+                key_padding_mask = key_padding_mask[None]
+        seq_first = batched and not self.batch_first
+        N, L = query.shape[1::-1] if seq_first else query.shape[:2]
+        Nk, S_new = key.shape[1::-1] if seq_first else key.shape[:2]
+        if Nk != N or value.shape[:2] != key.shape[:2]:
+            raise ValueError(f"query, key and value must have one batch size N, and key and "
+                             f"value one length S; got query {C.shape_str(query.shape)}, key "
+                             f"{C.shape_str(key.shape)}, value {C.shape_str(value.shape)} "
+                             f"({'(L, N, E)' if seq_first else '(N, L, E)'} layout)")
+        if cache is not None:
+            self._check_cache(cache, N)
+        S = S_new + (cache.length if cache is not None else 0)
+        kpm = self._check_key_padding_mask(key_padding_mask, N, S_new, cache is not None)
+        mask = self._attn_mask(attn_mask, N, L, S)
+
+        q, k, v = self._project(query, key, value, self_attention)
+        q_h = self._heads(q, self.num_heads, seq_first)
+        k_h = self._heads(k, self.num_kv_heads, seq_first)
+        v_h = self._heads(v, self.num_kv_heads, seq_first)
+        concat = np.empty(query.shape[:-1] + (self.embed_dim,), self.dtype)
+        out_h = self._heads(concat, self.num_heads, seq_first)  # attention writes here
+        if cache is not None:
+            cache.append(k_h, v_h, key_padding_mask=kpm)
+            result = cache.attend(q_h, attn_mask=mask, is_causal=is_causal,
+                                  need_weights=need_weights, out=out_h, num_threads=num_threads)
+        else:
+            if kpm is not None:
+                kpm = _masks.from_mha(kpm, "key_padding_mask", self.dtype)[:, None, None, :]
+            result = scaled_dot_product_attention(
+                q_h, k_h, v_h, attn_mask=_masks.both(mask, "attn_mask", kpm, "key_padding_mask",
+                                                     self.dtype),
+                is_causal=is_causal, enable_gqa=True, need_weights=need_weights, out=out_h,
+                num_threads=num_threads)
+        output = _linear(concat, self.out_proj_weight, self.out_proj_bias)
+        if not need_weights:
+            return output if batched else output[0]
+        weights = result[1].mean(axis=1) if average else result[1]
+        return (output, weights) if batched else (output[0], weights[0])
+
+    __call__ = forward
+
+    # ---- forward's pieces ---------------------------------------------------
+    def _check_inputs(self, query, key, value):
+        if (key is None) != (value is None):
+            raise ValueError("pass both key and value (cross-attention) or neither "
+                             "(self-attention)")
+        arrays = {"query": query} if key is None else {"query": query, "key": key, "value": value}
+        for name, a in arrays.items():
+            C.require_array(a, name)
+            if a.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {a.dtype}; this MultiHeadAttention has "
+                                f"{self.dtype} weights")
+        if query.ndim not in (2, 3):
+            layout = "(N, L, E)" if self.batch_first else "(L, N, E)"
+            raise ValueError(f"query must be {layout} or unbatched (L, E), got shape "
+                             f"{C.shape_str(query.shape)}")
+        dims = {"query": ("embed_dim", self.embed_dim), "key": ("kdim", self.kdim),
+                "value": ("vdim", self.vdim)}
+        for name, a in arrays.items():
+            if a.ndim != query.ndim:
+                raise ValueError(f"{name} has shape {C.shape_str(a.shape)} and query "
+                                 f"{C.shape_str(query.shape)}: they must have as many dimensions")
+            what, dim = dims[name]
+            if a.shape[-1] != dim:
+                raise ValueError(f"{name} has {a.shape[-1]} features (last axis of "
+                                 f"{C.shape_str(a.shape)}); expected {what} = {dim}")
+        if key is None and not self._qkv_same_embed_dim:
+            raise ValueError(f"self-attention needs kdim == vdim == embed_dim; this module has "
+                             f"kdim={self.kdim}, vdim={self.vdim}: pass key and value")
+
+    def _check_cache(self, cache, N):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a fastattn.KVCache, got {type(cache).__name__}")
+        want = (N, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
+        have = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.value_dim, cache.dtype)
+        if have != want:
+            raise ValueError(f"cache {cache!r} does not fit this layer: it needs batch_size={N}, "
+                             f"num_kv_heads={self.num_kv_heads}, head_dim=value_dim="
+                             f"{self.head_dim}, dtype={self.dtype.name}")
+
+    def _check_key_padding_mask(self, kpm, N, S, with_cache):
+        if kpm is None:
+            return None
+        C.require_array(kpm, "key_padding_mask")
+        if kpm.shape != (N, S):
+            raise ValueError(f"key_padding_mask has shape {C.shape_str(kpm.shape)}; expected "
+                             f"(N, S) = ({N}, {S}) (True = ignore the key)")
+        if with_cache and kpm.dtype != np.bool_:
+            raise TypeError(f"key_padding_mask has dtype {kpm.dtype}; with a cache it must be "
+                            "bool (True = padding)")
+        return kpm
+
+    def _attn_mask(self, mask, N, L, S):
+        """attn_mask (L, S) or (N * num_heads, L, S), True = ignore, as a
+        functional-API mask broadcastable to (N, num_heads, L, S)."""
+        if mask is None:
+            return None
+        C.require_array(mask, "attn_mask")
+        H = self.num_heads
+        if mask.shape == (L, S):
+            pass
+        elif mask.shape == (N * H, L, S):
+            mask = mask.reshape(N, H, L, S)
+        else:
+            raise ValueError(f"attn_mask has shape {C.shape_str(mask.shape)}; expected (L, S) = "
+                             f"({L}, {S}) or (N * num_heads, L, S) = ({N * H}, {L}, {S})")
+        return _masks.from_mha(mask, "attn_mask", self.dtype)
+
+    def _project(self, query, key, value, self_attention):
+        """The input projections, (..., embed_dim) and twice (..., kv_dim),
+        each a product with NumPy's BLAS (one when query = key = value)."""
+        E, kv, b = self.embed_dim, self.kv_dim, self.in_proj_bias
+        bq, bk, bv = (None,) * 3 if b is None else (b[:E], b[E:E + kv], b[E + kv:])
+        if not self._qkv_same_embed_dim:
+            return (_linear(query, self.q_proj_weight, bq), _linear(key, self.k_proj_weight, bk),
+                    _linear(value, self.v_proj_weight, bv))
+        w = self.in_proj_weight
+        if self_attention:
+            qkv = _linear(query, w, b)
+            return qkv[..., :E], qkv[..., E:E + kv], qkv[..., E + kv:]
+        q = _linear(query, w[:E], bq)
+        if key is value:
+            kv_ = _linear(key, w[E:], None if b is None else b[E:])
+            return q, kv_[..., :kv], kv_[..., kv:]
+        return q, _linear(key, w[E:E + kv], bk), _linear(value, w[E + kv:], bv)
+
+    @staticmethod
+    def _heads(x, num_heads, seq_first):
+        """(N, L, H*D) or (L, N, H*D) viewed as (N, H, L, D), no copy."""
+        h = split_heads(x, num_heads)  # (A0, H, A1, D)
+        return h.transpose(2, 1, 0, 3) if seq_first else h
+
+
+def _linear(x, weight, bias):
+    """x @ weight^T + bias over the last axis, as one BLAS product."""
+    y = x.reshape(-1, x.shape[-1]) @ weight.T
+    if bias is not None:
+        y += bias
+    return y.reshape(x.shape[:-1] + (weight.shape[0],))
