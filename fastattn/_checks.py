@@ -45,7 +45,7 @@ def check_float_dtype(dtype, name):
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
-    if dt not in FLOAT_DTYPES:
+    if dt is None or dt not in FLOAT_DTYPES:  # (a dtype compares equal to None: float64)
         raise TypeError(f"{name} must be float32 or float64, got {dtype!r}")
     return dt
 

@@ -49,3 +49,15 @@ def rng():
 def f64(*arrays):
     return [None if a is None else (a.astype(np.float64) if a.dtype.kind == "f" else a)
             for a in arrays]
+
+
+def load_example(name):
+    """examples/<name>.py of the source tree, imported as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"fastattn_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

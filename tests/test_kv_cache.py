@@ -1,0 +1,211 @@
+"""KVCache: steps of new tokens equal the matching rows of a full causal pass."""
+import numpy as np
+import pytest
+from conftest import assert_close, f64
+
+import fastattn
+from fastattn import reference as ref
+
+# float32 cache steps against the float32 full pass: the issue's bound
+STEP_ATOL = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-13}
+
+
+def qkv(rng, dtype, B, Hq, Hkv, T, D, Dv=None):
+    q = rng.standard_normal((B, Hq, T, D)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, T, D)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, T, Dv or D)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("steps", [[1] * 9, [5, 1, 1, 1, 1], [3, 4, 2], [9]])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (6, 1)])
+def test_steps_equal_full_causal_pass(simd, dtype, rng, steps, Hq, Hkv):
+    B, D, Dv = 2, 16, 12
+    T = sum(steps)
+    q, k, v = qkv(rng, dtype, B, Hq, Hkv, T, D, Dv)
+    full = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    r_full = ref.scaled_dot_product_attention(*f64(q, k, v), is_causal=True, enable_gqa=True)
+    cache = fastattn.KVCache(B, Hkv, T + 3, D, value_dim=Dv, dtype=dtype)
+    t = 0
+    for n in steps:
+        cache.append(k[:, :, t:t + n], v[:, :, t:t + n])
+        out, w = cache.attend(q[:, :, t:t + n], need_weights=True)
+        assert out.shape == (B, Hq, n, Dv) and w.shape == (B, Hq, n, t + n)
+        np.testing.assert_allclose(out, full[:, :, t:t + n], rtol=0, atol=STEP_ATOL[dtype])
+        assert_close(out, r_full[:, :, t:t + n], dtype, D + T)
+        t += n
+    assert cache.length == T and list(cache.lengths) == [T] * B
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_padded_batch(simd, dtype, rng, padding):
+    """Prompts of unequal length, padded: the padding is never attended, and
+    every real row equals the full causal pass with the key padding mask."""
+    B, H, P, new, D = 3, 2, 7, 4, 8
+    lengths = np.array([7, 3, 1])
+    pos = np.arange(P)
+    real = pos >= P - lengths[:, None] if padding == "left" else pos < lengths[:, None]
+    T = P + new
+    q, k, v = qkv(rng, dtype, B, H, H, T, D)
+    real_all = np.concatenate([real, np.ones((B, new), bool)], axis=1)
+    full = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 attn_mask=real_all[:, None, None, :])
+    r_full = ref.scaled_dot_product_attention(*f64(q, k, v), is_causal=True,
+                                              attn_mask=real_all[:, None, None, :])
+    cache = fastattn.KVCache(B, H, T, D, dtype=dtype)
+    cache.append(k[:, :, :P], v[:, :, :P], key_padding_mask=~real)
+    out = cache.attend(q[:, :, :P])
+    rows = real[:, None, :, None]
+    np.testing.assert_allclose(np.where(rows, out, 0), np.where(rows, full[:, :, :P], 0),
+                               rtol=0, atol=STEP_ATOL[dtype])
+    for t in range(P, T):
+        cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        out, w = cache.attend(q[:, :, t:t + 1], need_weights=True)
+        np.testing.assert_allclose(out, full[:, :, t:t + 1], rtol=0, atol=STEP_ATOL[dtype])
+        assert_close(out, r_full[:, :, t:t + 1], dtype, D + T)
+        assert np.all(w[~real_all[:, None, None, :t + 1].repeat(H, 1)] == 0)
+    np.testing.assert_array_equal(cache.lengths, lengths + new)
+    mask = cache.attn_mask  # a view of the cache's own (B, capacity) array, never expanded
+    assert mask.shape == (B, 1, 1, T) and np.shares_memory(mask, cache.attn_mask)
+
+
+def test_no_reallocation_and_views(rng):
+    B, H, D = 2, 3, 8
+    cache = fastattn.KVCache(B, H, 10, D)
+    k = rng.standard_normal((B, H, 2, D)).astype(np.float32)
+    cache.append(k, k)
+    first = cache.key
+    for _ in range(8):
+        cache.append(k[:, :, :1], 2 * k[:, :, :1])
+    assert cache.key.__array_interface__["data"][0] == first.__array_interface__["data"][0]
+    assert np.shares_memory(cache.key, first)
+    assert cache.key.shape == (B, H, 10, D) and cache.value.shape == (B, H, 10, D)
+    np.testing.assert_array_equal(cache.key[:, :, 2:], np.repeat(k[:, :, :1], 8, axis=2))
+    np.testing.assert_array_equal(cache.value[:, :, 2:], np.repeat(2 * k[:, :, :1], 8, axis=2))
+    with pytest.raises(ValueError, match="read-only"):
+        cache.key[0, 0, 0, 0] = 1
+    assert cache.attn_mask is None  # no padding: no mask
+
+
+def test_capacity_exceeded_writes_nothing(rng):
+    cache = fastattn.KVCache(1, 2, 5, 4)
+    k = rng.standard_normal((1, 2, 4, 4)).astype(np.float32)
+    cache.append(k, k)
+    keys = cache.key.copy()
+    with pytest.raises(ValueError, match=r"KVCache capacity exceeded: it holds 4 of 5 positions "
+                                         r"and 2 more were appended"):
+        cache.append(k[:, :, :2], k[:, :, :2])
+    assert cache.length == 4
+    np.testing.assert_array_equal(cache.key, keys)
+    cache.append(k[:, :, :1], k[:, :, :1])  # the last slot still fits
+    assert cache.length == 5
+
+
+def test_reset(rng):
+    cache = fastattn.KVCache(2, 1, 4, 3, dtype=np.float64)
+    k = rng.standard_normal((2, 1, 4, 3))
+    cache.append(k, k, key_padding_mask=np.array([[True, False, False, False]] * 2))
+    cache.reset()
+    assert cache.length == 0 and cache.attn_mask is None and cache.key.shape == (2, 1, 0, 3)
+    cache.append(k, k)
+    q = rng.standard_normal((2, 1, 4, 3))
+    np.testing.assert_array_equal(cache.attend(q),
+                                  fastattn.scaled_dot_product_attention(q, k, k, is_causal=True))
+
+
+def test_attend_with_mask_and_padding(dtype, rng):
+    B, H, T, D = 2, 2, 6, 8
+    q, k, v = qkv(rng, dtype, B, H, H, T, D)
+    pad = np.zeros((B, T), bool)
+    pad[1, :2] = True
+    cache = fastattn.KVCache(B, H, T, D, dtype=dtype)
+    cache.append(k, v, key_padding_mask=pad)
+    for user in (rng.random((T, T)) > 0.3, rng.standard_normal((B, 1, T, T)).astype(dtype)):
+        out = cache.attend(q, attn_mask=user, is_causal=False)
+        keep = ~pad[:, None, None, :]
+        r_mask = (user & keep) if user.dtype == bool else np.where(keep, user, -np.inf)
+        assert_close(out, ref.scaled_dot_product_attention(*f64(q, k, v, r_mask)), dtype, D + T)
+
+
+def test_mha_steps_equal_full_pass(simd, dtype, rng):
+    """MultiHeadAttention with a cache (GQA, left-padded prompts) equals its
+    full causal pass with the key padding mask, row for row."""
+    B, P, new, E, Hq, Hkv = 3, 6, 5, 32, 4, 2
+    m = fastattn.MultiHeadAttention(E, Hq, num_kv_heads=Hkv, dtype=dtype, rng=rng)
+    m.in_proj_bias[...] = rng.standard_normal(m.in_proj_bias.shape)
+    x = rng.standard_normal((B, P + new, E)).astype(dtype)
+    pad = np.zeros((B, P + new), bool)
+    pad[1, :2] = pad[2, :5] = True
+    full = m(x, key_padding_mask=pad, is_causal=True)
+    atol = STEP_ATOL[dtype] * max(1.0, float(np.abs(full).max()))  # relative to the outputs
+    cache = m.new_cache(B, P + new)
+    first = m(x[:, :P], key_padding_mask=pad[:, :P], is_causal=True, cache=cache)
+    real = ~pad[:, :P, None]
+    np.testing.assert_allclose(np.where(real, first, 0), np.where(real, full[:, :P], 0),
+                               rtol=0, atol=atol)
+    for t in range(P, P + new):
+        out, w = m(x[:, t:t + 1], is_causal=True, cache=cache, need_weights=True)
+        np.testing.assert_allclose(out, full[:, t:t + 1], rtol=0, atol=atol)
+        assert w.shape == (B, 1, t + 1) and np.all(w[pad[:, None, :t + 1]] == 0)
+
+
+def test_mha_cache_errors(rng):
+    m = fastattn.MultiHeadAttention(16, 4, num_kv_heads=2, rng=rng)
+    x = np.zeros((2, 3, 16), np.float32)
+    with pytest.raises(ValueError, match="does not fit this layer: it needs batch_size=2, "
+                                         "num_kv_heads=2, head_dim=value_dim=4, dtype=float32"):
+        m(x, cache=fastattn.KVCache(2, 4, 8, 4))
+    cache = m.new_cache(2, 4)
+    with pytest.raises(TypeError, match="with a cache it must be bool"):
+        m(x, cache=cache, key_padding_mask=np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"attn_mask has shape \(3, 2\); expected \(L, S\) = "
+                                         r"\(3, 3\)"):
+        m(x, cache=cache, attn_mask=np.zeros((3, 2), bool))
+    assert cache.length == 0  # nothing appended on an error
+    m(x, cache=cache)
+    with pytest.raises(ValueError, match="KVCache capacity exceeded: it holds 3 of 4 positions"):
+        m(x, cache=cache)
+    assert cache.length == 3
+
+
+k4 = np.zeros((2, 3, 4, 8), np.float32)
+BAD_CACHE = [
+    ("append", (k4[:1], k4), {}, ValueError,
+     "key has shape (1, 3, 4, 8); expected (batch_size, num_kv_heads, L, head_dim) = (2, 3, L, 8)"),
+    ("append", (k4, k4[..., :5]), {}, ValueError, "value has shape (2, 3, 4, 5); expected"),
+    ("append", (k4, k4[:, :, :2]), {}, ValueError,
+     "key and value must hold the same number of positions, got 4 and 2"),
+    ("append", (k4.astype(np.float64), k4), {}, TypeError,
+     "key has dtype float64; this KVCache holds float32"),
+    ("append", (k4, k4), {"key_padding_mask": np.zeros((2, 4), np.int32)}, TypeError,
+     "key_padding_mask has dtype int32; expected bool (True = padding)"),
+    ("append", (k4, k4), {"key_padding_mask": np.zeros((2, 3), bool)}, ValueError,
+     "key_padding_mask has shape (2, 3); expected (batch_size, L) = (2, 4)"),
+    ("append", ([1.0], k4), {}, TypeError, "key must be a numpy.ndarray, got list"),
+    ("attend", (k4.astype(np.float64),), {}, TypeError,
+     "query has dtype float64; this KVCache holds float32"),
+    ("attend", (k4[..., :4],), {}, ValueError, "query has shape (2, 3, 4, 4); expected"),
+    ("attend", (np.zeros((2, 4, 1, 8), np.float32),), {}, ValueError,
+     "query heads (4) must be a multiple of key/value heads (3)"),
+]
+
+
+@pytest.mark.parametrize("method,args,kwargs,exc,msg", BAD_CACHE, ids=[c[4][:40] for c in BAD_CACHE])
+def test_cache_errors(method, args, kwargs, exc, msg):
+    cache = fastattn.KVCache(2, 3, 6, 8)
+    with pytest.raises(exc) as info:
+        getattr(cache, method)(*args, **kwargs)
+    assert msg in str(info.value)
+    assert cache.length == 0
+
+
+@pytest.mark.parametrize("args,kwargs,exc,msg", [
+    ((0, 1, 1, 1), {}, ValueError, "batch_size must be >= 1, got 0"),
+    ((1, 1, 0, 1), {}, ValueError, "capacity must be >= 1, got 0"),
+    ((1, 1, 1, 1.5), {}, TypeError, "head_dim must be an int, got float"),
+    ((1, 1, 1, 1), {"dtype": np.int32}, TypeError, "dtype must be float32 or float64"),
+])
+def test_cache_constructor_errors(args, kwargs, exc, msg):
+    with pytest.raises(exc) as info:
+        fastattn.KVCache(*args, **kwargs)
+    assert msg in str(info.value)
