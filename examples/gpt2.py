@@ -27,6 +27,12 @@ def layer_norm(x, weight, bias, eps):
     return centred / np.sqrt(var + eps) * weight + bias
 
 
+def conv1d(x, weight, bias):
+    """Hugging Face's Conv1D, x @ weight + bias with weight (in, out), as one
+    2-D BLAS product (NumPy runs a stack of 3-D products much slower)."""
+    return (x.reshape(-1, x.shape[-1]) @ weight + bias).reshape(x.shape[:-1] + (-1,))
+
+
 def gelu_new(x):
     """GPT-2's tanh approximation of GELU (Hendrycks & Gimpel 2016)."""
     c = x.dtype.type(math.sqrt(2 / math.pi))
@@ -112,10 +118,10 @@ class GPT2:
             x = x + mha(h, key_padding_mask=padding, is_causal=True,
                         cache=caches[i] if caches else None)
             h = layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
-            h = gelu_new(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"])
-            x = x + h @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+            h = gelu_new(conv1d(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"]))
+            x = x + conv1d(h, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"])
         x = layer_norm(x, w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)
-        return x @ self.lm_head.T
+        return conv1d(x, self.lm_head.T, 0)
 
     def generate(self, input_ids, max_new_tokens, attention_mask=None):
         """Greedy decoding with one KVCache per layer: the prompt in one
