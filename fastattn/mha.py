@@ -3,7 +3,7 @@ attention, output projection) with PyTorch nn.MultiheadAttention's weights."""
 import numpy as np
 
 from . import _checks as C
-from . import _masks
+from . import _masks, _runtime
 from .attention import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .ops import split_heads
@@ -282,6 +282,7 @@ class MultiHeadAttention:
         need_weights = C.check_bool(need_weights, "need_weights")
         average = C.check_bool(average_attn_weights, "average_attn_weights")
         is_causal = C.check_bool(is_causal, "is_causal")
+        _runtime.resolve_threads(num_threads)  # checked before a cache is written
         self._check_inputs(query, key, value)
         batched = query.ndim == 3
         self_attention = key is None

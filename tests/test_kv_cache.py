@@ -161,6 +161,8 @@ def test_mha_cache_errors(rng):
     with pytest.raises(ValueError, match=r"attn_mask has shape \(3, 2\); expected \(L, S\) = "
                                          r"\(3, 3\)"):
         m(x, cache=cache, attn_mask=np.zeros((3, 2), bool))
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        m(x, cache=cache, num_threads=0)
     assert cache.length == 0  # nothing appended on an error
     m(x, cache=cache)
     with pytest.raises(ValueError, match="KVCache capacity exceeded: it holds 3 of 4 positions"):
