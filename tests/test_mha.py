@@ -318,3 +318,20 @@ def test_self_attention_with_other_kdim_is_an_error(rng):
 def test_from_torch_rejects_other_objects():
     with pytest.raises(TypeError, match="module must be a torch.nn.MultiheadAttention, got dict"):
         fastattn.MultiHeadAttention.from_torch({})
+
+
+def test_loading_needs_no_torch():
+    """load_state_dict and forward with torch made unimportable."""
+    import subprocess
+    import sys
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np, fastattn\n"
+        "m = fastattn.MultiHeadAttention(8, 2, bias=False)\n"
+        "sd = {'in_proj_weight': np.tile(np.eye(8), (3, 1)), 'out_proj.weight': np.eye(8)}\n"
+        "m.load_state_dict(sd)\n"
+        "x = np.ones((1, 3, 8), np.float32)\n"
+        "assert np.allclose(m(x), 1)  # identity projections, equal values\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
