@@ -37,6 +37,26 @@ def test_steps_equal_full_causal_pass(simd, dtype, rng, steps, Hq, Hkv):
     assert cache.length == T and list(cache.lengths) == [T] * B
 
 
+def test_long_cache_decode(simd, dtype, rng):
+    """One query row over a long cache with few (batch, head) items, the
+    decoding case the kernel splits over the keys: still the rows of the
+    full causal pass (here its last rows, computed as one block of queries)."""
+    B, Hq, Hkv, T, D, new = 1, 8, 2, 2100, 64, 6
+    q, k, v = qkv(rng, dtype, B, Hq, Hkv, T, D)
+    P = T - new
+    rows = fastattn.scaled_dot_product_attention(q[:, :, P:], k, v, is_causal=True,
+                                                 causal_alignment="lower_right", enable_gqa=True)
+    r_rows = ref.scaled_dot_product_attention(*f64(q[:, :, P:], k, v), is_causal=True,
+                                              causal_alignment="lower_right", enable_gqa=True)
+    cache = fastattn.KVCache(B, Hkv, T, D, dtype=dtype)
+    cache.append(k[:, :, :P], v[:, :, :P])
+    for i in range(new):
+        cache.append(k[:, :, P + i:P + i + 1], v[:, :, P + i:P + i + 1])
+        out = cache.attend(q[:, :, P + i:P + i + 1])
+        np.testing.assert_allclose(out, rows[:, :, i:i + 1], rtol=0, atol=STEP_ATOL[dtype])
+        assert_close(out, r_rows[:, :, i:i + 1], dtype, D + T)
+
+
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_padded_batch(simd, dtype, rng, padding):
     """Prompts of unequal length, padded: the padding is never attended, and
