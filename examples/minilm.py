@@ -124,7 +124,8 @@ class MiniLM:
             a = mha(x, key_padding_mask=padding)
             x = layer_norm(x + a, w[p + "attention.output.LayerNorm.weight"],
                            w[p + "attention.output.LayerNorm.bias"], eps)
-            h = gelu(linear(x, w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"]))
+            h = linear(x, w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"])
+            h = gelu(h)
             h = linear(h, w[p + "output.dense.weight"], w[p + "output.dense.bias"])
             x = layer_norm(x + h, w[p + "output.LayerNorm.weight"],
                            w[p + "output.LayerNorm.bias"], eps)
@@ -145,7 +146,8 @@ class MiniLM:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sentences", nargs="*", help="sentences to embed (default: samples)")
-    parser.add_argument("--dims", type=int, default=6, help="embedding values to print per sentence")
+    parser.add_argument("--dims", type=int, default=6,
+                        help="embedding values to print per sentence")
     args = parser.parse_args(argv)
     sentences = args.sentences or SAMPLES
     model = MiniLM()

@@ -22,7 +22,8 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
     __version__ = "0+unknown"
 
 __all__ = [
-    "scaled_dot_product_attention", "MultiHeadAttention", "KVCache", "matmul", "softmax", "split_heads", "merge_heads",
+    "scaled_dot_product_attention", "MultiHeadAttention", "KVCache", "matmul", "softmax",
+    "split_heads", "merge_heads",
     "reference", "simd_path", "set_simd_path", "available_simd_paths", "openmp_enabled",
     "get_num_threads", "set_num_threads", "__version__",
 ]

@@ -189,6 +189,7 @@ class MultiHeadAttention:
     def from_torch(cls, module):
         """A MultiHeadAttention with the sizes, layout and weights of a
         ``torch.nn.MultiheadAttention`` (needs torch only to read the module).
+        Its dropout is not carried over: fastattn computes inference.
 
         Raises ValueError for the options fastattn does not implement
         (add_bias_kv, add_zero_attn) and TypeError for another object."""

@@ -212,7 +212,8 @@ BAD_CACHE = [
 ]
 
 
-@pytest.mark.parametrize("method,args,kwargs,exc,msg", BAD_CACHE, ids=[c[4][:40] for c in BAD_CACHE])
+@pytest.mark.parametrize("method,args,kwargs,exc,msg", BAD_CACHE,
+                         ids=[c[4][:40] for c in BAD_CACHE])
 def test_cache_errors(method, args, kwargs, exc, msg):
     cache = fastattn.KVCache(2, 3, 6, 8)
     with pytest.raises(exc) as info:

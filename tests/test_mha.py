@@ -250,7 +250,8 @@ def test_load_state_dict_errors(rng, change, exc, msg):
 
 
 def test_load_state_dict_not_a_mapping(rng):
-    with pytest.raises(TypeError, match="state_dict must be a mapping of names to arrays, got list"):
+    with pytest.raises(TypeError, match="state_dict must be a mapping of names to arrays, "
+                                        "got list"):
         fastattn.MultiHeadAttention(E, H, rng=rng).load_state_dict([1, 2])
 
 
@@ -260,7 +261,8 @@ x32 = np.zeros((2, 5, E), np.float32)
 
 BAD_CTOR = [
     ((E, 5), {}, ValueError, f"embed_dim ({E}) must be a multiple of num_heads (5)"),
-    ((E, 4), {"num_kv_heads": 3}, ValueError, "num_heads (4) must be a multiple of num_kv_heads (3)"),
+    ((E, 4), {"num_kv_heads": 3}, ValueError,
+     "num_heads (4) must be a multiple of num_kv_heads (3)"),
     ((E, 0), {}, ValueError, "num_heads must be >= 1, got 0"),
     ((E, 4.0), {}, TypeError, "num_heads must be an int, got float"),
     ((E, 4), {"dtype": np.float16}, TypeError, "dtype must be float32 or float64"),
@@ -280,8 +282,8 @@ def test_constructor_errors(args, kwargs, exc, msg):
 BAD_FORWARD = [
     ((x32.tolist(),), {}, TypeError, "query must be a numpy.ndarray, got list"),
     ((x32, x32), {}, ValueError, "pass both key and value (cross-attention) or neither"),
-    ((x32[..., :-1],), {}, ValueError, f"query has {E - 1} features (last axis of (2, 5, {E - 1})); "
-                                       f"expected embed_dim = {E}"),
+    ((x32[..., :-1],), {}, ValueError,
+     f"query has {E - 1} features (last axis of (2, 5, {E - 1})); expected embed_dim = {E}"),
     ((x32[0, 0],), {}, ValueError, f"query must be (N, L, E) or unbatched (L, E), got shape ({E})"),
     ((x32, x32[0], x32[0]), {}, ValueError, "they must have as many dimensions"),
     ((x32, x32[:1], x32[:1]), {}, ValueError, "query, key and value must have one batch size N"),

@@ -91,7 +91,8 @@ def test_example_command():
     script = Path(__file__).resolve().parents[1] / "examples" / "minilm.py"
     r = subprocess.run([sys.executable, str(script), "A dog runs.", "A puppy is running.",
                         "Stock markets fell."], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(sys.executable), env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                       cwd=os.path.dirname(sys.executable),
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "3 sentences -> embeddings (3, 384), float32" in lines[0]
