@@ -262,7 +262,11 @@ class MultiHeadAttention:
             num_kv_heads, head_dim and dtype of this layer
             (``new_cache`` makes one).
         num_threads : int or None
-            Threads of the attention kernel (NumPy's BLAS has its own).
+            Threads of the attention kernel; the result is bitwise identical
+            for any count.  NumPy's BLAS has its own threads, and OpenBLAS
+            may round float32 projections differently for another BLAS
+            thread count (last-bit differences); fix that count, for
+            example with threadpoolctl, for bitwise reproducible outputs.
 
         Returns
         -------
