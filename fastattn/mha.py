@@ -240,6 +240,9 @@ class MultiHeadAttention:
         attn_mask : ndarray (L, S) or (N * num_heads, L, S) ((num_heads, L, S)
             unbatched), or None
             Same convention: bool True = not allowed to attend; floating added.
+            Either mask alone reaches the kernel as a broadcast view; both
+            together are combined into one array of their broadcast shape,
+            (N, 1 or num_heads, L, S).
         is_causal : bool
             Query i sees keys 0..i, or, with a cache, the keys up to its own
             position (bottom-right alignment).  PyTorch's module documents
