@@ -154,3 +154,17 @@ def test_from_torch_rejects_bias_kv():
     t = torch.nn.MultiheadAttention(E, H, add_bias_kv=True)
     with pytest.raises(ValueError, match="add_bias_kv and add_zero_attn are not supported"):
         fastattn.MultiHeadAttention.from_torch(t)
+
+
+def test_unbatched_matches_torch(dtype, rng):
+    t = torch_module({"kdim": 10, "vdim": 14}, dtype, seed=3)
+    m = fastattn.MultiHeadAttention.from_torch(t)
+    q = rng.standard_normal((L, E)).astype(dtype)
+    k = rng.standard_normal((S, 10)).astype(dtype)
+    v = rng.standard_normal((S, 14)).astype(dtype)
+    kw = {"key_padding_mask": np.arange(S) >= 15, "attn_mask": rng.random((H, L, S)) < 0.2}
+    out, w = m(q, k, v, need_weights=True, average_attn_weights=False, **kw)
+    t_out, t_w = theirs(t, q, k, v, kw, False)
+    assert out.shape == (L, E) and w.shape == (H, L, S)
+    np.testing.assert_allclose(out, t_out, rtol=0, atol=ATOL[dtype])
+    np.testing.assert_allclose(w, t_w, rtol=0, atol=ATOL[dtype])
