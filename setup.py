@@ -2,8 +2,9 @@
 
 The C99 kernels in csrc/ are compiled here, each with its own flags (the
 AVX2 path with -mavx2 -mfma, the AVX-512 path with -mavx512f, everything
-else for the baseline of the target), and linked into the Cython module
-fastattn._core.
+else for the baseline of the target), and linked into the Cython modules
+fastattn._core (the kernels) and fastattn._peak (the machine-peak loops of
+the benchmarks).
 
 Environment variables read at build time:
   FASTATTN_OPENMP=0         build without OpenMP even when the compiler has it
@@ -23,10 +24,12 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 CSRC = "csrc"
-PORTABLE_SOURCES = ["fa_api.c", "fa_portable.c"]
+PORTABLE_SOURCES = ["fa_api.c", "fa_portable.c", "fa_peak.c"]
 # x86-64 paths, each compiled for its instruction set and chosen at run time
 SIMD_SOURCES = {"fa_avx2.c": ["-mavx2", "-mfma"],
-                "fa_avx512.c": ["-mavx512f", "-mavx2", "-mfma"]}
+                "fa_avx512.c": ["-mavx512f", "-mavx2", "-mfma"],
+                "fa_peak_avx2.c": ["-mavx2", "-mfma"],
+                "fa_peak_avx512.c": ["-mavx512f", "-mavx2", "-mfma"]}
 OPENMP_PROBE = r"""
 #include <omp.h>
 #include <stdio.h>
@@ -112,15 +115,16 @@ class BuildExt(build_ext):
 
 extensions = [
     Extension(
-        "fastattn._core",
-        sources=["fastattn/_core.pyx"],
+        name,
+        sources=[f"fastattn/{name.split('.')[-1]}.pyx"],
         include_dirs=[CSRC, numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         depends=[os.path.join(CSRC, f) for f in os.listdir(CSRC)],
     )
+    for name in ("fastattn._core", "fastattn._peak")
 ]
 
 setup(
-    ext_modules=cythonize(extensions),  # directives: first line of fastattn/_core.pyx
+    ext_modules=cythonize(extensions),  # directives: first line of each .pyx
     cmdclass={"build_ext": BuildExt},
 )

@@ -1,4 +1,4 @@
-"""Command line: `fastattn info | demo`."""
+"""Command line: `fastattn info | demo | bench`."""
 import argparse
 import sys
 
@@ -26,9 +26,15 @@ def main(argv=None):
     sub.add_parser("info", help="version, SIMD path, OpenMP and thread count")
     demo = sub.add_parser("demo", help="the tutorials' worked examples, step by step")
     demo.add_argument("--plot", metavar="FILE.png", help="draw the weight matrices as heatmaps")
+    from fastattn.bench import cli as bench_cli
+    bench = sub.add_parser("bench", help="fastattn vs NumPy, PyTorch and ONNX Runtime: a table",
+                           description=bench_cli.__doc__)
+    bench_cli.add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "bench":
+        return bench_cli.main(args)
     from fastattn import demo as demo_mod
     return demo_mod.main(args.plot)
 

@@ -1,0 +1,19 @@
+"""Benchmarks of issue 3: fastattn against NumPy, PyTorch's
+scaled_dot_product_attention and ONNX Runtime's MultiHeadAttention, with the
+machine's own peaks (FMA throughput, memory read bandwidth) measured in the
+same run.
+
+* shapes: the shapes table and the work of each call
+* runners: each implementation called the way its users call it
+* measure: timing, peak memory, the peak loops of csrc/fa_peak*.c
+* worker / suite: one case per fresh process, the whole run
+* report / cli: the table, the targets, JSON and plot; `fastattn bench`
+
+Used by `fastattn bench` and by the pytest-benchmark suite in benchmarks/.
+"""
+from .measure import PeakRSS, fma_peak, read_bandwidth, time_call
+from .runners import PEERS, RUNNERS, Prepared, Runner, numpy_attention
+from .shapes import ALL_SHAPES, LONG_16384, SHAPES, TINY, Shape
+
+__all__ = ["SHAPES", "TINY", "LONG_16384", "ALL_SHAPES", "Shape", "RUNNERS", "PEERS", "Runner",
+           "Prepared", "numpy_attention", "time_call", "PeakRSS", "fma_peak", "read_bandwidth"]

@@ -1,0 +1,108 @@
+"""`fastattn bench`: the comparison of issue 3 as a table."""
+import argparse
+import importlib.util
+import json
+import sys
+
+from .runners import RUNNERS
+from .shapes import LONG_16384, SHAPES, TINY
+
+QUICK = {"repeat": 3, "min_time": 0.2, "peak_seconds": 0.05}
+DEFAULT = {"repeat": 5, "min_time": 1.0, "peak_seconds": 0.2}
+
+
+def _names(text, known, what):
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {', '.join(unknown) or '(none given)'}; expected some of: "
+            f"{', '.join(known)}")
+    return names
+
+
+def _threads(text):
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected thread counts >= 1 like 1,2, got {text!r}")
+    return values
+
+
+def add_arguments(p):
+    shape_names = [s.name for s in SHAPES] + [TINY.name]
+    p.add_argument("--shapes", type=lambda t: _names(t, shape_names + [LONG_16384.name], "shape"),
+                   default=shape_names, metavar="LIST",
+                   help=f"comma-separated, from: {', '.join(shape_names)} (default: all)")
+    p.add_argument("--runners", type=lambda t: _names(t, list(RUNNERS), "runner"),
+                   default=list(RUNNERS), metavar="LIST",
+                   help=f"comma-separated, from: {', '.join(RUNNERS)} (default: all; "
+                        "those not installed are skipped with a note)")
+    p.add_argument("--threads", type=_threads, default=[1, 2], metavar="LIST",
+                   help="thread counts, comma-separated (default: 1,2)")
+    p.add_argument("--repeat", type=int, metavar="N",
+                   help=f"at least N timed calls per case (default {DEFAULT['repeat']}, "
+                        f"--quick {QUICK['repeat']})")
+    p.add_argument("--min-time", type=float, metavar="SECONDS",
+                   help=f"and at least this much timed per case (default {DEFAULT['min_time']}, "
+                        f"--quick {QUICK['min_time']})")
+    p.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="untimed calls before timing (default 1)")
+    p.add_argument("--quick", action="store_true", help="fewer calls and shorter peak loops")
+    p.add_argument("--memory", action="store_true",
+                   help=f"only measure peak memory at {LONG_16384.name} ({LONG_16384.describe()})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--json", metavar="FILE", help="write every measurement to FILE as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw bars per shape (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _require(modules, command):
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    if absent:
+        sys.stderr.write(f"fastattn bench: {', '.join(absent)} not installed; "
+                         f"install with: {command}\n")
+        return False
+    return True
+
+
+def main(args):
+    if not _require(["tqdm", "threadpoolctl"], "pip install 'fastattn[bench]'"):
+        return 2
+    if args.plot and not _require(["matplotlib"], "pip install 'fastattn[plot]'"):
+        return 2
+    from . import report as rep
+    from .suite import run_suite
+
+    settings = dict(QUICK if args.quick else DEFAULT)
+    if args.repeat is not None:
+        settings["repeat"] = max(1, args.repeat)
+    if args.min_time is not None:
+        settings["min_time"] = max(0.0, args.min_time)
+    shapes = args.shapes
+    if args.memory:  # one untimed call per runner: its peak memory and its error
+        shapes, settings["repeat"], settings["min_time"] = [LONG_16384.name], 0, 0.0
+    runners = [r for r in args.runners if not (args.memory and r == "numpy")]
+    result = run_suite(shapes, runners, args.threads, repeat=settings["repeat"],
+                       min_time=settings["min_time"], warmup=max(0, args.warmup),
+                       peak_seconds=settings["peak_seconds"], seed=args.seed,
+                       progress=not args.no_progress)
+    rep.derive(result)
+    print(rep.format_memory(result) if args.memory else rep.format_table(result))
+    print(rep.format_targets(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot and not args.memory:
+        rep.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="fastattn bench", description=__doc__)
+    add_arguments(p)
+    return p

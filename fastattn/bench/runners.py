@@ -1,0 +1,196 @@
+"""The implementations compared by the benchmark, each called the way its
+users call it, at a given thread count.
+
+A runner's ``setup(query, key, value, is_causal, num_threads)`` is a context
+manager: on entry it converts the inputs to the library's own layout and sets
+its thread count (both outside the timed call), and yields a ``Prepared``
+whose ``call()`` computes the attention once; on exit it restores the
+library's thread setting.  query/key/value are float32 (B, H, L|S, E|Ev).
+"""
+import contextlib
+import functools
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+import numpy as np
+
+
+@dataclass
+class Prepared:
+    call: Callable[[], Any]                  # one attention call, the runner's own output
+    to_bhle: Callable[[Any], np.ndarray]     # that output as a (B, H, L, Ev) ndarray
+    allocates_output: bool = True            # False: the output buffer is bound once at setup
+
+
+@dataclass(frozen=True)
+class Runner:
+    name: str                      # key used on the command line and in JSON
+    label: str                     # row label
+    library: str                   # the library measured (its version is recorded)
+    requires: Tuple[str, ...]      # modules that must be importable
+    install: str                   # how to get them
+    setup: Callable
+
+    def missing(self) -> Optional[str]:
+        """None when the runner can run here, else why not."""
+        absent = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if absent:
+            return f"{', '.join(absent)} not installed ({self.install})"
+        return None
+
+
+@contextlib.contextmanager
+def _fastattn(q, k, v, is_causal, num_threads):
+    import fastattn
+
+    def call():
+        return fastattn.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                     num_threads=num_threads)
+    yield Prepared(call, lambda out: out)
+
+
+def numpy_attention(query, key, value, is_causal=False):
+    """softmax(query keyᵀ / sqrt(E)) value in NumPy, written as a user who
+    knows NumPy writes it: one batched matmul per product (NumPy's BLAS), the
+    scale applied to the smaller query, the mask, max subtraction, exp and
+    normalisation done in place on the one (B, H, L, S) score matrix, the
+    division deferred to the (L, Ev) output.  It holds that whole matrix."""
+    L, E = query.shape[-2:]
+    S = key.shape[-2]
+    scores = np.matmul(query * query.dtype.type(1 / math.sqrt(E)), np.swapaxes(key, -1, -2))
+    if is_causal:
+        np.copyto(scores, -np.inf, where=np.triu(np.ones((L, S), dtype=bool), 1))
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    denominator = scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, value)
+    out /= denominator
+    return out
+
+
+@contextlib.contextmanager
+def _numpy(q, k, v, is_causal, num_threads):
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=num_threads, user_api="blas"):
+        yield Prepared(lambda: numpy_attention(q, k, v, is_causal), lambda out: out)
+
+
+@contextlib.contextmanager
+def _torch(q, k, v, is_causal, num_threads):
+    import torch
+    import torch.nn.functional as F
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))  # shares the memory
+    try:
+        yield Prepared(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=is_causal),
+                       lambda out: out.numpy())
+    finally:
+        torch.set_num_threads(before)
+
+
+def mha_model(B, H, L, S, E, Ev, is_causal, kv_heads_first=False):
+    """A one-node ONNX graph: com.microsoft MultiHeadAttention (ONNX Runtime's
+    contrib operator) with num_heads = H, inputs query (B, L, H·E), key and
+    value (B, S, H·E) and (B, S, H·Ev), or with kv_heads_first (B, H, S, E)
+    and (B, H, S, Ev); output (B, L, H·Ev); unidirectional = 1 for causal.
+    The default scale is 1/sqrt(E).
+
+    The two key/value layouts take different paths in ONNX Runtime's CPU
+    kernel (1.32): (B, S, H·E) is transposed to (B, H, S, E) on every call,
+    then, unless causal, goes to MLAS's flash attention; (B, H, S, E) is
+    used in place by the unfused path, which holds the L x S scores.
+    Neither is faster on every shape, so the benchmark runs both."""
+    from onnx import TensorProto, helper
+
+    def tensor(name, *dims):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(dims))
+
+    node = helper.make_node("MultiHeadAttention", ["query", "key", "value"], ["output"],
+                            domain="com.microsoft", num_heads=H, unidirectional=int(is_causal))
+    kv = ([tensor("key", B, H, S, E), tensor("value", B, H, S, Ev)] if kv_heads_first else
+          [tensor("key", B, S, H * E), tensor("value", B, S, H * Ev)])
+    graph = helper.make_graph([node], "attention", [tensor("query", B, L, H * E)] + kv,
+                              [tensor("output", B, L, H * Ev)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+def _heads_last(x):
+    """(B, H, N, D) -> contiguous (B, N, H·D)."""
+    B, H, N, D = x.shape
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B, N, H * D)
+
+
+@contextlib.contextmanager
+def _onnxruntime(q, k, v, is_causal, num_threads, kv_heads_first=False):
+    import onnxruntime as ort
+
+    B, H, L, E = q.shape
+    S, Ev = v.shape[-2:]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = num_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    model = mha_model(B, H, L, S, E, Ev, is_causal, kv_heads_first)
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    # I/O binding: inputs and output bound once, so a call is the kernel and
+    # ONNX Runtime's own dispatch, without Python-side copies.
+    if kv_heads_first:
+        key, value = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    else:
+        key, value = _heads_last(k), _heads_last(v)
+    feeds = {"query": _heads_last(q), "key": key, "value": value}
+    out = np.empty((B, L, H * Ev), np.float32)
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, array)
+    binding.bind_output("output", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+
+    def call():
+        session.run_with_iobinding(binding)
+        return out
+    yield Prepared(call, lambda o: o.reshape(B, L, H, Ev).transpose(0, 2, 1, 3),
+                   allocates_output=False)
+
+
+_ORT = (("onnxruntime", "onnx"), "pip install onnxruntime onnx")
+RUNNERS = {r.name: r for r in (
+    Runner("fastattn", "fastattn", "fastattn", (), "pip install fastattn", _fastattn),
+    Runner("numpy", "NumPy", "numpy", ("threadpoolctl",), "pip install threadpoolctl", _numpy),
+    Runner("torch", "PyTorch", "torch", ("torch",), "pip install torch==2.13.0", _torch),
+    Runner("onnxruntime", "ORT BSD", "onnxruntime", *_ORT, _onnxruntime),
+    Runner("onnxruntime-bhsd", "ORT BHSD", "onnxruntime", *_ORT,
+           functools.partial(_onnxruntime, kv_heads_first=True)),
+)}
+# What the speed-ups are relative to: per library, the faster of its runners
+# on each case.  PEERS: the libraries of the issue's "faster peer".
+BASELINES = {"numpy": ("numpy",), "torch": ("torch",),
+             "onnxruntime": ("onnxruntime", "onnxruntime-bhsd")}
+PEERS = ("torch", "onnxruntime")
+
+
+def reference_rows(shape):
+    """Query rows whose output is checked against the float64 reference:
+    all of them up to 64, else 64 spread from the first to the last."""
+    if shape.L <= 64:
+        return np.arange(shape.L)
+    return np.unique(np.linspace(0, shape.L - 1, 64).round().astype(np.int64))
+
+
+def max_abs_error(out, q, k, v, is_causal, rows):
+    """Largest |out - reference| over the given query rows, with
+    fastattn.reference in float64 on the same float32 inputs."""
+    from fastattn import reference
+
+    q64, k64, v64 = (a.astype(np.float64) for a in (q[..., rows, :], k, v))
+    mask = None
+    if is_causal:  # upper-left: query i sees keys 0..i
+        mask = np.arange(k.shape[-2])[None, :] <= rows[:, None]
+    expected = reference.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask)
+    return float(np.max(np.abs(np.asarray(out)[..., rows, :] - expected), initial=0.0))

@@ -1,0 +1,82 @@
+"""The shapes of the benchmark (issue 3), and what a call of each costs."""
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention problem: query (B, H, L, E), key (B, H, S, E), value
+    (B, H, S, Ev), float32.
+
+    kind says how its speed is reported: "compute" in GFLOP/s, "decode"
+    (one query row) in GB/s of key and value read, "overhead" (a tiny
+    problem) in microseconds per call, "memory" only by its peak memory."""
+    name: str
+    B: int
+    H: int
+    L: int
+    S: int
+    E: int
+    causal: bool = False
+    kind: str = "compute"
+
+    @property
+    def Ev(self):
+        return self.E
+
+    @property
+    def flops(self):
+        """2·L·S·E for Q Kᵀ plus 2·L·S·Ev for the weighted sum, per head
+        (4·B·H·L·S·E when E = Ev), halved when causal."""
+        full = 2 * self.B * self.H * self.L * self.S * (self.E + self.Ev)
+        return full // 2 if self.causal else full
+
+    @property
+    def kv_bytes(self):
+        """Bytes of key and value (float32): what a decoding step must read."""
+        return 4 * self.B * self.H * self.S * (self.E + self.Ev)
+
+    @property
+    def io_bytes(self):
+        """Bytes of the inputs and the output (float32)."""
+        return 4 * self.B * self.H * (self.L * self.E + self.L * self.Ev) + self.kv_bytes
+
+    @property
+    def scores_bytes(self):
+        """Bytes of the L x S float32 score matrix of every head: what an
+        implementation that materialises it holds at once."""
+        return 4 * self.B * self.H * self.L * self.S
+
+    def describe(self):
+        return (f"B={self.B} H={self.H} L={self.L} S={self.S} E=Ev={self.E}"
+                + (" causal" if self.causal else ""))
+
+    def inputs(self, seed=0):
+        """query, key, value: float32 standard normal, C-contiguous (B, H, ., E).
+
+        With 1/sqrt(E) scaling the scores have unit variance, the regime of
+        trained models."""
+        rng = np.random.default_rng(seed)
+        q = rng.standard_normal((self.B, self.H, self.L, self.E), dtype=np.float32)
+        k = rng.standard_normal((self.B, self.H, self.S, self.E), dtype=np.float32)
+        v = rng.standard_normal((self.B, self.H, self.S, self.Ev), dtype=np.float32)
+        return q, k, v
+
+
+# The table of issue 3.
+SHAPES = (
+    Shape("bert-base", 1, 12, 128, 128, 64),
+    Shape("minilm-batch", 32, 12, 128, 128, 32),
+    Shape("encoder-512", 1, 8, 512, 512, 64),
+    Shape("causal-2048", 1, 8, 2048, 2048, 64, causal=True),
+    Shape("decode-4096", 1, 32, 1, 4096, 128, kind="decode"),
+    Shape("long-8192", 1, 4, 8192, 8192, 64),
+    Shape("head-128", 1, 8, 1024, 1024, 128),
+)
+# Call time where the work is negligible: what the Python side costs.
+TINY = Shape("tiny", 1, 1, 4, 4, 8, kind="overhead")
+# The memory target: at most 64 MB above the inputs and the output.
+LONG_16384 = Shape("long-16384", 1, 8, 16384, 16384, 64, kind="memory")
+
+ALL_SHAPES = {s.name: s for s in SHAPES + (TINY, LONG_16384)}

@@ -1,0 +1,91 @@
+"""Runs the benchmark: the machine's peaks per thread count (in this
+process), then every case (runner x shape x thread count) in a fresh process
+(fastattn.bench.worker).  Returns the raw results that report.py turns into
+the table, the JSON file and the plot."""
+import json
+import subprocess
+import sys
+import time
+
+from . import measure
+from .runners import RUNNERS
+from .shapes import ALL_SHAPES
+from .worker import RESULT_TAG
+
+CASE_TIMEOUT = 1800  # seconds; a case that hangs is reported as an error
+
+
+def run_worker(spec, timeout=CASE_TIMEOUT):
+    """One case in a fresh Python process; returns its result dict."""
+    base = {"runner": spec["runner"], "shape": spec["shape"], "threads": spec["threads"]}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fastattn.bench.worker", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(base, status="error", note=f"timed out after {timeout} s")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(base, status="error", note=f"worker exited with {proc.returncode}: {tail}")
+
+
+def _progress(total, enabled):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="fastattn bench", unit="step", file=sys.stderr,
+                disable=not enabled, dynamic_ncols=True)
+
+
+def run_suite(shape_names, runner_names, threads, *, repeat=5, min_time=1.0, warmup=1,
+              peak_seconds=0.2, seed=0, progress=True):
+    """Measure every runner on every shape at every thread count.
+
+    Returns {"machine", "settings", "peaks": {threads: {...}}, "cases": [...]}.
+    Runners that cannot run here get a "skipped" case with the reason."""
+    shapes = [ALL_SHAPES[n] for n in shape_names]
+    timed = repeat > 0
+    started = time.time()
+    steps = len(threads) * (len(shapes) * len(runner_names) + (2 if timed else 0))
+    steps += sum(s.kind == "decode" for s in shapes) * len(threads)
+    report = {"machine": measure.machine_info(),
+              "settings": {"shapes": list(shape_names), "runners": list(runner_names),
+                           "threads": list(threads), "repeat": repeat, "min_time": min_time,
+                           "warmup": warmup, "seed": seed, "dtype": "float32"},
+              "peaks": {}, "cases": []}
+    with _progress(steps, progress) as bar:
+        for n in threads:
+            peaks = report["peaks"].setdefault(str(n), {})
+            if timed:
+                bar.set_postfix_str(f"FMA peak, {n} thread(s)")
+                peaks["fma"] = measure.fma_peak(n, seconds=peak_seconds)
+                # the other vector widths, for the peers that use them
+                peaks["fma_others"] = {
+                    isa: measure.fma_peak(n, isa=isa, seconds=peak_seconds)
+                    for isa in report["machine"]["simd_paths"]
+                    if isa not in ("portable", peaks["fma"]["isa"])}
+                bar.update()
+                bar.set_postfix_str(f"read bandwidth, {n} thread(s)")
+                peaks["read"] = measure.read_bandwidth(n, min_time=peak_seconds)
+                bar.update()
+            for shape in shapes:
+                if shape.kind == "decode":
+                    bar.set_postfix_str(f"read bandwidth on {shape.name}'s key and value")
+                    _, k, v = shape.inputs(seed)
+                    peaks[f"read:{shape.name}"] = measure.read_bandwidth(n, [k, v],
+                                                                         min_time=peak_seconds)
+                    del k, v
+                    bar.update()
+                for name in runner_names:
+                    bar.set_postfix_str(f"{shape.name} {name} {n} thread(s)")
+                    why = RUNNERS[name].missing()
+                    if why:
+                        case = {"runner": name, "shape": shape.name, "threads": n,
+                                "status": "skipped", "note": why}
+                    else:
+                        case = run_worker({"runner": name, "shape": shape.name, "threads": n,
+                                           "repeat": repeat, "min_time": min_time,
+                                           "warmup": warmup, "seed": seed})
+                    report["cases"].append(case)
+                    bar.update()
+    report["settings"]["wall_seconds"] = round(time.time() - started, 1)
+    return report

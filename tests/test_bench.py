@@ -1,0 +1,225 @@
+"""The measuring side (fastattn.bench, fastattn._peak, `fastattn bench`):
+every runner computes attention (so none can report the speed of a wrong
+answer), the peak loops do the work they count, the CLI writes the JSON it
+promises.  Nothing here asserts a speed."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import fastattn
+from fastattn import _peak, reference
+from fastattn.bench import RUNNERS, measure, report, runners, worker
+from fastattn.bench.cli import _require
+from fastattn.bench.shapes import ALL_SHAPES, SHAPES, Shape
+
+
+def available(name):
+    why = RUNNERS[name].missing()
+    if why:
+        pytest.skip(why)
+    return RUNNERS[name]
+
+
+@pytest.mark.parametrize("name", list(RUNNERS))
+@pytest.mark.parametrize("B, H, L, S, E, causal, threads", [
+    (2, 3, 7, 7, 8, False, 1),
+    (2, 3, 9, 9, 16, True, 2),
+    (1, 2, 5, 11, 8, False, 2),
+], ids=["plain", "causal", "cross"])
+def test_runner_matches_reference(name, B, H, L, S, E, causal, threads):
+    runner = available(name)
+    q, k, v = Shape("t", B, H, L, S, E, causal).inputs(seed=3)
+    with runner.setup(q, k, v, causal, threads) as prepared:
+        out = prepared.to_bhle(prepared.call())
+        again = prepared.to_bhle(prepared.call())  # a second call (what is timed) is right too
+    expected = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)),
+                                                      is_causal=causal)
+    for result in (out, again):
+        assert_close(np.asarray(result), expected, np.float32, E + S, magnitude=4)
+
+
+def test_torch_runner_restores_threads():
+    torch = available("torch") and __import__("torch")
+    before = torch.get_num_threads()
+    q, k, v = Shape("t", 1, 1, 4, 4, 8).inputs()
+    with RUNNERS["torch"].setup(q, k, v, False, 1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_onnx_graph_is_multihead_attention():
+    available("onnxruntime")
+    import onnx
+    for heads_first in (False, True):
+        model = runners.mha_model(2, 4, 5, 6, 8, 8, True, kv_heads_first=heads_first)
+        onnx.checker.check_model(model)
+        (node,) = model.graph.node
+        assert (node.op_type, node.domain) == ("MultiHeadAttention", "com.microsoft")
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"num_heads": 4, "unidirectional": 1}
+        dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim]
+                for i in model.graph.input}
+        assert dims["query"] == [2, 5, 32]
+        assert dims["key"] == ([2, 4, 6, 8] if heads_first else [2, 6, 32])
+
+
+def test_reference_rows_and_error():
+    assert list(runners.reference_rows(ALL_SHAPES["bert-base"])) == list(np.linspace(0, 127, 64).round())
+    assert len(runners.reference_rows(ALL_SHAPES["tiny"])) == 4
+    q, k, v = Shape("t", 1, 2, 70, 70, 8, True).inputs()
+    out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    rows = runners.reference_rows(Shape("t", 1, 2, 70, 70, 8, True))
+    assert runners.max_abs_error(out, q, k, v, True, rows) < 1e-5
+    out[0, 1, rows[-1], 3] += 0.5  # a wrong entry in a checked row is seen
+    assert runners.max_abs_error(out, q, k, v, True, rows) > 0.4
+
+
+def test_shape_work():
+    s = ALL_SHAPES["causal-2048"]
+    assert s.flops == 4 * 8 * 2048 * 2048 * 64 // 2
+    d = ALL_SHAPES["decode-4096"]
+    assert d.kind == "decode" and d.kv_bytes == 2 * 32 * 4096 * 128 * 4 == 128 << 20
+    assert ALL_SHAPES["long-16384"].scores_bytes == 8 * 16384 ** 2 * 4
+    assert [s.name for s in SHAPES] == ["bert-base", "minilm-batch", "encoder-512",
+                                        "causal-2048", "decode-4096", "long-8192", "head-128"]
+
+
+@pytest.mark.parametrize("isa", fastattn.available_simd_paths())
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_loop_reads_every_element_once(isa, threads):
+    # small integers: every partial sum is exact in float32, so the total is too
+    arrays = [np.ones(1_000_003, np.float32), np.arange(77, dtype=np.float32),
+              np.full(5, 2.0, np.float32)]
+    nbytes, seconds, total = _peak.read_run(isa, arrays, threads)
+    assert nbytes == 4 * sum(a.size for a in arrays)
+    assert total == 1_000_003 + 76 * 77 // 2 + 10
+    assert seconds > 0
+
+
+@pytest.mark.parametrize("isa", fastattn.available_simd_paths())
+def test_fma_loop_counts_its_work(isa):
+    flops, seconds, seen = _peak.fma_run(isa, 1000, 2)
+    per_iter = {"portable": 64, "avx2": 12 * 8 * 2, "avx512": 16 * 16 * 2}[isa]
+    assert flops == per_iter * 1000 * 2
+    assert seconds > 0 and seen == (2 if fastattn.openmp_enabled() else 1)
+
+
+def test_peak_loops_reject_bad_arguments():
+    with pytest.raises(ValueError, match="isa"):
+        _peak.fma_run("sse9", 10, 1)
+    if "avx512" not in fastattn.available_simd_paths():
+        with pytest.raises(ValueError, match="isa"):  # never an illegal instruction
+            _peak.fma_run("avx512", 10, 1)
+    with pytest.raises(ValueError, match="nthreads"):
+        _peak.fma_run("portable", 10, 0)
+    with pytest.raises(ValueError, match="iters"):
+        _peak.fma_run("portable", 0, 1)
+    with pytest.raises(TypeError, match=r"arrays\[0\].*float64"):
+        _peak.read_run("portable", [np.ones(8)], 1)
+    with pytest.raises(TypeError, match="C-contiguous"):
+        _peak.read_run("portable", [np.ones(8, np.float32)[::2]], 1)
+
+
+def test_time_call_counts_calls():
+    calls = []
+    timing = measure.time_call(lambda: calls.append(1), repeat=3, min_time=0, warmup=2)
+    assert timing.calls == 3 and len(calls) == 5
+    assert timing.min <= timing.median <= timing.max
+
+
+def test_peak_rss_sees_an_allocation():
+    with measure.PeakRSS() as mem:
+        a = np.ones(64 << 18, np.float32)  # 64 MB, every page touched
+        del a
+    if mem.bytes is None:
+        pytest.skip(mem.why)
+    assert 60 << 20 <= mem.bytes <= 80 << 20
+
+
+def test_worker_case_in_process():
+    result = worker.run_case({"runner": "fastattn", "shape": "tiny", "threads": 1,
+                              "repeat": 2, "min_time": 0, "warmup": 0})
+    assert result["status"] == "ok" and result["calls"] == 2
+    assert result["max_abs_err"] < 1e-5 and result["version"] == fastattn.__version__
+
+
+def _case(shape, runner, median, threads=1, err=1e-7):
+    return {"shape": shape, "runner": runner, "threads": threads, "status": "ok",
+            "median": median, "max_abs_err": err}
+
+
+def test_targets_from_a_made_up_run():
+    r = {"machine": measure.machine_info(),
+         "settings": {"shapes": ["bert-base", "long-8192"], "runners": list(RUNNERS),
+                      "threads": [1], "repeat": 5, "min_time": 1.0, "warmup": 1},
+         "peaks": {"1": {"fma": {"isa": "avx2", "gflops": 100.0}}},
+         "cases": [_case("bert-base", "fastattn", 1.0), _case("bert-base", "torch", 1.5, err=2e-7),
+                   _case("bert-base", "onnxruntime", 1.2), _case("bert-base", "onnxruntime-bhsd", 3),
+                   _case("bert-base", "numpy", 4.0),
+                   _case("long-8192", "fastattn", ALL_SHAPES["long-8192"].flops / 90e9),
+                   _case("long-8192", "torch", 0.5), _case("long-8192", "numpy", 9.0)]}
+    report.derive(r)
+    fa = r["cases"][0]
+    assert fa["speedup_vs_onnxruntime"] == pytest.approx(1.2)  # the faster ORT layout
+    assert fa["speedup_vs_best_peer"] == pytest.approx(1.2)
+    assert r["cases"][5]["pct_peak"] == pytest.approx(90)
+    verdicts = {t: v for t, v, _ in report.targets(r)}
+    assert verdicts["faster than the faster peer on every shape"] == "NOT met"  # long-8192
+    assert verdicts["at least 1.3x the faster peer on bert-base, minilm-batch, causal-2048"] == "NOT met"
+    assert verdicts["at least 85 % of the FMA peak on long-8192 and head-128"] == "met"
+    assert verdicts["at least 3x NumPy on every shape with L >= 512"] == "met"
+    assert verdicts["float32 error no larger than PyTorch's"] == "met"
+    text = report.format_table(r)
+    assert "bert-base" in text and "1.20" in text
+
+
+def test_require_names_the_install_command(capsys):
+    assert not _require(["no_such_module_for_fastattn"], "pip install 'fastattn[bench]'")
+    assert "pip install 'fastattn[bench]'" in capsys.readouterr().err
+
+
+def run_cli(*args):
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, "-m", "fastattn", "bench", *args], capture_output=True,
+                           text=True, timeout=300, cwd=cwd)
+        files = {name: open(os.path.join(cwd, name)).read() for name in os.listdir(cwd)}
+    return r, files
+
+
+def test_cli_bench_json():
+    for module in ("tqdm", "threadpoolctl"):
+        pytest.importorskip(module)
+    r, files = run_cli("--shapes", "bert-base", "--threads", "1", "--runners", "fastattn,numpy",
+                       "--quick", "--repeat", "1", "--min-time", "0", "--no-progress",
+                       "--json", "out.json")
+    assert r.returncode == 0, r.stderr
+    assert "bert-base" in r.stdout and "Targets of issue 3" in r.stdout
+    data = json.loads(files["out.json"])
+    assert data["settings"]["threads"] == [1] and data["machine"]["fastattn_simd"]
+    peaks = data["peaks"]["1"]
+    assert peaks["fma"]["gflops"] > 0 and peaks["read"]["gbps"] > 0
+    cases = {c["runner"]: c for c in data["cases"]}
+    assert set(cases) == {"fastattn", "numpy"}
+    for c in cases.values():
+        assert c["status"] == "ok" and c["shape"] == "bert-base" and c["threads"] == 1
+        for field in ("median", "calls", "gflops", "pct_peak", "max_abs_err", "version"):
+            assert field in c, field
+        assert c["max_abs_err"] < 1e-4
+    assert cases["fastattn"]["speedup_vs_numpy"] == pytest.approx(
+        cases["numpy"]["median"] / cases["fastattn"]["median"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shapes", "nope"], "unknown shape nope"),
+    (["--threads", "0"], "thread counts >= 1"),
+    (["--runners", "tensorflow"], "unknown runner tensorflow"),
+])
+def test_cli_bench_bad_arguments(args, message):
+    r, _ = run_cli(*args)
+    assert r.returncode == 2 and message in r.stderr
