@@ -141,13 +141,16 @@ def format_table(report):
     return "\n".join(lines)
 
 
-def format_memory(report):
-    """The peak-memory measurement at the memory shape."""
-    lines = []
+def format_memory(report, estimated=()):
+    """The peak-memory measurement at the memory shape; the runners in
+    estimated hold the whole score matrix and get its size instead."""
+    m = report["machine"]
+    lines = [f"fastattn bench --memory: one call per runner, each in a fresh process; peak "
+             f"resident memory above the inputs and the output (Linux VmHWM); CPU: {m['cpu']}"]
     for shape_name in report["settings"]["shapes"]:
         shape = ALL_SHAPES[shape_name]
-        lines += ["", f"== peak memory, {shape.name} ({shape.describe()}; inputs + output "
-                      f"{shape.io_bytes / MB:.0f} MB) ==",
+        lines += [f"== peak memory, {shape.name} ({shape.describe()}; inputs + output "
+                  f"{shape.io_bytes / MB:.0f} MB) ==",
                   f"{'runner':<14} {'threads':>7} {'+MB above inputs and output':>28} {'max err':>8}"]
         for c in report["cases"]:
             if c["shape"] != shape.name:
@@ -160,9 +163,10 @@ def format_memory(report):
             lines.append(f"{label:<14} {c['threads']:>7} "
                          f"{_fmt(None if mem is None else mem / MB, '28.1f', c.get('peak_note')):>28} "
                          f"{_fmt(c.get('max_abs_err'), '8.1e'):>8}")
-        lines.append(f"{'NumPy':<14} {'any':>7} {'>= ' + format(shape.scores_bytes / MB, '.0f'):>28}"
-                     f"  not run: the {shape.B}x{shape.H}x{shape.L}x{shape.S} float32 score "
-                     "matrix it holds, computed")
+        for name in estimated:
+            lines.append(f"{RUNNERS[name].label:<14} {'any':>7} "
+                         f"{'>= ' + format(shape.scores_bytes / MB, '.0f'):>28}  not run: the "
+                         f"{shape.B}x{shape.H}x{shape.L}x{shape.S} float32 score matrix it holds")
     return "\n".join(lines)
 
 
@@ -267,6 +271,10 @@ def plot(report, path):
         ax.set_title(f"{n} thread{'s' if n > 1 else ''}: % of the {kernel} FMA peak "
                      "(decode: of the read bandwidth)")
         ax.axhline(100, color="grey", linewidth=0.5)
+        peaks = report["peaks"].get(str(n), {})
+        if "fma" in peaks and "fma_avx512" in peaks:
+            ax.axhline(100 * peaks["fma_avx512"]["gflops"] / peaks["fma"]["gflops"], color="grey",
+                       linestyle="--", linewidth=0.8, label="AVX-512 FMA peak")
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

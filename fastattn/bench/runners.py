@@ -32,6 +32,7 @@ class Runner:
     requires: Tuple[str, ...]      # modules that must be importable
     install: str                   # how to get them
     setup: Callable
+    holds_scores: bool = False     # keeps the whole (B, H, L, S) score matrix
 
     def missing(self) -> Optional[str]:
         """None when the runner can run here, else why not."""
@@ -162,11 +163,12 @@ def _onnxruntime(q, k, v, is_causal, num_threads, kv_heads_first=False):
 _ORT = (("onnxruntime", "onnx"), "pip install onnxruntime onnx")
 RUNNERS = {r.name: r for r in (
     Runner("fastattn", "fastattn", "fastattn", (), "pip install fastattn", _fastattn),
-    Runner("numpy", "NumPy", "numpy", ("threadpoolctl",), "pip install threadpoolctl", _numpy),
+    Runner("numpy", "NumPy", "numpy", ("threadpoolctl",), "pip install threadpoolctl", _numpy,
+           holds_scores=True),
     Runner("torch", "PyTorch", "torch", ("torch",), "pip install torch==2.13.0", _torch),
     Runner("onnxruntime", "ORT BSD", "onnxruntime", *_ORT, _onnxruntime),
     Runner("onnxruntime-bhsd", "ORT BHSD", "onnxruntime", *_ORT,
-           functools.partial(_onnxruntime, kv_heads_first=True)),
+           functools.partial(_onnxruntime, kv_heads_first=True), holds_scores=True),
 )}
 # What the speed-ups are relative to: per library, the faster of its runners
 # on each case.  PEERS: the libraries of the issue's "faster peer".

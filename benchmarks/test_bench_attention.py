@@ -1,0 +1,43 @@
+"""pytest-benchmark suite of issue 3: fastattn, NumPy as a user writes it,
+PyTorch's scaled_dot_product_attention and ONNX Runtime's MultiHeadAttention
+(both key/value layouts) on the shapes of fastattn.bench.SHAPES, at 1 and 2
+threads.  One group per shape and thread count.  The runners are those of
+`fastattn bench` (fastattn/bench/runners.py); peers not installed are
+skipped.
+
+    pip install -r requirements-bench.txt && pytest benchmarks/
+
+Unlike `fastattn bench`, every case runs in this one process (no peak
+memory, no % of peak); each one's output is checked against the float64
+reference before it is timed, and the error is kept in extra_info."""
+import pytest
+from conftest import THREADS
+
+from fastattn.bench import RUNNERS, SHAPES
+from fastattn.bench.runners import max_abs_error, reference_rows
+
+pytest.importorskip("pytest_benchmark")
+
+
+@pytest.mark.parametrize("threads", THREADS, ids=lambda n: f"{n}thr")
+@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_attention(benchmark, attention_inputs, shape, runner, threads):
+    why = RUNNERS[runner].missing()
+    if why:
+        pytest.skip(why)
+    q, k, v = attention_inputs(shape.name)
+    benchmark.group = f"{shape.name} ({shape.describe()}), {threads} thread{'s' * (threads > 1)}"
+    with RUNNERS[runner].setup(q, k, v, shape.causal, threads) as prepared:
+        out = prepared.call()  # the warm-up call, and the one that is checked
+        err = max_abs_error(prepared.to_bhle(out), q, k, v, shape.causal, reference_rows(shape))
+        del out
+        benchmark(prepared.call)
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["max_abs_err"] = err
+    if shape.kind == "decode":
+        benchmark.extra_info["GB/s"] = shape.kv_bytes / median / 1e9
+    else:
+        benchmark.extra_info["GFLOP/s"] = shape.flops / median / 1e9
+    # a runner whose answer is wrong must not report a speed
+    assert err < 1e-4, f"{runner} is off the float64 reference by {err:.2e}"
