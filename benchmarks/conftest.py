@@ -4,9 +4,7 @@ import functools
 
 import pytest
 
-from fastattn.bench import ALL_SHAPES, measure
-
-THREADS = (1, 2)
+from fastattn.bench import ALL_SHAPES, THREADS, measure
 
 
 @functools.lru_cache(maxsize=2)

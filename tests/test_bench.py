@@ -2,6 +2,7 @@
 every runner computes attention (so none can report the speed of a wrong
 answer), the peak loops do the work they count, the CLI writes the JSON it
 promises.  Nothing here asserts a speed."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -177,6 +178,11 @@ def test_targets_from_a_made_up_run():
     assert verdicts["float32 error no larger than PyTorch's"] == "met"
     text = report.format_table(r)
     assert "bert-base" in text and "1.20" in text
+    if importlib.util.find_spec("matplotlib"):
+        r["peaks"]["1"]["fma_others"] = {"avx2": {"isa": "avx2", "gflops": 50.0}}
+        with tempfile.TemporaryDirectory() as tmp:
+            report.plot(r, os.path.join(tmp, "bars.png"))
+            assert os.path.getsize(os.path.join(tmp, "bars.png")) > 0
 
 
 def test_require_names_the_install_command(capsys):
@@ -219,6 +225,8 @@ def test_cli_bench_json():
     (["--shapes", "nope"], "unknown shape nope"),
     (["--threads", "0"], "thread counts >= 1"),
     (["--runners", "tensorflow"], "unknown runner tensorflow"),
+    (["--repeat", "0"], "expected a number >= 1"),
+    (["--min-time", "-1"], "expected a number >= 0.0"),
 ])
 def test_cli_bench_bad_arguments(args, message):
     r, _ = run_cli(*args)

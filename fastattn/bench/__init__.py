@@ -13,7 +13,7 @@ Used by `fastattn bench` and by the pytest-benchmark suite in benchmarks/.
 """
 from .measure import PeakRSS, fma_peak, read_bandwidth, time_call
 from .runners import PEERS, RUNNERS, Prepared, Runner, numpy_attention
-from .shapes import ALL_SHAPES, LONG_16384, SHAPES, TINY, Shape
+from .shapes import ALL_SHAPES, LONG_16384, SHAPES, THREADS, TINY, Shape
 
-__all__ = ["SHAPES", "TINY", "LONG_16384", "ALL_SHAPES", "Shape", "RUNNERS", "PEERS", "Runner",
+__all__ = ["SHAPES", "THREADS", "TINY", "LONG_16384", "ALL_SHAPES", "Shape", "RUNNERS", "PEERS", "Runner",
            "Prepared", "numpy_attention", "time_call", "PeakRSS", "fma_peak", "read_bandwidth"]

@@ -5,7 +5,7 @@ import json
 import sys
 
 from .runners import RUNNERS
-from .shapes import LONG_16384, SHAPES, TINY
+from .shapes import LONG_16384, SHAPES, THREADS, TINY
 
 QUICK = {"repeat": 3, "min_time": 0.2, "peak_seconds": 0.05}
 DEFAULT = {"repeat": 5, "min_time": 1.0, "peak_seconds": 0.2}
@@ -31,6 +31,18 @@ def _threads(text):
     return values
 
 
+def _at_least(kind, low):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {text!r}")
+        return value
+    return parse
+
+
 def add_arguments(p):
     shape_names = [s.name for s in SHAPES] + [TINY.name]
     p.add_argument("--shapes", type=lambda t: _names(t, shape_names + [LONG_16384.name], "shape"),
@@ -40,19 +52,20 @@ def add_arguments(p):
                    default=list(RUNNERS), metavar="LIST",
                    help=f"comma-separated, from: {', '.join(RUNNERS)} (default: all; "
                         "those not installed are skipped with a note)")
-    p.add_argument("--threads", type=_threads, default=[1, 2], metavar="LIST",
+    p.add_argument("--threads", type=_threads, default=list(THREADS), metavar="LIST",
                    help="thread counts, comma-separated (default: 1,2)")
-    p.add_argument("--repeat", type=int, metavar="N",
+    p.add_argument("--repeat", type=_at_least(int, 1), metavar="N",
                    help=f"at least N timed calls per case (default {DEFAULT['repeat']}, "
                         f"--quick {QUICK['repeat']})")
-    p.add_argument("--min-time", type=float, metavar="SECONDS",
+    p.add_argument("--min-time", type=_at_least(float, 0.0), metavar="SECONDS",
                    help=f"and at least this much timed per case (default {DEFAULT['min_time']}, "
                         f"--quick {QUICK['min_time']})")
-    p.add_argument("--warmup", type=int, default=1, metavar="N",
+    p.add_argument("--warmup", type=_at_least(int, 0), default=1, metavar="N",
                    help="untimed calls before timing (default 1)")
     p.add_argument("--quick", action="store_true", help="fewer calls and shorter peak loops")
     p.add_argument("--memory", action="store_true",
-                   help=f"only measure peak memory at {LONG_16384.name} ({LONG_16384.describe()})")
+                   help=f"only measure peak memory, at {LONG_16384.name} ({LONG_16384.describe()}; "
+                        "--shapes is ignored)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", metavar="FILE", help="write every measurement to FILE as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw bars per shape (needs matplotlib)")
@@ -78,16 +91,16 @@ def main(args):
 
     settings = dict(QUICK if args.quick else DEFAULT)
     if args.repeat is not None:
-        settings["repeat"] = max(1, args.repeat)
+        settings["repeat"] = args.repeat
     if args.min_time is not None:
-        settings["min_time"] = max(0.0, args.min_time)
+        settings["min_time"] = args.min_time
     shapes = args.shapes
     if args.memory:  # one untimed call per runner: its peak memory and its error
         shapes, settings["repeat"], settings["min_time"] = [LONG_16384.name], 0, 0.0
     # at the memory shape the score matrix alone is 8 GiB: computed, not run
     runners = [r for r in args.runners if not (args.memory and RUNNERS[r].holds_scores)]
     result = run_suite(shapes, runners, args.threads, repeat=settings["repeat"],
-                       min_time=settings["min_time"], warmup=max(0, args.warmup),
+                       min_time=settings["min_time"], warmup=args.warmup,
                        peak_seconds=settings["peak_seconds"], seed=args.seed,
                        progress=not args.no_progress)
     rep.derive(result)
@@ -104,9 +117,3 @@ def main(args):
         rep.plot(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
-
-
-def build_parser():
-    p = argparse.ArgumentParser(prog="fastattn bench", description=__doc__)
-    add_arguments(p)
-    return p

@@ -4,6 +4,7 @@ from .runners import BASELINES, PEERS, RUNNERS
 from .shapes import ALL_SHAPES, SHAPES
 
 MB = 1 << 20
+BUSY = 0.1  # cores used by other processes above which a measurement is disturbed
 
 
 def derive(report):
@@ -70,6 +71,13 @@ def format_peaks(report):
             if key.startswith("read:"):
                 lines.append(f"  {'':>7}  read GB/s on {key[5:]}'s own key and value "
                              f"({value['bytes'] / MB:.0f} MB): {value['gbps']:.1f}")
+    for n, p in peaks.items():
+        busy = [(key, v["other_cores"]) for key, v in p.items() if isinstance(v, dict)
+                and (v.get("other_cores") or 0) > BUSY]
+        if busy:
+            lines.append(f"  WARNING: at {n} thread(s) other processes used "
+                         + ", ".join(f"{c:.2f} cores during {k}" for k, c in busy)
+                         + ": those peaks are low, and %peak against them high")
     one = peaks.get("1", {}).get("fma")
     for n, p in peaks.items():
         if one and "fma" in p and int(n) > 1 and p["fma"]["gflops"] < 0.8 * int(n) * one["gflops"]:
@@ -137,7 +145,7 @@ def format_table(report):
               "value.  +MB: peak resident memory of the first call above the inputs and the "
               "output (fresh process).  max err: largest |out - float64 reference| over up to "
               "64 query rows per head.  other: CPU cores used by other processes during the timed "
-              "calls (the machine may be shared; above ~0.1 the numbers are disturbed)."]
+              "calls (the machine may be shared; above 0.1 the numbers are disturbed)."]
     return "\n".join(lines)
 
 
@@ -267,14 +275,14 @@ def plot(report, path):
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(shapes)
         ax.set_ylabel("% of machine peak")
+        peaks = report["peaks"].get(str(n), {})
         kernel = peaks.get("fma", {}).get("isa", "")
         ax.set_title(f"{n} thread{'s' if n > 1 else ''}: % of the {kernel} FMA peak "
                      "(decode: of the read bandwidth)")
         ax.axhline(100, color="grey", linewidth=0.5)
-        peaks = report["peaks"].get(str(n), {})
-        if "fma" in peaks and "fma_avx512" in peaks:
-            ax.axhline(100 * peaks["fma_avx512"]["gflops"] / peaks["fma"]["gflops"], color="grey",
-                       linestyle="--", linewidth=0.8, label="AVX-512 FMA peak")
+        for isa, other in peaks.get("fma_others", {}).items():
+            ax.axhline(100 * other["gflops"] / peaks["fma"]["gflops"], color="grey",
+                       linestyle="--", linewidth=0.8, label=f"{isa} FMA peak")
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -80,3 +80,5 @@ TINY = Shape("tiny", 1, 1, 4, 4, 8, kind="overhead")
 LONG_16384 = Shape("long-16384", 1, 8, 16384, 16384, 64, kind="memory")
 
 ALL_SHAPES = {s.name: s for s in SHAPES + (TINY, LONG_16384)}
+# The thread counts of issue 3.
+THREADS = (1, 2)

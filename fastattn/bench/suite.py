@@ -3,9 +3,12 @@ process), then every case (runner x shape x thread count) in a fresh process
 (fastattn.bench.worker).  Returns the raw results that report.py turns into
 the table, the JSON file and the plot."""
 import json
+import os
 import subprocess
 import sys
 import time
+
+import fastattn
 
 from . import measure
 from .runners import RUNNERS
@@ -13,6 +16,10 @@ from .shapes import ALL_SHAPES
 from .worker import RESULT_TAG
 
 CASE_TIMEOUT = 1800  # seconds; a case that hangs is reported as an error
+# `python -m` puts the working directory first on sys.path: run workers
+# where they import the same fastattn as this process (not, say, a source
+# tree without its compiled modules).
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
 
 
 def run_worker(spec, timeout=CASE_TIMEOUT):
@@ -20,7 +27,8 @@ def run_worker(spec, timeout=CASE_TIMEOUT):
     base = {"runner": spec["runner"], "shape": spec["shape"], "threads": spec["threads"]}
     try:
         proc = subprocess.run([sys.executable, "-m", "fastattn.bench.worker", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout,
+                              cwd=PACKAGE_PARENT)
     except subprocess.TimeoutExpired:
         return dict(base, status="error", note=f"timed out after {timeout} s")
     for line in reversed(proc.stdout.splitlines()):
