@@ -263,7 +263,7 @@ def plot(report, path):
     threads = report["settings"]["threads"]
     runners = report["settings"]["runners"]
     shapes = [s for s in report["settings"]["shapes"] if ALL_SHAPES[s].kind in ("compute", "decode")]
-    fig, axes = plt.subplots(len(threads), 1, figsize=(max(6, 1.6 * len(shapes)), 3.2 * len(threads)),
+    fig, axes = plt.subplots(len(threads), 1, figsize=(max(6, 1.6 * len(shapes) + 2), 3.2 * len(threads)),
                              squeeze=False)
     width = 0.8 / max(1, len(runners))
     by_key = {(c["shape"], c["threads"], c["runner"]): c for c in report["cases"]}
@@ -283,7 +283,7 @@ def plot(report, path):
         for isa, other in peaks.get("fma_others", {}).items():
             ax.axhline(100 * other["gflops"] / peaks["fma"]["gflops"], color="grey",
                        linestyle="--", linewidth=0.8, label=f"{isa} FMA peak")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
