@@ -75,7 +75,9 @@ class BuildExt(build_ext):
             common.append("-march=" + march)
         sanitize = os.environ.get("FASTATTN_SANITIZE")
         if sanitize and unix:
-            flags = ["-fsanitize=" + sanitize, "-fno-omit-frame-pointer", "-g"]
+            # any report is fatal, so that a test run fails on the first one
+            flags = ["-fsanitize=" + sanitize, "-fno-sanitize-recover=all",
+                     "-fno-omit-frame-pointer", "-g"]
             common += flags
             link += ["-fsanitize=" + sanitize]
 

@@ -88,15 +88,21 @@ int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask
 
 fa_idx fa_attn_query_block(int elsize) { return FA_QB_BYTES / elsize; }
 
+static int attn_features_ok(const fa_attn_args *a)
+{
+    return a->E >= 0 && a->Ev >= 0 && a->E <= FA_ATTN_MAX_FEATURES && a->Ev <= FA_ATTN_MAX_FEATURES;
+}
+
 size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
 {
+    if (!attn_features_ok(a)) return 0;
     /* the same on every path */
     return elsize == 4 ? fa_attn_work_f32_portable(a) : fa_attn_work_f64_portable(a);
 }
 
 static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
 {
-    return a->L >= 0 && a->S >= 0 && a->E >= 0 && a->Ev >= 0 && 0 <= i0 && i0 <= i1 &&
+    return a->L >= 0 && a->S >= 0 && attn_features_ok(a) && 0 <= i0 && i0 <= i1 &&
            i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize) &&
            (a->mask_kind == FA_MASK_NONE || a->mask_kind == FA_MASK_BOOL ||
             a->mask_kind == FA_MASK_ADD);

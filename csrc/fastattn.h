@@ -69,6 +69,12 @@ typedef struct {
     double scale;                /* multiplies Q K^T before the mask is added */
 } fa_attn_args;
 
+/* Largest E and Ev the attention kernels accept, far above any head size:
+ * their scratch memory grows with E + Ev, and this bound keeps its size far
+ * from overflowing a size_t (a wrapped size would be a heap overflow).
+ * Beyond it fa_attn_* return -1 and fa_attn_work_bytes 0. */
+#define FA_ATTN_MAX_FEATURES ((fa_idx)1 << 20)
+
 /* Query rows per piece of work. */
 fa_idx fa_attn_query_block(int elsize);
 /* Bytes of scratch one call of fa_attn_* needs for these arguments. */

@@ -17,6 +17,9 @@ def shape_str(shape):
 def require_array(x, name):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if isinstance(x, np.ma.MaskedArray):  # its mask would be silently ignored
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask fastattn does not read; "
+                        "pass a plain ndarray and express hidden entries with a mask argument")
     return x
 
 
@@ -56,7 +59,7 @@ def kernel_view(a):
     flags = a.flags
     if flags.aligned and (flags.c_contiguous or all(s % a.itemsize == 0 for s in a.strides)):
         return a
-    return np.ascontiguousarray(a)
+    return np.array(a, order="C")  # a fresh array; ascontiguousarray keeps a misaligned one
 
 
 def broadcast_view(a, shape):
@@ -74,6 +77,43 @@ def broadcast_shapes(named_shapes, what):
     except ValueError:
         seen = ", ".join(f"{n} {shape_str(s)}" for n, s in named_shapes)
         raise ValueError(f"{what} do not broadcast: {seen}") from None
+    except RuntimeError as e:  # NumPy broadcasts at most 32 dimensions
+        raise ValueError(f"{what} cannot be broadcast: {e}") from None
+
+
+_INDEX = np.iinfo(np.intp)
+
+
+def max_elements(dtype):
+    """Most elements of dtype one array can hold: its byte size must fit a
+    signed pointer-sized index (NumPy's limit on every array, views included)."""
+    return _INDEX.max // dtype.itemsize
+
+
+def require_addressable(named_shapes, itemsize):
+    """Refuse arrays, real or broadcast views, beyond max_elements (zero-size
+    ones count their other axes, as NumPy does): a clear error naming the
+    array before any allocation or broadcast."""
+    limit = _INDEX.max // itemsize
+    for what, shape in named_shapes:
+        n = math.prod(d for d in shape if d)
+        if n > limit:
+            raise ValueError(f"{what} {shape_str(shape)} would have {n} elements, more than a "
+                             f"{_INDEX.bits}-bit index addresses ({limit} of {itemsize} bytes)")
+
+
+def has_internal_overlap(a):
+    """False when the elements of a provably occupy distinct memory: taken
+    from the smallest stride up, each axis steps past all that the smaller
+    ones span.  True for stride-0 and other self-overlapping views."""
+    if a.size == 0 or a.flags.c_contiguous or a.flags.f_contiguous:
+        return False
+    span = a.itemsize
+    for stride, n in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (n - 1)
+    return False
 
 
 def check_out(out, shape, dtype, inputs, name="out"):
@@ -88,6 +128,9 @@ def check_out(out, shape, dtype, inputs, name="out"):
         raise ValueError(f"{name} is read-only")
     if kernel_view(out) is not out:
         raise ValueError(f"{name} must be aligned with strides that are whole elements")
+    if has_internal_overlap(out):
+        raise ValueError(f"{name} has elements that share memory (strides {out.strides}, a "
+                         "broadcast or overlapping view); pass an array of distinct elements")
     for in_name, a in inputs.items():
         if a is not None and np.may_share_memory(out, a):
             raise ValueError(f"{name} overlaps {in_name}; pass a separate output array")

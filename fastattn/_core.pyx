@@ -64,6 +64,7 @@ cdef extern from "fastattn.h" nogil:
                            const void *mask, fa_idx ms, float *out, fa_idx os, void *work)
     int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask_kind mk,
                            const void *mask, fa_idx ms, double *out, fa_idx os, void *work)
+    enum: FA_ATTN_MAX_FEATURES
     fa_idx fa_attn_query_block(int elsize)
     size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
     int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
@@ -95,6 +96,7 @@ ISA_AVX512 = <int>FA_ISA_AVX512
 MASK_NONE = <int>FA_MASK_NONE
 MASK_BOOL = <int>FA_MASK_BOOL
 MASK_ADD = <int>FA_MASK_ADD
+ATTN_MAX_FEATURES = FA_ATTN_MAX_FEATURES
 
 
 def cpu_has_avx2_fma():

@@ -36,6 +36,9 @@ def _path_from_env():
 
 _simd_path = _path_from_env()
 _num_threads = None  # None: OpenMP's default (OMP_NUM_THREADS, else the CPU count)
+# OpenMP ends the whole process when it cannot create a thread it was asked
+# for, so a request is bounded: well past any useful count on this machine.
+MAX_THREADS = max(1024, os.cpu_count() or 1)
 
 
 def simd_path():
@@ -77,15 +80,17 @@ def _check_threads(n, name):
     if isinstance(n, bool) or not hasattr(n, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(n).__name__}")
     n = operator.index(n)
-    if n < 1:
-        raise ValueError(f"{name} must be >= 1, got {n}")
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"{name} must be >= 1 and <= {MAX_THREADS}, got {n}")
     return n
 
 
 def set_num_threads(n):
-    """Set the number of threads the kernels use (n >= 1), or None for
-    OpenMP's default (OMP_NUM_THREADS when set, else the number of CPUs).
-    Without OpenMP in the build every call runs on one thread."""
+    """Set the number of threads the kernels use (1 <= n <= MAX_THREADS,
+    which is max(1024, CPU count)), or None for OpenMP's default
+    (OMP_NUM_THREADS when set, else the number of CPUs).  Without OpenMP in
+    the build every call runs on one thread.  Calls already running keep the
+    count they started with."""
     global _num_threads
     _num_threads = None if n is None else _check_threads(n, "n")
 
@@ -94,7 +99,8 @@ def get_num_threads():
     """The number of threads a call uses when it is not given num_threads."""
     if not _core.have_openmp():
         return 1
-    return _num_threads if _num_threads is not None else _core.omp_max_threads()
+    n = _num_threads  # read once: another thread may reset it meanwhile
+    return n if n is not None else _core.omp_max_threads()
 
 
 def resolve_threads(num_threads):

@@ -79,13 +79,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Raises
     ------
     TypeError
-        An argument that is not an ndarray; dtypes other than float32 and
-        float64 or that differ; a mask neither bool nor floating; flags that
-        are not bools.
+        An argument that is not an ndarray (or is a numpy.ma.MaskedArray,
+        whose mask would be ignored); dtypes other than float32 and float64
+        or that differ; a mask neither bool nor floating; flags that are not
+        bools.
     ValueError
         Shapes that do not agree or broadcast, Hq not a multiple of Hkv,
-        dropout_p != 0, a non-finite scale, a bad ``out``, an unknown
-        causal_alignment, num_threads < 1.
+        E or Ev above 2**20, broadcast shapes with more elements than a
+        64-bit index addresses, dropout_p != 0, a non-finite scale, a bad
+        ``out`` (wrong shape, read-only, overlapping an input or itself), an
+        unknown causal_alignment, num_threads outside 1..MAX_THREADS.
 
     The caller's arrays are never modified.
     """
@@ -102,6 +105,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if Sv != S:
         raise ValueError(f"value must have as many rows as key (S = {S}), got {Sv}; "
                          f"key {C.shape_str(key.shape)}, value {C.shape_str(value.shape)}")
+    if max(E, Ev) > _core.ATTN_MAX_FEATURES:  # the kernels' bound (csrc/fastattn.h)
+        raise ValueError(f"query/key have E = {E} and value Ev = {Ev} features per head; "
+                         f"at most {_core.ATTN_MAX_FEATURES} are supported")
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if dropout_p != 0:
@@ -136,6 +142,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                    "attention)")
         kv_batch, group = batch, 1
 
+    # Broadcast views (stride 0) can describe more elements than an index
+    # reaches.  One product bounds every array of the call (the scores too,
+    # which bound its work); only past it is each one checked, to name it.
+    if math.prod(batch) * max(L, 1) * max(S, 1) * max(E, Ev, 1) > C.max_elements(dtype):
+        C.require_addressable([("query broadcast to", batch + (L, E)),
+                               ("key broadcast to", kv_batch + (S, E)),
+                               ("value broadcast to", kv_batch + (S, Ev)),
+                               ("the output", batch + (L, Ev)),
+                               ("the attention scores (..., Hq, L, S)", batch + (L, S))],
+                              dtype.itemsize)
     kind, mask = C.mask_kind_and_array(attn_mask, dtype, "attn_mask")
     if mask is not None:
         target = batch + (L, S)
@@ -157,6 +173,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, E))
     v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, Ev))
     offset = S - L if causal_alignment == "lower_right" else 0
-    _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal, offset,
-                    scale, nthreads)
+    if out.size or (weights is not None and weights.size):  # else nothing to compute
+        _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal,
+                        offset, scale, nthreads)
     return (out, weights) if weights_wanted else out

@@ -1,5 +1,7 @@
 """The building blocks of attention as public functions: the blocked matrix
 product, the guarded softmax and the head layout."""
+import math
+
 import numpy as np
 
 from . import _checks as C
@@ -25,7 +27,8 @@ def matmul(a, b, *, out=None, num_threads=None):
 
     Raises TypeError for non-arrays or dtypes other than one of float32 and
     float64; ValueError for fewer than 2 dimensions, mismatched inner
-    sizes, batch axes that do not broadcast or a bad out.  Unlike
+    sizes, batch axes that do not broadcast, broadcast shapes with more
+    elements than a 64-bit index addresses or a bad out.  Unlike
     numpy.matmul, 1-D operands are not promoted.
 
     Packing and loop order follow Goto & van de Geijn, "Anatomy of
@@ -41,6 +44,10 @@ def matmul(a, b, *, out=None, num_threads=None):
         raise ValueError(f"inner sizes differ: a {C.shape_str(a.shape)} is (..., M, K) with "
                          f"K = {K}, b {C.shape_str(b.shape)} is (..., K, N) with K = {Kb}")
     batch = C.broadcast_shapes([("a", a.shape[:-2]), ("b", b.shape[:-2])], "the batch axes")
+    if math.prod(batch) * max(M, 1) * max(K, 1) * max(N, 1) > C.max_elements(dtype):
+        C.require_addressable([("a broadcast to", batch + (M, K)),
+                               ("b broadcast to", batch + (K, N)),
+                               ("the output", batch + (M, N))], dtype.itemsize)
     nthreads = _runtime.resolve_threads(num_threads)
     if out is None:
         out = np.empty(batch + (M, N), dtype)
