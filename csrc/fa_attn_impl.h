@@ -195,7 +195,8 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         for (fa_idx j = 0; j < nq; ++j) {
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;
             const int zero = !visible || l[j] == 0;
-            for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? 0 : st[r * ld + j] / l[j];
+            const T fill = l[j] == l[j] ? 0 : l[j]; /* a NaN row is NaN in skipped blocks too */
+            for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? fill : st[r * ld + j] / l[j];
         }
     }
 }

@@ -136,7 +136,8 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, co
         for (fa_idx t = 0; t < nq; ++t) {
             T *wrow = w + (i0 + t) * a->w_ls + s0 * a->w_ss;
             const int zero = s0 >= s_end || l[t] == 0;
-            for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? 0 : s[t * FA_RB + r] / l[t];
+            const T fill = l[t] == l[t] ? 0 : l[t]; /* a NaN row is NaN in skipped blocks too */
+            for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? fill : s[t * FA_RB + r] / l[t];
         }
     }
 }
