@@ -57,13 +57,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     scores = scores * (scale if scale is not None else (1 / math.sqrt(E) if E else 1.0))
 
     visible = np.ones(scores.shape, dtype=bool)                                # step 3: mask
+    # not in place: a mask may have batch axes that only value has
     if attn_mask is not None and attn_mask.dtype == np.bool_:
-        visible &= attn_mask
+        visible = visible & attn_mask
     elif attn_mask is not None:
-        visible &= attn_mask != -np.inf
+        visible = visible & (attn_mask != -np.inf)
         scores = scores + attn_mask
     if is_causal:
-        visible &= causal_mask(L, S, causal_alignment)
+        visible = visible & causal_mask(L, S, causal_alignment)
     scores = np.where(visible, scores, -np.inf)
 
     weights = softmax(scores, axis=-1)                                         # step 4
@@ -78,13 +79,14 @@ def self_attention(x, w_q, w_k, w_v, **kwargs):
 
 def split_heads(x, num_heads):
     """(..., L, H*D) -> (..., H, L, D)"""
-    return np.swapaxes(x.reshape(x.shape[:-1] + (num_heads, -1)), -3, -2)
+    D = x.shape[-1] // num_heads  # explicit: reshape cannot infer -1 for an empty x
+    return np.swapaxes(x.reshape(x.shape[:-1] + (num_heads, D)), -3, -2)
 
 
 def merge_heads(x):
     """(..., H, L, D) -> (..., L, H*D)"""
     x = np.swapaxes(x, -3, -2)
-    return x.reshape(x.shape[:-2] + (-1,))
+    return x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))
 
 
 def multi_head_attention(query, key, value, num_heads, q_proj_weight, k_proj_weight,

@@ -9,10 +9,24 @@ within 1 ulp; the final division; the rescaling of the online softmax).
 n is the longest reduction of the case (E for the scores plus S for the
 weighted sum), and the bound is relative to the magnitude of the values.
 """
+import contextlib
+import os
+
 import numpy as np
 import pytest
+from hypothesis import settings
 
 import fastattn
+from fastattn import reference as ref
+
+# Property tests (test_properties.py): "ci", the default, is bounded and
+# derandomized, so that every CI run draws the same examples; "thorough"
+# draws many more, at random.  Choose with pytest --hypothesis-profile=NAME
+# (or FASTATTN_HYPOTHESIS_PROFILE=NAME).
+settings.register_profile("ci", max_examples=60, derandomize=True, deadline=None,
+                          print_blob=True)
+settings.register_profile("thorough", max_examples=3000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("FASTATTN_HYPOTHESIS_PROFILE", "ci"))
 
 
 def tolerance(dtype, n):
@@ -27,13 +41,22 @@ def assert_close(actual, expected, dtype, n, magnitude=1.0):
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol)
 
 
+@contextlib.contextmanager
+def simd_path(name):
+    """The SIMD path set to name inside the block, restored after it."""
+    before = fastattn.simd_path()
+    fastattn.set_simd_path(name)
+    try:
+        yield name
+    finally:
+        fastattn.set_simd_path(before)
+
+
 @pytest.fixture(params=fastattn.available_simd_paths())
 def simd(request):
     """Runs a test once per SIMD path this CPU has (portable, and avx2 when present)."""
-    before = fastattn.simd_path()
-    fastattn.set_simd_path(request.param)
-    yield request.param
-    fastattn.set_simd_path(before)
+    with simd_path(request.param):
+        yield request.param
 
 
 @pytest.fixture(params=[np.float32, np.float64], ids=["f32", "f64"])
@@ -61,3 +84,23 @@ def load_example(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def check_attention(q, k, v, dtype, **kwargs):
+    """scaled_dot_product_attention(q, k, v, **kwargs) against the float64
+    reference, output and weights; need_weights must not change the output."""
+    out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True, **kwargs)
+    mask = kwargs.pop("attn_mask", None)
+    rq, rk, rv, rm = f64(q, k, v, mask)
+    if rm is not None and mask.dtype.kind == "f":
+        rm = mask.astype(dtype).astype(np.float64)  # the kernel adds the mask in query's dtype
+    r_out, r_w = ref.scaled_dot_product_attention(rq, rk, rv, attn_mask=rm, need_weights=True,
+                                                  **kwargs)
+    # weights span every batch axis, those that only value has too
+    r_w = np.broadcast_to(r_w, r_out.shape[:-2] + r_w.shape[-2:])
+    n = q.shape[-1] + k.shape[-2]
+    assert_close(out, r_out, dtype, n, magnitude=float(np.abs(rv).max(initial=1)))
+    assert_close(w, r_w, dtype, n)
+    plain = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    np.testing.assert_array_equal(plain, out)
+    return out, w

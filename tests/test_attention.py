@@ -1,7 +1,7 @@
 """scaled_dot_product_attention against the float64 NumPy reference."""
 import numpy as np
 import pytest
-from conftest import assert_close, f64
+from conftest import assert_close, check_attention, f64
 
 import fastattn
 from fastattn import reference as ref
@@ -14,23 +14,6 @@ def attn_case(rng, dtype, qshape, kshape, vshape, **kwargs):
     return q, k, v
 
 
-def check(q, k, v, dtype, **kwargs):
-    out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True, **kwargs)
-    mask = kwargs.pop("attn_mask", None)
-    rq, rk, rv, rm = f64(q, k, v, mask)
-    if rm is not None and mask.dtype.kind == "f":
-        rm = mask.astype(dtype).astype(np.float64)  # the kernel adds the mask in query's dtype
-    r_out, r_w = ref.scaled_dot_product_attention(rq, rk, rv, attn_mask=rm, need_weights=True,
-                                                  **kwargs)
-    n = q.shape[-1] + k.shape[-2]
-    assert_close(out, r_out, dtype, n, magnitude=float(np.abs(rv).max(initial=1)))
-    assert_close(w, r_w, dtype, n)
-    # need_weights does not change the output
-    plain = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
-    np.testing.assert_array_equal(plain, out)
-    return out, w
-
-
 SHAPES = [  # L, S, E, Ev
     (1, 1, 1, 1), (2, 3, 2, 2), (5, 7, 3, 2), (37, 53, 20, 7), (64, 128, 64, 64),
     (65, 129, 33, 17), (130, 300, 64, 48), (1, 257, 128, 128), (200, 5, 16, 24),
@@ -40,14 +23,14 @@ SHAPES = [  # L, S, E, Ev
 @pytest.mark.parametrize("L,S,E,Ev", SHAPES)
 def test_shapes(simd, dtype, rng, L, S, E, Ev):
     q, k, v = attn_case(rng, dtype, (2, 3, L, E), (2, 3, S, E), (2, 3, S, Ev))
-    check(q, k, v, dtype)
+    check_attention(q, k, v, dtype)
 
 
 @pytest.mark.parametrize("alignment", ["upper_left", "lower_right"])
 @pytest.mark.parametrize("L,S", [(1, 1), (7, 7), (70, 70), (5, 150), (150, 5), (129, 200), (1, 300)])
 def test_causal(simd, dtype, rng, alignment, L, S):
     q, k, v = attn_case(rng, dtype, (2, L, 24), (2, S, 24), (2, S, 12))
-    out, w = check(q, k, v, dtype, is_causal=True, causal_alignment=alignment)
+    out, w = check_attention(q, k, v, dtype, is_causal=True, causal_alignment=alignment)
     visible = ref.causal_mask(L, S, alignment)
     assert np.all(w[:, ~visible] == 0)
     empty_rows = ~visible.any(axis=1)  # lower_right with L > S: the first L - S rows
@@ -61,7 +44,7 @@ MASK_SHAPES = [(40, 70), (70,), (1, 70), (3, 1, 70), (2, 1, 1, 70), (2, 3, 40, 7
 def test_bool_mask_broadcast(simd, dtype, rng, mshape):
     q, k, v = attn_case(rng, dtype, (2, 3, 40, 16), (2, 3, 70, 16), (2, 3, 70, 8))
     mask = rng.random(mshape) > 0.4
-    check(q, k, v, dtype, attn_mask=mask)
+    check_attention(q, k, v, dtype, attn_mask=mask)
 
 
 @pytest.mark.parametrize("mask_dtype", [np.float32, np.float64])
@@ -70,7 +53,7 @@ def test_float_mask(simd, dtype, rng, mshape, mask_dtype):
     q, k, v = attn_case(rng, dtype, (2, 3, 40, 16), (2, 3, 70, 16), (2, 3, 70, 8))
     mask = rng.standard_normal(mshape).astype(mask_dtype)
     mask[rng.random(mshape) < 0.3] = -np.inf
-    check(q, k, v, dtype, attn_mask=mask)
+    check_attention(q, k, v, dtype, attn_mask=mask)
 
 
 @pytest.mark.parametrize("alignment", ["upper_left", "lower_right"])
@@ -80,27 +63,27 @@ def test_causal_with_padding_mask(simd, dtype, rng, alignment):
     q, k, v = attn_case(rng, dtype, (B, 2, L, 16), (B, 2, S, 16), (B, 2, S, 16))
     lengths = np.array([45, 30, 1])
     mask = (np.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
-    check(q, k, v, dtype, attn_mask=mask, is_causal=True, causal_alignment=alignment)
+    check_attention(q, k, v, dtype, attn_mask=mask, is_causal=True, causal_alignment=alignment)
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(8, 2), (8, 1), (6, 3), (4, 4)])
 def test_grouped_query(simd, dtype, rng, Hq, Hkv):
     q, k, v = attn_case(rng, dtype, (2, Hq, 19, 16), (2, Hkv, 31, 16), (2, Hkv, 31, 8))
     mask = rng.random((2, Hq, 19, 31)) > 0.2
-    check(q, k, v, dtype, enable_gqa=True, attn_mask=mask, is_causal=True)
+    check_attention(q, k, v, dtype, enable_gqa=True, attn_mask=mask, is_causal=True)
 
 
 def test_leading_axes_broadcast(simd, dtype, rng):
     q = rng.standard_normal((4, 1, 3, 10, 8)).astype(dtype)
     k = rng.standard_normal((1, 5, 3, 12, 8)).astype(dtype)
     v = rng.standard_normal((5, 1, 12, 6)).astype(dtype)
-    out, _ = check(q, k, v, dtype)
+    out, _ = check_attention(q, k, v, dtype)
     assert out.shape == (4, 5, 3, 10, 6)
 
 
 def test_two_dimensional_inputs(simd, dtype, rng):
     q, k, v = attn_case(rng, dtype, (9, 4), (11, 4), (11, 3))
-    out, w = check(q, k, v, dtype, is_causal=True, causal_alignment="lower_right")
+    out, w = check_attention(q, k, v, dtype, is_causal=True, causal_alignment="lower_right")
     assert out.shape == (9, 3) and w.shape == (9, 11)
 
 
@@ -114,7 +97,7 @@ def test_strided_views(simd, dtype, rng):
     k = np.broadcast_to(kv.transpose(0, 2, 1, 3)[..., :E], (B, H, S, E))
     v = kv.transpose(0, 2, 1, 3)[:, :, ::-1, E:][..., ::-1]
     assert q.strides[-1] < 0 or q.strides[-2] < 0
-    check(q, k, v, dtype, attn_mask=rng.random((L, S)) > 0.3)
+    check_attention(q, k, v, dtype, attn_mask=rng.random((L, S)) > 0.3)
 
 
 def test_fully_masked_rows_give_zeros(simd, dtype, rng):
@@ -124,7 +107,7 @@ def test_fully_masked_rows_give_zeros(simd, dtype, rng):
     mask[1, :] = False
     fmask = np.where(mask, 0.0, -np.inf).astype(dtype)
     for m in (mask, fmask):
-        out, w = check(q, k, v, dtype, attn_mask=m)
+        out, w = check_attention(q, k, v, dtype, attn_mask=m)
         assert np.all(out[0, 3] == 0) and np.all(w[0, 3] == 0)
         assert np.all(out[1] == 0) and np.all(w[1] == 0)
         assert np.all(np.isfinite(out))
@@ -156,7 +139,7 @@ def test_large_logits(simd, dtype, rng):
     k[-1] = q.sum(axis=0) / np.abs(q.sum(axis=0)).max() * 8  # a key most rows like best
     k[-1] = np.round(k[-1])
     v = rng.standard_normal((S, 16)).astype(dtype)
-    out, w = check(q, k, v, dtype, scale=1.0)
+    out, w = check_attention(q, k, v, dtype, scale=1.0)
     assert np.all(np.isfinite(out))
 
 
@@ -171,6 +154,24 @@ def test_nan_propagates_from_visible_entries(simd, dtype, rng):
     assert np.all(np.isfinite(out[3:]))
     r_out = ref.scaled_dot_product_attention(*f64(q, k, v), attn_mask=mask)
     assert_close(out[3:], r_out[3:], dtype, 158, magnitude=4)
+
+
+@pytest.mark.parametrize("L", [2, 6])  # the row kernel (<= 4 rows) and the block kernel
+def test_nan_row_has_nan_weights_in_skipped_key_blocks(simd, dtype, rng, L):
+    """A row with a NaN logit has NaN weights throughout, as the reference
+    (and PyTorch's softmax) gives, also in key blocks that causality or the
+    mask let the kernel skip.  Found by the property tests: the block
+    kernel wrote 0 there while the row kernel wrote NaN."""
+    q, k, v = attn_case(rng, dtype, (L, 4), (300, 4), (300, 3))
+    k[1, 0] = np.nan
+    mask = np.ones((L, 300), bool)
+    mask[:, 128:256] = False  # a whole key block hidden
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True, **kwargs)
+        r_out, r_w = ref.scaled_dot_product_attention(*f64(q, k, v), need_weights=True, **kwargs)
+        np.testing.assert_array_equal(np.isnan(w), np.isnan(r_w))
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(r_out))
+        assert np.all(np.isnan(w[1:] if kwargs.get("is_causal") else w))
 
 
 def test_nonfinite_value_at_hidden_key_does_not_leak(simd, dtype, rng):
@@ -202,7 +203,7 @@ def test_mask_minus_inf_hides_nan_score(simd, dtype, rng):
 @pytest.mark.parametrize("scale", [0.0, -0.5, 3.0])
 def test_explicit_scale(simd, dtype, rng, scale):
     q, k, v = attn_case(rng, dtype, (2, 10, 8), (2, 13, 8), (2, 13, 4))
-    out, _ = check(q, k, v, dtype, scale=scale)
+    out, _ = check_attention(q, k, v, dtype, scale=scale)
     if scale == 0.0:
         assert_close(out, np.broadcast_to(v.astype(np.float64).mean(axis=-2, keepdims=True),
                                           out.shape), dtype, 13, magnitude=4)
