@@ -120,7 +120,9 @@ def split_heads(x, num_heads):
     (..., L, H*D) layout directly.  Any dtype.
 
     Raises TypeError for a non-array or a non-int num_heads; ValueError for
-    fewer than 2 dimensions or a feature size not divisible by num_heads.
+    fewer than 2 dimensions, a feature size not divisible by num_heads, or
+    a num_heads so large that the view would have more elements than a
+    64-bit index addresses (x with 0 features).
     """
     C.require_array(x, "x")
     C.require_ndim(x, "x", 2, "(..., L, H*D)")
@@ -128,7 +130,9 @@ def split_heads(x, num_heads):
     if x.shape[-1] % num_heads:
         raise ValueError(f"the last axis of x ({x.shape[-1]}) is not divisible by "
                          f"num_heads ({num_heads})")
-    heads = x.reshape(x.shape[:-1] + (num_heads, x.shape[-1] // num_heads))
+    shape = x.shape[:-1] + (num_heads, x.shape[-1] // num_heads)
+    C.require_addressable([("the heads of x", shape)], x.itemsize)  # any num_heads divides 0
+    heads = x.reshape(shape)
     return np.swapaxes(heads, -3, -2)
 
 

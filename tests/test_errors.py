@@ -1,91 +1,293 @@
-"""Bad input: a clear TypeError or ValueError, never a crash or a silent result."""
+"""Hostile input: one table of bad calls, each with the exception it must
+raise and a fragment of its message.  Never a crash, a hang, a silent
+result or a change to the caller's arrays (checked for every row)."""
 import numpy as np
 import pytest
+from numpy.lib.stride_tricks import as_strided
 
 import fastattn
+from fastattn import _core
 
 f32 = np.zeros((2, 3, 4, 8), np.float32)
 f64 = np.zeros((2, 3, 4, 8), np.float64)
 sdpa = fastattn.scaled_dot_product_attention
+bcast = np.broadcast_to
+HAS_CACHE = hasattr(fastattn, "KVCache")
 
-BAD_SDPA = [  # (args, kwargs, exception, message fragment)
-    (([[1.0]], f32, f32), {}, TypeError, "query must be a numpy.ndarray, got list"),
-    ((f32, 1.0, f32), {}, TypeError, "key must be a numpy.ndarray, got float"),
-    ((f32, f32, f64), {}, TypeError, "dtypes differ (query float32, key float32, value float64)"),
-    ((f32.astype(np.int32),) * 3, {}, TypeError, "query has dtype int32"),
-    ((f32.astype(np.complex64),) * 3, {}, TypeError, "query has dtype complex64"),
-    ((f32.astype(np.float16),) * 3, {}, TypeError, "query has dtype float16"),
-    ((f32.astype(object),) * 3, {}, TypeError, "query has dtype object"),
-    ((f32.astype(">f4"),) * 3, {}, TypeError, "query has dtype >f4"),
-    ((np.zeros(3, np.float32),) * 3, {}, ValueError, "query must have at least 2 dimensions"),
-    ((f32, f32[..., :5], f32), {}, ValueError, "key's last axis (5) must equal query's last axis E (8)"),
-    ((f32, f32, f32[..., :3, :]), {}, ValueError, "value must have as many rows as key (S = 4), got 3"),
-    ((f32, np.zeros((5, 3, 4, 8), np.float32), f32), {}, ValueError, "do not broadcast"),
-    ((f32, f32[:, :2], f32[:, :2]), {}, ValueError, "set enable_gqa=True"),
-    ((f32, f32[:, :2], f32[:, :2]), {"enable_gqa": True}, ValueError,
-     "query heads (3) must be a multiple of key/value heads (2)"),
-    ((f32, f32, f32), {"attn_mask": np.zeros((4, 4), np.int64)}, TypeError,
-     "attn_mask has dtype int64; expected bool"),
-    ((f32, f32, f32), {"attn_mask": [[True]]}, TypeError, "attn_mask must be a numpy.ndarray"),
-    ((f32, f32[:, :, :3], f32[:, :, :3]), {"attn_mask": np.ones((3, 4), bool)}, ValueError,
-     "attn_mask of shape (3, 4) cannot be broadcast to (..., Hq, L, S) = (2, 3, 4, 3)"),
-    ((f32, f32, f32), {"dropout_p": 0.1}, ValueError, "dropout_p must be 0"),
-    ((f32, f32, f32), {"is_causal": 1}, TypeError, "is_causal must be a bool, got int"),
-    ((f32, f32, f32), {"scale": "1"}, TypeError, "scale must be a real number, got str"),
-    ((f32, f32, f32), {"scale": float("nan")}, ValueError, "scale must be finite, got nan"),
-    ((f32, f32, f32), {"scale": True}, TypeError, "scale must be a real number, got bool"),
-    ((f32, f32, f32), {"causal_alignment": "bottom"}, ValueError, "causal_alignment must be"),
-    ((f32, f32, f32), {"num_threads": 0}, ValueError, "num_threads must be >= 1 and <= "),
-    ((f32, f32, f32), {"num_threads": -3}, ValueError, "got -3"),
-    ((f32, f32, f32), {"num_threads": 2.0}, TypeError, "num_threads must be an int, got float"),
-    ((f32, f32, f32), {"num_threads": float("nan")}, TypeError, "num_threads must be an int"),
-    ((f32, f32, f32), {"out": np.zeros((2, 3, 4, 8), np.float64)}, TypeError,
-     "out has dtype float64; expected float32"),
-    ((f32, f32, f32), {"out": np.zeros((2, 3, 4, 7), np.float32)}, ValueError,
-     "out has shape (2, 3, 4, 7); expected (2, 3, 4, 8)"),
-    ((f32, f32, f32), {"out": f32}, ValueError, "out overlaps query"),
+
+def z(*shape, dtype=np.float32):
+    return np.zeros(shape, dtype)
+
+
+def read_only(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def misaligned(shape, dtype=np.float32):
+    """A C-contiguous array one byte off its dtype's alignment."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.zeros(n + 1, np.uint8)[1:].view(dtype).reshape(shape)
+
+
+def self_overlapping(shape, dtype=np.float32):
+    """A writeable view whose rows all share the same memory (stride 0)."""
+    return as_strided(np.zeros(shape[-1], dtype), shape, (0,) * (len(shape) - 1) + (np.dtype(dtype).itemsize,))
+
+
+def cache_overflow(capacity, steps):
+    """Append steps of (1, 2, L, 8) to a KVCache of that capacity."""
+    cache = fastattn.KVCache(1, 2, capacity, 8)
+    for L in steps:
+        cache.append(z(1, 2, L, 8), z(1, 2, L, 8))
+
+
+def cache_overflow_keeps_state():
+    """A refused append leaves the cache as it was."""
+    cache = fastattn.KVCache(1, 1, 4, 2)
+    kv = np.arange(6, dtype=np.float32).reshape(1, 1, 3, 2)
+    cache.append(kv, kv)
+    try:
+        cache.append(kv[:, :, :2], kv[:, :, :2])
+    finally:
+        assert cache.length == 3
+        np.testing.assert_array_equal(cache.key, kv)
+
+
+HUGE = 2**40  # a broadcast batch axis: stride 0, no memory behind it
+needs_cache = pytest.mark.skipif(not HAS_CACHE, reason="fastattn.KVCache arrives with the "
+                                 "multi-head attention branch (mha); runs once it is merged")
+
+
+def row(category, fn, args, kwargs, exc, msg, marks=()):
+    return pytest.param(fn, args, kwargs, exc, msg, marks=marks, id=f"{category}: {msg[:50]}")
+
+
+HOSTILE = [
+    # -- not an ndarray ------------------------------------------------------------------
+    row("type", sdpa, ([[1.0]], f32, f32), {}, TypeError, "query must be a numpy.ndarray, got list"),
+    row("type", sdpa, (f32, 1.0, f32), {}, TypeError, "key must be a numpy.ndarray, got float"),
+    row("type", sdpa, (f32, f32, None), {}, TypeError, "value must be a numpy.ndarray, got NoneType"),
+    row("type", sdpa, (np.float32(1), f32, f32), {}, TypeError, "query must be a numpy.ndarray, got float32"),
+    row("type", sdpa, (np.ma.masked_array(f32, mask=True), f32, f32), {}, TypeError,
+        "query is a numpy.ma.MaskedArray"),
+    row("type", fastattn.matmul, (f32, [[1.0]]), {}, TypeError, "b must be a numpy.ndarray"),
+    row("type", fastattn.matmul, ((1, 2), f32), {}, TypeError, "a must be a numpy.ndarray, got tuple"),
+    row("type", fastattn.softmax, ([1.0, 2.0],), {}, TypeError, "x must be a numpy.ndarray, got list"),
+    row("type", fastattn.softmax, (3.0,), {}, TypeError, "x must be a numpy.ndarray, got float"),
+    row("type", fastattn.split_heads, ([[1.0]], 1), {}, TypeError, "x must be a numpy.ndarray, got list"),
+    row("type", fastattn.merge_heads, ([[[1.0]]],), {}, TypeError, "x must be a numpy.ndarray, got list"),
+    # -- dtypes ---------------------------------------------------------------------------
+    row("dtype", sdpa, (f32, f32, f64), {}, TypeError,
+        "dtypes differ (query float32, key float32, value float64)"),
+    row("dtype", sdpa, (f32.astype(np.int32),) * 3, {}, TypeError, "query has dtype int32"),
+    row("dtype", sdpa, (f32, f32.astype(np.uint8), f32), {}, TypeError, "key has dtype uint8"),
+    row("dtype", sdpa, (f32.astype(bool),) * 3, {}, TypeError, "query has dtype bool"),
+    row("dtype", sdpa, (f32.astype(np.complex64),) * 3, {}, TypeError, "query has dtype complex64"),
+    row("dtype", sdpa, (f32.astype(np.float16),) * 3, {}, TypeError, "query has dtype float16"),
+    row("dtype", sdpa, (f32.astype(np.longdouble),) * 3, {}, TypeError, "query has dtype float128"),
+    row("dtype", sdpa, (f32.astype(object),) * 3, {}, TypeError, "query has dtype object"),
+    row("dtype", sdpa, (f32.astype(">f4"),) * 3, {}, TypeError, "query has dtype >f4"),
+    row("dtype", sdpa, (f32.astype("U1"),) * 3, {}, TypeError, "query has dtype <U1"),
+    row("dtype", sdpa, (z(4, 4, dtype=[("a", "f4")]),) * 3, {}, TypeError, "query has dtype [('a', '<f4')]"),
+    row("dtype", fastattn.matmul, (f32, f64), {}, TypeError, "dtypes differ"),
+    row("dtype", fastattn.softmax, (f32.astype(np.int64),), {}, TypeError, "x has dtype int64"),
+    row("dtype", fastattn.softmax, (f32.astype(np.complex128),), {}, TypeError, "x has dtype complex128"),
+    row("dtype", fastattn.merge_heads, (f32.astype(np.int16),), {}, TypeError, "x has dtype int16"),
+    row("dtype", fastattn.merge_heads, (f32.astype(np.float16),), {}, TypeError, "x has dtype float16"),
+    # -- dimensions and shapes ------------------------------------------------------------
+    row("shape", sdpa, (z(3),) * 3, {}, ValueError, "query must have at least 2 dimensions"),
+    row("shape", sdpa, (np.zeros((), np.float32),) * 3, {}, ValueError, "query must have at least 2 dimensions"),
+    row("shape", sdpa, (f32, f32[..., :5], f32), {}, ValueError,
+        "key's last axis (5) must equal query's last axis E (8)"),
+    row("shape", sdpa, (f32, f32, f32[..., :3, :]), {}, ValueError,
+        "value must have as many rows as key (S = 4), got 3"),
+    row("shape", sdpa, (f32, z(5, 3, 4, 8), f32), {}, ValueError, "do not broadcast"),
+    row("shape", sdpa, (f32, f32[:, :2], f32[:, :2]), {}, ValueError, "set enable_gqa=True"),
+    row("shape", sdpa, (z(*(1,) * 40 + (4, 8)), z(*(2,) + (1,) * 39 + (4, 8)), z(4, 8)), {}, ValueError,
+        "cannot be broadcast: this function only supports up to 32 dimensions"),
+    row("shape", fastattn.matmul, (f32, f32), {}, ValueError, "inner sizes differ"),
+    row("shape", fastattn.matmul, (z(3), f32), {}, ValueError, "at least 2 dimensions"),
+    row("shape", fastattn.matmul, (z(2, 4, 5), z(3, 5, 4)), {}, ValueError, "the batch axes do not broadcast"),
+    row("shape", fastattn.softmax, (f32,), {"axis": 4}, np.exceptions.AxisError, "axis 4 is out of bounds"),
+    row("shape", fastattn.softmax, (f32,), {"axis": -5}, np.exceptions.AxisError, "axis -5 is out of bounds"),
+    row("shape", fastattn.softmax, (np.zeros((), np.float32),), {}, np.exceptions.AxisError,
+        "for array of dimension 0"),
+    row("shape", fastattn.split_heads, (f32, 3), {}, ValueError, "not divisible by num_heads (3)"),
+    row("shape", fastattn.split_heads, (z(8), 2), {}, ValueError, "x must have at least 2 dimensions"),
+    row("shape", fastattn.merge_heads, (z(3, 4),), {}, ValueError, "at least 3 dimensions"),
+    # -- grouped-query attention ----------------------------------------------------------
+    row("gqa", sdpa, (f32, f32[:, :2], f32[:, :2]), {"enable_gqa": True}, ValueError,
+        "query heads (3) must be a multiple of key/value heads (2)"),
+    row("gqa", sdpa, (f32, f32[:, :0], f32[:, :0]), {"enable_gqa": True}, ValueError,
+        "query heads (3) must be a multiple of key/value heads (0)"),
+    row("gqa", sdpa, (f32, f32[:, :1], f32), {"enable_gqa": True}, ValueError,
+        "key and value must have the same number of heads, got 1 and 3"),
+    row("gqa", sdpa, (z(4, 8),) * 3, {"enable_gqa": True}, ValueError,
+        "query must have at least 3 dimensions"),
+    row("gqa", sdpa, (z(6, 4, 8), z(2, 4, 8), z(2, 4, 8)), {"enable_gqa": 1}, TypeError,
+        "enable_gqa must be a bool, got int"),
+    # -- masks ----------------------------------------------------------------------------
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": z(4, 4, dtype=np.int64)}, TypeError,
+        "attn_mask has dtype int64; expected bool"),
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": z(4, 4, dtype=np.uint8)}, TypeError,
+        "attn_mask has dtype uint8; expected bool"),
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": z(4, 4, dtype=np.complex64)}, TypeError,
+        "attn_mask has dtype complex64"),
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": z(4, 4, dtype=object)}, TypeError,
+        "attn_mask has dtype object"),
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": [[True]]}, TypeError,
+        "attn_mask must be a numpy.ndarray"),
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": np.ma.masked_array(z(4, 4) > 0)}, TypeError,
+        "attn_mask is a numpy.ma.MaskedArray"),
+    row("mask", sdpa, (f32, f32[:, :, :3], f32[:, :, :3]), {"attn_mask": np.ones((3, 4), bool)},
+        ValueError, "attn_mask of shape (3, 4) cannot be broadcast to (..., Hq, L, S) = (2, 3, 4, 3)"),
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": np.ones((2, 3, 4, 5), bool)}, ValueError,
+        "attn_mask of shape (2, 3, 4, 5) cannot be broadcast"),
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": np.ones((5, 2, 3, 4, 4), bool)}, ValueError,
+        "attn_mask of shape (5, 2, 3, 4, 4) cannot be broadcast"),
+    row("mask", fastattn.softmax, (f32,), {"mask": np.ones((5,), bool)}, ValueError, "cannot be broadcast"),
+    row("mask", fastattn.softmax, (f32,), {"mask": z(8, dtype=np.int8)}, TypeError, "mask has dtype int8"),
+    row("mask", fastattn.softmax, (f32,), {"mask": [True] * 8}, TypeError, "mask must be a numpy.ndarray"),
+    # -- scalars and flags ----------------------------------------------------------------
+    row("flag", sdpa, (f32, f32, f32), {"dropout_p": 0.1}, ValueError, "dropout_p must be 0"),
+    row("flag", sdpa, (f32, f32, f32), {"dropout_p": float("nan")}, ValueError, "dropout_p must be 0"),
+    row("flag", sdpa, (f32, f32, f32), {"dropout_p": "0"}, TypeError, "dropout_p must be a number, got str"),
+    row("flag", sdpa, (f32, f32, f32), {"is_causal": 1}, TypeError, "is_causal must be a bool, got int"),
+    row("flag", sdpa, (f32, f32, f32), {"is_causal": None}, TypeError, "is_causal must be a bool, got NoneType"),
+    row("flag", sdpa, (f32, f32, f32), {"need_weights": "yes"}, TypeError, "need_weights must be a bool"),
+    row("flag", sdpa, (f32, f32, f32), {"scale": "1"}, TypeError, "scale must be a real number, got str"),
+    row("flag", sdpa, (f32, f32, f32), {"scale": float("nan")}, ValueError, "scale must be finite, got nan"),
+    row("flag", sdpa, (f32, f32, f32), {"scale": -float("inf")}, ValueError, "scale must be finite, got -inf"),
+    row("flag", sdpa, (f32, f32, f32), {"scale": True}, TypeError, "scale must be a real number, got bool"),
+    row("flag", sdpa, (f32, f32, f32), {"scale": 1j}, TypeError, "scale must be a real number, got complex"),
+    row("flag", sdpa, (f32, f32, f32), {"causal_alignment": "bottom"}, ValueError, "causal_alignment must be"),
+    row("flag", sdpa, (f32, f32, f32), {"causal_alignment": None}, ValueError, "causal_alignment must be"),
+    row("flag", fastattn.softmax, (f32,), {"axis": 1.5}, TypeError, "axis must be an int"),
+    row("flag", fastattn.softmax, (f32,), {"axis": True}, TypeError, "axis must be an int, got bool"),
+    row("flag", fastattn.split_heads, (f32, 0), {}, ValueError, "num_heads must be >= 1"),
+    row("flag", fastattn.split_heads, (f32, -2), {}, ValueError, "num_heads must be >= 1, got -2"),
+    row("flag", fastattn.split_heads, (f32, 2.0), {}, TypeError, "num_heads must be an int"),
+    row("flag", fastattn.split_heads, (f32, True), {}, TypeError, "num_heads must be an int, got bool"),
+    row("flag", fastattn.set_simd_path, ("sse9",), {}, ValueError, "unknown SIMD path 'sse9'"),
+    row("flag", fastattn.set_simd_path, (3,), {}, TypeError, "name must be a str, got int"),
+    # -- thread counts (OpenMP aborts the process when it cannot create a thread) ---------
+    row("threads", sdpa, (f32, f32, f32), {"num_threads": 0}, ValueError, "num_threads must be >= 1 and <= "),
+    row("threads", sdpa, (f32, f32, f32), {"num_threads": -3}, ValueError, "got -3"),
+    row("threads", sdpa, (f32, f32, f32), {"num_threads": 2**40}, ValueError, "got 1099511627776"),
+    row("threads", sdpa, (f32, f32, f32), {"num_threads": 2**63}, ValueError, "got 9223372036854775808"),
+    row("threads", sdpa, (f32, f32, f32), {"num_threads": 2.0}, TypeError, "num_threads must be an int, got float"),
+    row("threads", sdpa, (f32, f32, f32), {"num_threads": float("nan")}, TypeError, "num_threads must be an int"),
+    row("threads", sdpa, (f32, f32, f32), {"num_threads": True}, TypeError, "num_threads must be an int, got bool"),
+    row("threads", fastattn.matmul, (f32, f32.swapaxes(-1, -2)), {"num_threads": 100_000}, ValueError,
+        "num_threads must be >= 1 and <= "),
+    row("threads", fastattn.softmax, (f32,), {"num_threads": -1}, ValueError, "got -1"),
+    row("threads", fastattn.merge_heads, (f32,), {"num_threads": "2"}, TypeError, "num_threads must be an int"),
+    row("threads", fastattn.set_num_threads, (0,), {}, ValueError, "n must be >= 1"),
+    row("threads", fastattn.set_num_threads, (2**40,), {}, ValueError, "got 1099511627776"),
+    row("threads", fastattn.set_num_threads, (float("nan"),), {}, TypeError, "n must be an int, got float"),
+    # -- output arrays --------------------------------------------------------------------
+    row("out", sdpa, (f32, f32, f32), {"out": f64.copy()}, TypeError, "out has dtype float64; expected float32"),
+    row("out", sdpa, (f32, f32, f32), {"out": z(2, 3, 4, 7)}, ValueError,
+        "out has shape (2, 3, 4, 7); expected (2, 3, 4, 8)"),
+    row("out", sdpa, (f32, f32, f32), {"out": f32}, ValueError, "out overlaps query"),
+    row("out", sdpa, (f32.copy(), f32.copy(), f32), {"out": f32}, ValueError, "out overlaps value"),
+    row("out", sdpa, (f32, f32, f32), {"out": [[0.0]]}, TypeError, "out must be a numpy.ndarray"),
+    row("out", sdpa, (f32, f32, f32), {"out": read_only(f32)}, ValueError, "out is read-only"),
+    row("out", sdpa, (f32, f32, f32), {"out": misaligned((2, 3, 4, 8))}, ValueError, "out must be aligned"),
+    row("out", sdpa, (f32, f32, f32), {"out": self_overlapping((2, 3, 4, 8))}, ValueError,
+        "out has elements that share memory"),
+    row("out", fastattn.matmul, (z(3, 4), z(4, 5)), {"out": self_overlapping((3, 5))}, ValueError,
+        "out has elements that share memory"),
+    row("out", fastattn.matmul, (z(3, 4), z(4, 5)), {"out": z(3, 5).T}, ValueError,
+        "out has shape (5, 3); expected (3, 5)"),
+    row("out", fastattn.softmax, (f32,), {"out": self_overlapping((2, 3, 4, 8))}, ValueError,
+        "out has elements that share memory"),
+    row("out", fastattn.softmax, (f32,), {"out": f32[..., ::-1]}, ValueError, "out overlaps x"),
+    row("out", fastattn.softmax, (f32.copy(),), {"mask": f32, "out": f32}, ValueError, "out overlaps mask"),
+    # -- sizes past what an index addresses (broadcast views: no memory behind them) ------
+    row("size", sdpa, (bcast(z(1, 1, 8), (HUGE, 4096, 8)), z(4096, 8), z(4096, 4)), {}, ValueError,
+        "the attention scores (..., Hq, L, S) (1099511627776, 4096, 4096) would have"),
+    row("size", sdpa, (bcast(z(1, 1, 8), (HUGE, 1, 8)), bcast(z(1, 8), (2**30, 8)), bcast(z(1, 1), (2**30, 1))),
+        {"attn_mask": np.ones((1, 1), bool)}, ValueError, "key broadcast to (1099511627776, 1073741824, 8)"),
+    row("size", sdpa, (bcast(z(1, 2**10), (2**12, 2**10)), bcast(z(1, 1, 2**10), (HUGE, 1, 2**10)), z(1, 1)), {}, ValueError,
+        "query broadcast to (1099511627776, 4096, 1024) would have"),
+    row("size", sdpa, (bcast(z(1, 1), (1, 2**60)),) * 2 + (z(1, 1),), {}, ValueError,
+        "E = 1152921504606846976"),
+    row("size", sdpa, (z(1, 8), z(1, 8), bcast(z(1, 1), (1, 2**21))), {}, ValueError,
+        "value Ev = 2097152 features per head; at most 1048576"),
+    row("size", fastattn.matmul, (bcast(z(1, 1, 1), (HUGE, 1, 1)), z(1, 2**22)), {}, ValueError,
+        "b broadcast to (1099511627776, 1, 4194304) would have 4611686018427387904 elements"),
+    row("size", fastattn.matmul, (bcast(z(1, 1), (2**31, 1)), bcast(z(1, 1), (1, 2**31))), {}, ValueError,
+        "the output (2147483648, 2147483648) would have"),
+    row("size", fastattn.split_heads, (z(3, 0), 2**70), {}, ValueError, "the heads of x (3, 1180591620717411303424, 0)"),
+    # -- the KV cache ---------------------------------------------------------------------
+    row("cache", cache_overflow, (4, [4, 1]), {}, ValueError, "KVCache capacity exceeded", marks=needs_cache),
+    row("cache", cache_overflow, (3, [5]), {}, ValueError, "KVCache capacity exceeded", marks=needs_cache),
+    row("cache", cache_overflow_keeps_state, (), {}, ValueError, "KVCache capacity exceeded",
+        marks=needs_cache),
 ]
 
 
-@pytest.mark.parametrize("args,kwargs,exc,msg", BAD_SDPA, ids=[c[3][:40] for c in BAD_SDPA])
-def test_sdpa_errors(args, kwargs, exc, msg):
-    before = [a.copy() for a in args if isinstance(a, np.ndarray)]
-    with pytest.raises(exc) as info:
-        sdpa(*args, **kwargs)
-    assert msg in str(info.value)
-    for a, b in zip([a for a in args if isinstance(a, np.ndarray)], before):
-        np.testing.assert_array_equal(a, b)
+def owner(a):
+    """The array that owns a's memory (views of views, broadcasts)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
 
 
-def test_read_only_out():
-    out = np.zeros_like(f32)
-    out.flags.writeable = False
-    with pytest.raises(ValueError, match="out is read-only"):
-        sdpa(f32, f32, f32, out=out)
-
-
-BAD_OPS = [
-    (fastattn.matmul, (f32, [[1.0]]), {}, TypeError, "b must be a numpy.ndarray"),
-    (fastattn.matmul, (f32, f64), {}, TypeError, "dtypes differ"),
-    (fastattn.matmul, (f32, f32), {}, ValueError, "inner sizes differ"),
-    (fastattn.matmul, (np.zeros(3, np.float32), f32), {}, ValueError, "at least 2 dimensions"),
-    (fastattn.softmax, (f32,), {"axis": 4}, np.exceptions.AxisError, "axis 4 is out of bounds"),
-    (fastattn.softmax, (f32,), {"axis": 1.5}, TypeError, "axis must be an int"),
-    (fastattn.softmax, (f32,), {"mask": np.ones((5,), bool)}, ValueError, "cannot be broadcast"),
-    (fastattn.softmax, (f32,), {"mask": np.ones((8,), np.int8)}, TypeError, "mask has dtype int8"),
-    (fastattn.softmax, (f32.astype(np.int64),), {}, TypeError, "x has dtype int64"),
-    (fastattn.split_heads, (f32, 3), {}, ValueError, "not divisible by num_heads (3)"),
-    (fastattn.split_heads, (f32, 0), {}, ValueError, "num_heads must be >= 1"),
-    (fastattn.split_heads, (f32, 2.0), {}, TypeError, "num_heads must be an int"),
-    (fastattn.merge_heads, (np.zeros((3, 4), np.float32),), {}, ValueError, "at least 3 dimensions"),
-    (fastattn.merge_heads, (f32.astype(np.int16),), {}, TypeError, "x has dtype int16"),
-    (fastattn.set_num_threads, (0,), {}, ValueError, "n must be >= 1"),
-    (fastattn.set_simd_path, ("sse9",), {}, ValueError, "unknown SIMD path 'sse9'"),
-]
-
-
-@pytest.mark.parametrize("fn,args,kwargs,exc,msg", BAD_OPS, ids=[c[4][:40] for c in BAD_OPS])
-def test_ops_errors(fn, args, kwargs, exc, msg):
+@pytest.mark.parametrize("fn,args,kwargs,exc,msg", HOSTILE)
+def test_hostile_input(fn, args, kwargs, exc, msg):
+    arrays = [owner(a) for a in list(args) + list(kwargs.values()) if isinstance(a, np.ndarray)]
+    before = [(a.copy(), a.flags.writeable) for a in arrays]
     with pytest.raises(exc) as info:
         fn(*args, **kwargs)
     assert msg in str(info.value)
+    for a, (copy, writeable) in zip(arrays, before):
+        np.testing.assert_array_equal(a, copy)
+        assert a.flags.writeable == writeable
+
+
+def test_hostile_table_covers_every_function():
+    fns = {p.values[0] for p in HOSTILE}
+    assert {sdpa, fastattn.matmul, fastattn.softmax, fastattn.split_heads, fastattn.merge_heads,
+            fastattn.set_num_threads, fastattn.set_simd_path} <= fns
+
+
+def test_zero_size_output_with_huge_batch_returns_at_once():
+    """Ev = 0 leaves nothing to compute, however large the (broadcast) batch:
+    this used to run 2^40 empty tasks, a hang."""
+    q = bcast(z(1, 1, 1, 8), (2**20, 2**20, 1, 8))
+    out = sdpa(q, z(1, 1, 300, 8), z(1, 1, 300, 0))
+    assert out.shape == (2**20, 2**20, 1, 0)
+
+
+def test_kernel_refuses_head_size_past_its_bound():
+    """The C layer itself refuses E past FA_ATTN_MAX_FEATURES, whatever Python
+    passes: its scratch size would wrap around (a heap overflow, a crash)."""
+    q = bcast(z(1, 1), (1, 2**60))
+    v = z(1, 1)
+    with pytest.raises(RuntimeError, match="rejected its arguments"):
+        _core.attention(_core.ISA_PORTABLE, q, q, v, None, _core.MASK_NONE, z(1, 1), None, 1,
+                        False, 0, 1.0, 1)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 8), (2, 3, 40, 16)])
+def test_misaligned_inputs_are_copied_aligned(simd, shape):
+    """Contiguous but misaligned arrays reach the kernels as aligned copies
+    (np.ascontiguousarray returns them unchanged: a misaligned load in C,
+    undefined behaviour that UBSan reported)."""
+    from fastattn import _checks
+
+    rng = np.random.default_rng(0)
+    x = misaligned(shape)
+    x[...] = rng.standard_normal(shape)
+    assert not x.flags.aligned and x.flags.c_contiguous
+    assert _checks.kernel_view(x).flags.aligned
+    a = np.ascontiguousarray(x)
+    np.testing.assert_array_equal(sdpa(x, x, x), sdpa(a, a, a))
+    np.testing.assert_array_equal(fastattn.softmax(x), fastattn.softmax(a))
+    np.testing.assert_array_equal(fastattn.matmul(x, a.swapaxes(-1, -2)),
+                                  fastattn.matmul(a, a.swapaxes(-1, -2)))
+    np.testing.assert_array_equal(fastattn.merge_heads(x), fastattn.merge_heads(a))

@@ -1,5 +1,8 @@
-"""Results are bitwise identical whatever the thread count."""
+"""Results are bitwise identical whatever the thread count, from any number
+of Python threads at once, while the settings change."""
 import concurrent.futures
+import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -63,3 +66,92 @@ def test_concurrent_python_threads(big):
                                num_threads=1 + i % 2) for i in range(12)]
         for f in futures:
             np.testing.assert_array_equal(f.result(), expected)
+
+
+def mixed_jobs(rng):
+    """(function, args, kwargs): every function, float32 and float64, the
+    row kernel and the block kernel, masks, GQA, strided views."""
+    def arr(*shape, dtype=np.float32):
+        return rng.standard_normal(shape).astype(dtype)
+
+    sdpa = fastattn.scaled_dot_product_attention
+    q64 = arr(1, 8, 70, 16, dtype=np.float64)
+    kv64 = arr(1, 2, 90, 16, dtype=np.float64)
+    fmask = np.where(rng.random((70, 90)) > 0.2, rng.standard_normal((70, 90)), -np.inf)
+    blhe = arr(2, 40, 3, 16)
+    return [
+        (sdpa, (arr(2, 3, 150, 32), arr(2, 3, 260, 32), arr(2, 3, 260, 24)),
+         {"attn_mask": rng.random((2, 1, 150, 260)) > 0.3, "is_causal": True}),
+        (sdpa, (q64, kv64, kv64[..., ::-1]),
+         {"attn_mask": fmask, "enable_gqa": True, "is_causal": True,
+          "causal_alignment": "lower_right", "need_weights": True}),
+        (sdpa, (arr(4, 1, 32), arr(4, 300, 32), arr(4, 300, 32)), {}),  # one query row
+        (sdpa, (blhe.transpose(0, 2, 1, 3)[:, :, :3],) * 3, {"is_causal": True}),
+        (fastattn.matmul, (arr(3, 200, 300), arr(300, 270)), {}),
+        (fastattn.matmul, (arr(97, 257, dtype=np.float64), arr(129, 257, dtype=np.float64).T), {}),
+        (fastattn.softmax, (arr(5, 1000) * 10,), {"mask": rng.random(1000) > 0.1}),
+        (fastattn.softmax, (arr(40, 33, 7, dtype=np.float64),), {"axis": 1}),
+        (fastattn.merge_heads, (arr(2, 4, 50, 16),), {}),
+        (fastattn.merge_heads, (arr(3, 2, 7, 5, dtype=np.float64)[:, :, ::-1],), {}),
+    ]
+
+
+def same_bits(a, b):
+    """a and b (arrays, or tuples of arrays) are identical bit for bit."""
+    pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
+    return all(x.shape == y.shape and x.dtype == y.dtype and
+               np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes()
+               for x, y in pairs)
+
+
+def test_many_threads_mixed_calls(rng):
+    """Many Python threads calling every function at once, with different
+    shapes and thread counts, get the serial results bit for bit, on every
+    repetition."""
+    jobs = mixed_jobs(rng)
+    serial = [fn(*args, num_threads=1, **kwargs) for fn, args, kwargs in jobs]
+    order = [(j, n) for j in range(len(jobs)) for n in (1, 2, 3, 4)] * 2
+    rng.shuffle(order)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [(j, pool.submit(jobs[j][0], *jobs[j][1], num_threads=n, **jobs[j][2]))
+                   for j, n in order]
+        for j, f in futures:
+            assert same_bits(f.result(), serial[j]), f"job {j}"
+
+
+def test_settings_changed_while_calls_run(rng):
+    """set_num_threads and set_simd_path flipped from one thread while others
+    compute: every call reads the settings once, at its start, so its result
+    is the serial result of one of the SIMD paths, bit for bit."""
+    jobs = mixed_jobs(rng)
+    paths, before = fastattn.available_simd_paths(), fastattn.simd_path()
+    expected = []
+    for path in paths:
+        fastattn.set_simd_path(path)
+        expected.append([fn(*args, num_threads=1, **kwargs) for fn, args, kwargs in jobs])
+    stop = threading.Event()
+
+    def flip():
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            fastattn.set_num_threads((1, 2, 3, None)[i % 4])
+            fastattn.set_simd_path(paths[i % len(paths)])
+
+    def work(j):
+        fn, args, kwargs = jobs[j]
+        for _ in range(6):
+            result = fn(*args, **kwargs)
+            assert any(same_bits(result, e[j]) for e in expected), f"job {j}"
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for f in [pool.submit(work, j) for j in range(len(jobs))]:
+                f.result()
+    finally:
+        stop.set()
+        flipper.join()
+        fastattn.set_num_threads(None)
+        fastattn.set_simd_path(before)

@@ -1,0 +1,74 @@
+"""Element offsets past 2**31, where a 32-bit index would wrap around: the
+kernels compute every offset (batch, row and column strides, reversed ones
+too) in 64 bits.  The operands are strided views into lazily mapped
+anonymous memory of 8 GiB; only the pages they touch become resident."""
+import mmap
+
+import numpy as np
+import pytest
+from conftest import assert_close, check_attention, f64
+from numpy.lib.stride_tricks import as_strided
+
+import fastattn
+from fastattn import reference as ref
+
+G = 2**30
+SPACE = 8 * G + 2**20  # bytes of each mapping
+
+
+@pytest.fixture(scope="module")
+def spaces():
+    """Two separate mappings (outputs must not share memory with inputs)."""
+    try:
+        maps = [mmap.mmap(-1, SPACE, flags=mmap.MAP_PRIVATE) for _ in range(2)]
+    except (OSError, OverflowError, ValueError) as e:
+        pytest.skip(f"cannot map 2 x 8 GiB of address space: {e}")
+    return [np.frombuffer(m, np.uint8) for m in maps]
+
+
+def place(space, dtype, start, shape, strides, rng=None):
+    """A view of dtype into space at element start with element strides,
+    filled with normal values (or random booleans)."""
+    item = np.dtype(dtype).itemsize
+    view = as_strided(space[start * item:].view(dtype), shape, [s * item for s in strides])
+    if rng is not None:
+        view[...] = rng.random(shape) > 0.3 if dtype == np.bool_ else rng.standard_normal(shape)
+    return view
+
+
+def test_attention(spaces, simd, rng):
+    src, dst = spaces
+    f = np.float32
+    B, L, S, E, Ev = 2, 5, 3, 8, 4
+    q = place(src, f, 0, (B, L, E), (2 * G, E, 1), rng)                      # batch 1 at 2^31
+    k = place(src, f, 1000, (B, S, E), (E, G + 1000, 1), rng)                # row 2 at 2^31 + 3000
+    v = place(src, f, 2 * G + 10000, (B, S, Ev), (Ev, -G, 1), rng)           # reversed rows
+    mask = place(src, f, 20000, (B, L, S), (S, G // 2, 1), rng)              # row 4 at 2^31 + 20000
+    out = place(dst, f, 2 * G + 100, (B, L, Ev), (-2 * G, Ev, 1))            # batch 1 at -2^31
+    assert max(abs(s) for a in (q, k, v, mask, out) for s in a.strides) >= 4 * G
+    expected, _ = check_attention(q, k, v, f, attn_mask=mask, is_causal=True)
+    assert fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True,
+                                                 out=out) is out
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_matmul(spaces, simd, rng):
+    src, dst = spaces
+    f = np.float32
+    a = place(src, f, 0, (2, 7, 9), (2 * G, 9, 1), rng)             # batch 1 at 2^31
+    b = place(src, f, 100, (9, 11), (1, 2 * G // 10 + 1), rng)      # column 10 at 2^31 + 110
+    out = place(dst, f, 2 * G + 50, (2, 7, 11), (-2 * G, 11, 1))    # batch 1 at -2^31
+    assert fastattn.matmul(a, b, out=out) is out
+    assert_close(out, f64(a)[0] @ f64(b)[0], f, 9, magnitude=3)
+
+
+def test_softmax(spaces, simd, rng):
+    src, dst = spaces
+    f = np.float32
+    x = place(src, f, 0, (3, 6), (G, 1), rng)                       # row 2 at 2^31
+    mask = place(src, np.bool_, 3 * G + 100, (3, 6), (G + 1, 1), rng)  # row 2 at 5 * 2^30 bytes
+    y = fastattn.softmax(x, mask=mask)
+    assert_close(y, ref.softmax(f64(x)[0], mask=mask), f, 6)
+    out = place(dst, f, 2 * G + 7, (3, 6), (-G, 1))
+    assert fastattn.softmax(x, mask=mask, out=out) is out
+    np.testing.assert_array_equal(out, y)
