@@ -32,11 +32,15 @@ if ! ldd "$so" | grep -q libasan; then
     exit 1
 fi
 
+echo "sanitize: venv and sanitized build ready after $SECONDS s"
+
 cp -r "$repo/tests" "$work/tests"
 cd "$work"
 # CPython frees not everything at exit by design: leak detection stays off.
+# --capture=sys: a report written to file descriptor 2 reaches the log even
+# though it ends the process.
 LD_PRELOAD=$(gcc -print-file-name=libasan.so) \
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    "$work/venv/bin/pytest" -q -p no:cacheprovider tests \
+    "$work/venv/bin/pytest" -q -p no:cacheprovider --capture=sys tests \
     --ignore=tests/test_leaks.py --ignore=tests/test_torch.py
