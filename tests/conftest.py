@@ -23,7 +23,7 @@ from fastattn import reference as ref
 # derandomized, so that every CI run draws the same examples; "thorough"
 # draws many more, at random.  Choose with pytest --hypothesis-profile=NAME
 # (or FASTATTN_HYPOTHESIS_PROFILE=NAME).
-settings.register_profile("ci", max_examples=60, derandomize=True, deadline=None,
+settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None,
                           print_blob=True)
 settings.register_profile("thorough", max_examples=3000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("FASTATTN_HYPOTHESIS_PROFILE", "ci"))
@@ -88,7 +88,10 @@ def load_example(name):
 
 def check_attention(q, k, v, dtype, **kwargs):
     """scaled_dot_product_attention(q, k, v, **kwargs) against the float64
-    reference, output and weights; need_weights must not change the output."""
+    reference, output and weights, and the output without weights too (not
+    always the same bits: decoding over many keys splits them in pieces
+    only when no weights are asked for).  Returns the output without
+    weights and the weights."""
     out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True, **kwargs)
     mask = kwargs.pop("attn_mask", None)
     rq, rk, rv, rm = f64(q, k, v, mask)
@@ -102,5 +105,5 @@ def check_attention(q, k, v, dtype, **kwargs):
     assert_close(out, r_out, dtype, n, magnitude=float(np.abs(rv).max(initial=1)))
     assert_close(w, r_w, dtype, n)
     plain = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
-    np.testing.assert_array_equal(plain, out)
-    return out, w
+    assert_close(plain, r_out, dtype, n, magnitude=float(np.abs(rv).max(initial=1)))
+    return plain, w
