@@ -80,8 +80,11 @@ def _check_threads(n, name):
     if isinstance(n, bool) or not hasattr(n, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(n).__name__}")
     n = operator.index(n)
-    if not 1 <= n <= MAX_THREADS:
-        raise ValueError(f"{name} must be >= 1 and <= {MAX_THREADS}, got {n}")
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+    if n > MAX_THREADS:
+        raise ValueError(f"{name} must be <= {MAX_THREADS} (OpenMP aborts the process when it "
+                         f"cannot create a thread), got {n}")
     return n
 
 
