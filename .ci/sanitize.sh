@@ -27,14 +27,14 @@ FASTATTN_SANITIZE=address,undefined "$py" -m pip install -q --disable-pip-versio
     --no-build-isolation "$work/src"
 
 so=$(ls "$work"/venv/lib/python3*/site-packages/fastattn/_core*.so)
-if ! ldd "$so" | grep -q libasan; then
+if ! ldd "$so" | grep libasan >/dev/null; then  # not -q: pipefail would see ldd's SIGPIPE
     echo "sanitize: $so is not linked with libasan; the sanitizer flags were not applied" >&2
     exit 1
 fi
 
 echo "sanitize: venv and sanitized build ready after $SECONDS s"
 
-cp -r "$repo/tests" "$work/tests"
+cp -r "$repo/tests" "$repo/examples" "$work/"  # the decoder tests load examples/
 cd "$work"
 # CPython frees not everything at exit by design: leak detection stays off.
 # --capture=sys: a report written to file descriptor 2 reaches the log even
