@@ -6,6 +6,7 @@ import numbers
 import operator
 
 import numpy as np
+from numpy.ma import MaskedArray
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -15,9 +16,11 @@ def shape_str(shape):
 
 
 def require_array(x, name):
+    if type(x) is np.ndarray:
+        return x
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-    if isinstance(x, np.ma.MaskedArray):  # its mask would be silently ignored
+    if isinstance(x, MaskedArray):  # its mask would be silently ignored
         raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask fastattn does not read; "
                         "pass a plain ndarray and express hidden entries with a mask argument")
     return x
@@ -106,7 +109,8 @@ def has_internal_overlap(a):
     """False when the elements of a provably occupy distinct memory: taken
     from the smallest stride up, each axis steps past all that the smaller
     ones span.  True for stride-0 and other self-overlapping views."""
-    if a.size == 0 or a.flags.c_contiguous or a.flags.f_contiguous:
+    flags = a.flags
+    if a.size == 0 or flags.c_contiguous or flags.f_contiguous:
         return False
     span = a.itemsize
     for stride, n in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):

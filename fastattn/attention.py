@@ -7,6 +7,7 @@ from . import _checks as C
 from . import _core, _runtime
 
 _ALIGNMENTS = {"upper_left", "lower_right"}
+_MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -105,9 +106,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if Sv != S:
         raise ValueError(f"value must have as many rows as key (S = {S}), got {Sv}; "
                          f"key {C.shape_str(key.shape)}, value {C.shape_str(value.shape)}")
-    if max(E, Ev) > _core.ATTN_MAX_FEATURES:  # the kernels' bound (csrc/fastattn.h)
+    if E > _MAX_FEATURES or Ev > _MAX_FEATURES:
         raise ValueError(f"query/key have E = {E} and value Ev = {Ev} features per head; "
-                         f"at most {_core.ATTN_MAX_FEATURES} are supported")
+                         f"at most {_MAX_FEATURES} are supported")
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if dropout_p != 0:
@@ -145,7 +146,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # Broadcast views (stride 0) can describe more elements than an index
     # reaches.  One product bounds every array of the call (the scores too,
     # which bound its work); only past it is each one checked, to name it.
-    if math.prod(batch) * max(L, 1) * max(S, 1) * max(E, Ev, 1) > C.max_elements(dtype):
+    bound = math.prod(batch) * (L or 1) * (S or 1) * ((E if E > Ev else Ev) or 1)
+    if bound > C.max_elements(dtype):
         C.require_addressable([("query broadcast to", batch + (L, E)),
                                ("key broadcast to", kv_batch + (S, E)),
                                ("value broadcast to", kv_batch + (S, Ev)),

@@ -44,7 +44,7 @@ def matmul(a, b, *, out=None, num_threads=None):
         raise ValueError(f"inner sizes differ: a {C.shape_str(a.shape)} is (..., M, K) with "
                          f"K = {K}, b {C.shape_str(b.shape)} is (..., K, N) with K = {Kb}")
     batch = C.broadcast_shapes([("a", a.shape[:-2]), ("b", b.shape[:-2])], "the batch axes")
-    if math.prod(batch) * max(M, 1) * max(K, 1) * max(N, 1) > C.max_elements(dtype):
+    if math.prod(batch) * (M or 1) * (K or 1) * (N or 1) > C.max_elements(dtype):
         C.require_addressable([("a broadcast to", batch + (M, K)),
                                ("b broadcast to", batch + (K, N)),
                                ("the output", batch + (M, N))], dtype.itemsize)
