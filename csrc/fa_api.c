@@ -132,9 +132,9 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
 #define FA_SPLIT_KEYS 1024
 #define FA_SPLIT_MAX 16
 
-fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items, int need_weights)
+fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items)
 {
-    if (need_weights || a->L > FA_ROWS_MAX || items >= FA_SPLIT_ITEMS || a->S < 2 * FA_SPLIT_KEYS)
+    if (a->L > FA_ROWS_MAX || items >= FA_SPLIT_ITEMS || a->S < 2 * FA_SPLIT_KEYS)
         return 1;
     const fa_idx n = a->S / FA_SPLIT_KEYS;
     return n < FA_SPLIT_MAX ? n : FA_SPLIT_MAX;
@@ -167,18 +167,36 @@ int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const d
 }
 
 int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
-                      float *out, fa_idx i0, fa_idx i1)
+                      float *out, float *ml, fa_idx i0, fa_idx i1)
 {
     if (nsplit < 1 || !attn_ok(a, i0, i1, 8)) return -1;
-    FA_DISPATCH(isa, attn_merge, f32, (a, nsplit, states, out, i0, i1));
+    FA_DISPATCH(isa, attn_merge, f32, (a, nsplit, states, out, ml, i0, i1));
+    return 0;
+}
+
+int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                        const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
+                        void *work)
+{
+    if (!part_ok(a, i0, i1, 0, a->S)) return -1;
+    FA_DISPATCH(isa, attn_weights, f32, (a, q, k, mask, ml, w, i0, i1, work));
     return 0;
 }
 
 int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
-                      double *out, fa_idx i0, fa_idx i1)
+                      double *out, double *ml, fa_idx i0, fa_idx i1)
 {
     if (nsplit < 1 || !attn_ok(a, i0, i1, 8)) return -1;
-    FA_DISPATCH(isa, attn_merge, f64, (a, nsplit, states, out, i0, i1));
+    FA_DISPATCH(isa, attn_merge, f64, (a, nsplit, states, out, ml, i0, i1));
+    return 0;
+}
+
+int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                        const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
+                        void *work)
+{
+    if (!part_ok(a, i0, i1, 0, a->S)) return -1;
+    FA_DISPATCH(isa, attn_weights, f64, (a, q, k, mask, ml, w, i0, i1, work));
     return 0;
 }
 

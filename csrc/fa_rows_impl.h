@@ -102,27 +102,15 @@ static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa
     }
 }
 
-static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, const T *v,
-                               const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
+/* The weights of rows i0..i0+nq-1, exp(z - m) / l, from their final maximum
+ * m and sum l: 0 where hidden or where no key was visible, NaN all along a
+ * NaN row; qs holds the query rows times the scale. */
+static void FA_NAME(rows_weights)(const fa_attn_args *a, const T *qs, const T *k,
+                                  const void *mask, fa_idx i0, fa_idx nq, const T *m,
+                                  const T *l, T *s, T *w)
 {
-    const fa_idx nq = i1 - i0, Ev = a->Ev;
     const T ninf = -(T)INFINITY;
-    T *qs = work;                         /* nq x E: query rows times the scale */
-    T *s = qs + FA_ROWS_MAX * FA_EP(a);   /* nq x FA_RB: logits, then weights */
-    T *o = s + FA_ROWS_MAX * FA_RB;       /* nq x Ev: unnormalised output */
-    T *m = o + FA_ROWS_MAX * FA_EVP(a);   /* running maximum */
-    T *l = m + FA_ROWS_MAX;               /* running sum */
-    const fa_idx s_end = FA_NAME(key_end)(a, i1);
-
-    FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
-    FA_NAME(rows_accumulate)(a, qs, k, v, mask, i0, nq, 0, s_end, s, o, m, l);
-    /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
-    for (fa_idx t = 0; t < nq; ++t) {
-        T *orow = out + (i0 + t) * a->o_ls;
-        for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = l[t] == 0 ? 0 : o[t * FA_EVP(a) + c] / l[t];
-    }
-
-    if (w == NULL) return;
+    const fa_idx s_end = FA_NAME(key_end)(a, i0 + nq);
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_RB) {
         const fa_idx nk = a->S - s0 < FA_RB ? a->S - s0 : FA_RB;
         if (s0 < s_end) {
@@ -140,6 +128,28 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, co
             for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? fill : s[t * FA_RB + r] / l[t];
         }
     }
+}
+
+static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, const T *v,
+                               const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
+{
+    const fa_idx nq = i1 - i0, Ev = a->Ev;
+    T *qs = work;                         /* nq x E: query rows times the scale */
+    T *s = qs + FA_ROWS_MAX * FA_EP(a);   /* nq x FA_RB: logits, then weights */
+    T *o = s + FA_ROWS_MAX * FA_RB;       /* nq x Ev: unnormalised output */
+    T *m = o + FA_ROWS_MAX * FA_EVP(a);   /* running maximum */
+    T *l = m + FA_ROWS_MAX;               /* running sum */
+    const fa_idx s_end = FA_NAME(key_end)(a, i1);
+
+    FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
+    FA_NAME(rows_accumulate)(a, qs, k, v, mask, i0, nq, 0, s_end, s, o, m, l);
+    /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
+    for (fa_idx t = 0; t < nq; ++t) {
+        T *orow = out + (i0 + t) * a->o_ls;
+        for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = l[t] == 0 ? 0 : o[t * FA_EVP(a) + c] / l[t];
+    }
+
+    if (w != NULL) FA_NAME(rows_weights)(a, qs, k, mask, i0, nq, m, l, s, w);
 }
 
 /* The state (m, l, o[0..Ev)) of rows i0..i1-1 over keys s_lo..s_hi-1 only,
@@ -164,8 +174,9 @@ void FA_NAME(attn_part)(const fa_attn_args *a, const T *q, const T *k, const T *
 /* out rows i0..i1-1 from nsplit pieces of state (each nq x (Ev + 2)): every
  * piece is rescaled to the largest maximum M by exp(m - M), as in the
  * log-sum-exp of a softmax split in parts.  A piece whose factor is 0 holds
- * only zero weights and is skipped, like any key of weight 0. */
-void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, T *out,
+ * only zero weights and is skipped, like any key of weight 0.  When ml is not
+ * NULL, ml[2t] and ml[2t + 1] receive the whole row's maximum and sum. */
+void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, T *out, T *ml,
                          fa_idx i0, fa_idx i1)
 {
     const fa_idx nq = i1 - i0, Ev = a->Ev, len = nq * (Ev + 2);
@@ -188,5 +199,25 @@ void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, 
             for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] += f * st[2 + c];
         }
         for (fa_idx c = 0; nan == 0 && c < Ev; ++c) orow[c * a->o_es] = l == 0 ? 0 : orow[c * a->o_es] / l;
+        if (ml) {
+            ml[2 * t] = mx;
+            ml[2 * t + 1] = nan == 0 ? l : nan;
+        }
     }
+}
+
+/* The weights of rows i0..i1-1 from their maximum and sum in ml (as left by
+ * attn_merge): the weights of a call whose keys were split. */
+void FA_NAME(attn_weights)(const fa_attn_args *a, const T *q, const T *k, const void *mask,
+                           const T *ml, T *w, fa_idx i0, fa_idx i1, void *work)
+{
+    const fa_idx nq = i1 - i0;
+    T *qs = (T *)FA_ALIGNED(work), *s = qs + FA_ROWS_MAX * FA_EP(a);
+    T *o = s + FA_ROWS_MAX * FA_RB, *m = o + FA_ROWS_MAX * FA_EVP(a), *l = m + FA_ROWS_MAX;
+    FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
+    for (fa_idx t = 0; t < nq; ++t) {
+        m[t] = ml[2 * t];
+        l[t] = ml[2 * t + 1];
+    }
+    FA_NAME(rows_weights)(a, qs, k, mask, i0, nq, m, l, s, w);
 }

@@ -96,9 +96,9 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
 
 /* How many pieces to split the keys of each (batch, head) into, when there
  * are `items` (batch, head) pairs: more than 1 only for decoding-like calls
- * (at most 4 query rows, few items, many keys, no weights requested).  It
- * depends on the shape alone, never on the thread count. */
-fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items, int need_weights);
+ * (at most 4 query rows, few items, many keys).  It depends on the shape
+ * alone, never on the thread count nor on whether weights are wanted. */
+fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items);
 /* Values of state one piece holds: (i1 - i0) * (Ev + 2). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
 /* The running maximum, sum and unnormalised output of rows i0..i1-1 over
@@ -109,11 +109,19 @@ int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const fl
 int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                      const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
                      fa_idx s_hi, double *state, void *work);
-/* Output rows i0..i1-1 from nsplit consecutive pieces of state. */
+/* Output rows i0..i1-1 from nsplit consecutive pieces of state; when ml is
+ * not NULL it receives each row's maximum and sum (2 values a row). */
 int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
-                      float *out, fa_idx i0, fa_idx i1);
+                      float *out, float *ml, fa_idx i0, fa_idx i1);
 int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
-                      double *out, fa_idx i0, fa_idx i1);
+                      double *out, double *ml, fa_idx i0, fa_idx i1);
+/* The weights of rows i0..i1-1 (at most 4) from their maximum and sum. */
+int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                        const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
+                        void *work);
+int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                        const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
+                        void *work);
 
 /* ---- The exp used by softmax (error bound: fa_exp_consts.h) ------------ */
 

@@ -73,7 +73,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                     const double *v, const void *mask, double *out, double *w,
                     fa_idx i0, fa_idx i1, void *work)
-    fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items, int need_weights)
+    fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items)
     fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
     int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
                          const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
@@ -82,9 +82,15 @@ cdef extern from "fastattn.h" nogil:
                          const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
                          fa_idx s_hi, double *state, void *work)
     int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
-                          float *out, fa_idx i0, fa_idx i1)
+                          float *out, float *ml, fa_idx i0, fa_idx i1)
     int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
-                          double *out, fa_idx i0, fa_idx i1)
+                          double *out, double *ml, fa_idx i0, fa_idx i1)
+    int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+                            const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
+                            void *work)
+    int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                            const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
+                            void *work)
     void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
     void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y)
 
@@ -246,10 +252,10 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef int rc
     if ntasks == 0:
         return
-    cdef fa_idx nsplit = fa_attn_splits(&a, b.count, wp != NULL)
+    cdef fa_idx nsplit = fa_attn_splits(&a, b.count)
     if nsplit > 1:
-        split_attention(isa, &a, &b, qp, kp, vp, mp, op, qs, ks, vs, ms, os, msize, elsize,
-                        group, nsplit, work_bytes, nthreads)
+        split_attention(isa, &a, &b, qp, kp, vp, mp, op, wp, qs, ks, vs, ms, os, ws, msize,
+                        elsize, group, nsplit, work_bytes, nthreads)
         return
     nthreads = min(nthreads, ntasks)  # do not wake threads that would get no work
     with nogil, parallel(num_threads=nthreads):
@@ -290,23 +296,28 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
 
 
 cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, char *qp, char *kp,
-                         char *vp, char *mp, char *op, const fa_idx *qs, const fa_idx *ks,
-                         const fa_idx *vs, const fa_idx *ms, const fa_idx *os, int msize,
-                         int elsize, fa_idx group, fa_idx nsplit, size_t work_bytes,
-                         int nthreads) except -1:
+                         char *vp, char *mp, char *op, char *wp, const fa_idx *qs,
+                         const fa_idx *ks, const fa_idx *vs, const fa_idx *ms, const fa_idx *os,
+                         const fa_idx *ws, int msize, int elsize, fa_idx group, fa_idx nsplit,
+                         size_t work_bytes, int nthreads) except -1:
     """Decoding with few (batch, head) items: every item's keys in nsplit
-    pieces computed in parallel, then merged (csrc/fastattn.h)."""
+    pieces computed in parallel, then merged (csrc/fastattn.h); the weights,
+    when wanted, from each row's merged maximum and sum, so that asking for
+    them does not change the output."""
     cdef fa_idx chunk = (a.S + nsplit - 1) // nsplit
     cdef fa_idx slen = fa_attn_state_len(a, 0, a.L)
     cdef fa_idx ntasks = b.count * nsplit
     cdef fa_idx t, item, piece, s_lo, s_hi
     cdef char *states = <char *>malloc(ntasks * slen * elsize)
+    cdef char *ml = <char *>malloc(b.count * a.L * 2 * elsize) if wp != NULL else NULL
     cdef void *work
     cdef void *mrow
     cdef int err = 0
     cdef int *errp = &err
     cdef int rc
-    if states == NULL:
+    if states == NULL or (wp != NULL and ml == NULL):
+        free(states)
+        free(ml)
         raise MemoryError("fastattn: cannot allocate the split-attention state")
     with nogil, parallel(num_threads=min(nthreads, ntasks)):
         work = malloc(work_bytes)
@@ -341,14 +352,41 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, char *q
                 if elsize == 4:
                     rc = fa_attn_merge_f32(<fa_isa>isa, a, nsplit,
                                            <float *>(states + 4 * item * nsplit * slen),
-                                           <float *>(op + 4 * nd_offset(b, os, item, 1)), 0, a.L)
+                                           <float *>(op + 4 * nd_offset(b, os, item, 1)),
+                                           <float *>(ml + 4 * item * a.L * 2) if ml != NULL else NULL,
+                                           0, a.L)
                 else:
                     rc = fa_attn_merge_f64(<fa_isa>isa, a, nsplit,
                                            <double *>(states + 8 * item * nsplit * slen),
-                                           <double *>(op + 8 * nd_offset(b, os, item, 1)), 0, a.L)
+                                           <double *>(op + 8 * nd_offset(b, os, item, 1)),
+                                           <double *>(ml + 8 * item * a.L * 2) if ml != NULL else NULL,
+                                           0, a.L)
                 if rc != 0:
                     errp[0] = 2
+    if err == 0 and wp != NULL:
+        with nogil, parallel(num_threads=min(nthreads, b.count)):
+            work = malloc(work_bytes)
+            if work == NULL:
+                errp[0] = 1
+            for item in prange(b.count, schedule="static"):
+                if work == NULL:
+                    continue
+                mrow = <void *>(mp + msize * nd_offset(b, ms, item, 1)) if mp != NULL else NULL
+                if elsize == 4:
+                    rc = fa_attn_weights_f32(<fa_isa>isa, a, <float *>(qp + 4 * nd_offset(b, qs, item, 1)),
+                                             <float *>(kp + 4 * nd_offset(b, ks, item, group)), mrow,
+                                             <float *>(ml + 4 * item * a.L * 2),
+                                             <float *>(wp + 4 * nd_offset(b, ws, item, 1)), 0, a.L, work)
+                else:
+                    rc = fa_attn_weights_f64(<fa_isa>isa, a, <double *>(qp + 8 * nd_offset(b, qs, item, 1)),
+                                             <double *>(kp + 8 * nd_offset(b, ks, item, group)), mrow,
+                                             <double *>(ml + 8 * item * a.L * 2),
+                                             <double *>(wp + 8 * nd_offset(b, ws, item, 1)), 0, a.L, work)
+                if rc != 0:
+                    errp[0] = 2
+            free(work)
     free(states)
+    free(ml)
     return raise_on(err, "split attention")
 
 

@@ -293,3 +293,25 @@ def test_decode_split_edge_values(simd, dtype, rng):
     assert_close(out, r, dtype, 16 + S, magnitude=4)
     q[0, 0, 1, 0] = np.nan                   # a NaN query row stays NaN
     assert np.all(np.isnan(fastattn.scaled_dot_product_attention(q, k, v)[0, 0, 1]))
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "causal"])
+def test_decode_split_weights(simd, dtype, rng, kind):
+    """The weights of a split call come from each row's merged maximum and
+    sum: they match the reference, and asking for them changes no bit of
+    the output (check_attention compares the two outputs bitwise)."""
+    S = 4500
+    q, k, v = attn_case(rng, dtype, (2, 1, 2, 16), (2, 1, S, 16), (2, 1, S, 8))
+    kwargs = {}
+    if kind == "bool":
+        mask = rng.random((2, 1, 2, S)) > 0.4
+        mask[0, 0, 1] = False                # a row that sees nothing
+        kwargs["attn_mask"] = mask
+    elif kind == "causal":
+        kwargs.update(is_causal=True, causal_alignment="lower_right")
+    out, w = check_attention(q, k, v, dtype, **kwargs)
+    if kind == "bool":
+        assert np.all(w[0, 0, 1] == 0) and np.all(out[0, 0, 1] == 0)
+    q[1, 0, 0, 3] = np.nan                   # a NaN row: NaN weights everywhere
+    out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True, **kwargs)
+    assert np.all(np.isnan(w[1, 0, 0])) and np.all(np.isnan(out[1, 0, 0]))
