@@ -9,7 +9,7 @@
  * down columns, one vector of queries at a time, with no horizontal
  * operation.  Both products use the register micro-kernel reading K and V
  * in place through their strides:
- *   S^T[key, q]  = sum_e K[key, e] * Qp[e, q]     (Qp: the query block, scaled)
+ *   S^T[key, q]  = scale * sum_e K[key, e] * Qp[e, q]   (Qp: the query block)
  *   O^T[c, q]   += sum_key V[key, c] * P^T[key, q]
  * Blocks of at most FA_ROWS_MAX rows go to the row kernel (fa_rows_impl.h),
  * which also recomputes, with its zero-weight guard, any row whose output
@@ -82,7 +82,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
         const int mr = (int)(nk - r < FA_MR ? nk - r : FA_MR);
         for (fa_idx p = 0; p < ld; p += FA_NR)
             FA_NAME(ukr)(mr, a->E, k + (s0 + r) * a->k_ss, a->k_ss, a->k_es, qp + p, ld,
-                         st + r * ld + p, ld, 0, plain ? bm + p : NULL);
+                         st + r * ld + p, ld, (T)a->scale, 0, plain ? bm + p : NULL);
     }
     if (plain) return 1;
 
@@ -111,8 +111,8 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
 {
     const fa_idx nq = i1 - i0, ld = (nq + FA_NR - 1) / FA_NR * FA_NR;
     const fa_idx E = a->E, Ev = a->Ev;
-    const T ninf = -(T)INFINITY, scale = (T)a->scale;
-    T *qp = (T *)FA_ALIGNED(work); /* E x ld: query block, transposed, scaled, zero padded */
+    const T ninf = -(T)INFINITY;
+    T *qp = (T *)FA_ALIGNED(work); /* E x ld: query block, transposed, zero padded */
     T *st = qp + E * ld;        /* FA_KB x ld: logits, then weights, of a key block */
     T *bias = st + FA_KB * ld;  /* FA_KB x ld: the mask of a key block */
     T *ot = bias + FA_KB * ld;  /* Ev x ld: unnormalised output, transposed */
@@ -130,7 +130,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         FA_NAME(attn_rows)(a, q, k, v, mask, out, w, i0, i1, qp);
         return;
     }
-    FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, scale, qp, ld, 1);
+    /* the scale multiplies the scores, not the queries: one rounding fewer
+     * when it is not a power of two */
+    FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, 1, qp, ld, 1);
     for (fa_idx j = 0; j < ld; ++j) {
         for (fa_idx e = 0; j >= nq && e < E; ++e) qp[e * ld + j] = 0;
         m[j] = ninf;
@@ -166,7 +168,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
             const int mr = (int)(Ev - c < FA_MR ? Ev - c : FA_MR);
             for (fa_idx p = 0; p < ld; p += FA_NR)
                 FA_NAME(ukr)(mr, nk, vb + c * a->v_es, a->v_es, a->v_ss, st + p, ld,
-                             ot + c * ld + p, ld, 1, NULL);
+                             ot + c * ld + p, ld, 1, 1, NULL);
         }
     }
 

@@ -50,11 +50,11 @@ void FA_NAME(gemm)(const fa_gemm_args *g, const T *a, const T *b, T *c,
                 const int mr = (int)(mb - ip < FA_MR ? mb - ip : FA_MR);
                 T *cp = c + (i0 + ip) * g->rs_c + (j0 + jp) * g->cs_c;
                 if (ncols == FA_NR && g->cs_c == 1) {
-                    FA_NAME(ukr)(mr, kc, apanel, 1, FA_MR, bpanel, FA_NR, cp, g->rs_c, accumulate, NULL);
+                    FA_NAME(ukr)(mr, kc, apanel, 1, FA_MR, bpanel, FA_NR, cp, g->rs_c, 1, accumulate, NULL);
                     continue;
                 }
                 /* Partial or strided tile of C: go through a local tile. */
-                FA_NAME(ukr)(mr, kc, apanel, 1, FA_MR, bpanel, FA_NR, tile, FA_NR, 0, NULL);
+                FA_NAME(ukr)(mr, kc, apanel, 1, FA_MR, bpanel, FA_NR, tile, FA_NR, 1, 0, NULL);
                 for (int r = 0; r < mr; ++r)
                     for (fa_idx j = 0; j < ncols; ++j) {
                         T *cij = cp + r * g->rs_c + j * g->cs_c;

@@ -7,7 +7,7 @@
 #include <string.h>
 #include "fa_exp_consts.h"
 
-/* c[0:mr, 0:FA_NR] (+)= sum_k a(r, k) b[k, 0:FA_NR], with a(r, k) at
+/* c[0:mr, 0:FA_NR] (+)= alpha * sum_k a(r, k) b[k, 0:FA_NR], with a(r, k) at
  * a[r*rs_a + k*cs_a] and b rows FA_NR wide at stride ldb.  When colmax is
  * not NULL, colmax[j] becomes the max of itself and the stored column j
  * (NaN ignored).  mr is a constant after inlining, so the accumulators
@@ -21,7 +21,7 @@ typedef T FA_NAME(v16) __attribute__((vector_size(16)));
 
 static FA_ALWAYS_INLINE void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a,
                                                fa_idx cs_a, const T *b, fa_idx ldb, T *c,
-                                               fa_idx ldc, int accumulate, T *colmax)
+                                               fa_idx ldc, T alpha, int accumulate, T *colmax)
 {
     FA_NAME(v16) acc[FA_MR][FA_NR / FA_VW];
     for (int r = 0; r < mr; ++r)
@@ -38,6 +38,8 @@ static FA_ALWAYS_INLINE void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T 
     for (int r = 0; r < mr; ++r) {
         T *cr = c + r * ldc, t[FA_NR];
         memcpy(t, acc[r], sizeof t);
+        if (alpha != 1)
+            for (int j = 0; j < FA_NR; ++j) t[j] *= alpha;
         for (int j = 0; j < FA_NR; ++j) cr[j] = accumulate ? cr[j] + t[j] : t[j];
         if (colmax)
             for (int j = 0; j < FA_NR; ++j) colmax[j] = cr[j] > colmax[j] ? cr[j] : colmax[j];
@@ -46,7 +48,7 @@ static FA_ALWAYS_INLINE void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T 
 #undef FA_VW
 #else
 static void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
-                              const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate,
+                              const T *b, fa_idx ldb, T *c, fa_idx ldc, T alpha, int accumulate,
                               T *colmax)
 {
     T acc[FA_MR][FA_NR];
@@ -62,6 +64,7 @@ static void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, 
     }
     for (int r = 0; r < mr; ++r) {
         T *cr = c + r * ldc;
+        for (int j = 0; j < FA_NR; ++j) acc[r][j] *= alpha;
         for (int j = 0; j < FA_NR; ++j) cr[j] = accumulate ? cr[j] + acc[r][j] : acc[r][j];
         if (colmax)
             for (int j = 0; j < FA_NR; ++j) colmax[j] = cr[j] > colmax[j] ? cr[j] : colmax[j];
@@ -70,15 +73,16 @@ static void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, 
 #endif
 
 static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
-                         const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
+                         const T *b, fa_idx ldb, T *c, fa_idx ldc, T alpha, int accumulate,
+                         T *colmax)
 {
     switch (mr) {
-    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
     default: break;
     }
 }
@@ -152,11 +156,13 @@ static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
     for (fa_idx j = 0; j < ld; ++j) sum[j] = 0;
     for (fa_idx r = 0; r < nk; ++r) {
         T *zr = z + r * ld;
-        for (fa_idx j = 0; j < ld; ++j) {
-            const T e = FA_NAME(exp1)(zr[j] - m[j]);
-            zr[j] = e;
-            sum[j] += e;
-        }
+        for (fa_idx j = 0; j < ld; ++j) zr[j] = FA_NAME(exp1)(zr[j] - m[j]);
+    }
+    /* four interleaved sums down each column: a quarter of the rounding */
+    for (fa_idx j = 0; j < ld; ++j) {
+        T part[4] = {0, 0, 0, 0};
+        for (fa_idx r = 0; r < nk; ++r) part[r & 3] += z[r * ld + j];
+        sum[j] = (part[0] + part[1]) + (part[2] + part[3]);
     }
 }
 

@@ -19,6 +19,10 @@
 #define FA_UKR_STORE(r)                                                   \
     if (mr > r) {                                                         \
         T *cr = c + r * ldc;                                              \
+        if (alpha != 1) {                                                 \
+            c##r##0 = VMUL(c##r##0, va);                                  \
+            c##r##1 = VMUL(c##r##1, va);                                  \
+        }                                                                 \
         if (accumulate) {                                                 \
             c##r##0 = VADD(VLOAD(cr), c##r##0);                           \
             c##r##1 = VADD(VLOAD(cr + VLEN), c##r##1);                    \
@@ -31,7 +35,7 @@
 
 static FA_ALWAYS_INLINE void
 FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
-                  const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
+                  const T *b, fa_idx ldb, T *c, fa_idx ldc, T alpha, int accumulate, T *colmax)
 {
     V c00 = VZERO(), c01 = VZERO(), c10 = VZERO(), c11 = VZERO();
     V c20 = VZERO(), c21 = VZERO(), c30 = VZERO(), c31 = VZERO();
@@ -44,6 +48,7 @@ FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
         FA_UKR_ROW(4) FA_UKR_ROW(5) FA_UKR_ROW(6) FA_UKR_ROW(7)
         b += ldb;
     }
+    const V va = VSET1(alpha);
     V m0 = VSET1(-(T)INFINITY), m1 = m0;
     FA_UKR_STORE(0) FA_UKR_STORE(1) FA_UKR_STORE(2) FA_UKR_STORE(3)
     FA_UKR_STORE(4) FA_UKR_STORE(5) FA_UKR_STORE(6) FA_UKR_STORE(7)
@@ -56,19 +61,20 @@ FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
 #undef FA_UKR_STORE
 
 static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
-                         const T *b, fa_idx ldb, T *c, fa_idx ldc, int accumulate, T *colmax)
+                         const T *b, fa_idx ldb, T *c, fa_idx ldc, T alpha, int accumulate,
+                         T *colmax)
 {
     switch (mr) {
 #if FA_MR == 8
-    case 8: FA_NAME(ukr_body)(8, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 7: FA_NAME(ukr_body)(7, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 8: FA_NAME(ukr_body)(8, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 7: FA_NAME(ukr_body)(7, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
 #endif
-    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
-    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, accumulate, colmax); break;
+    case 6: FA_NAME(ukr_body)(6, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 5: FA_NAME(ukr_body)(5, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 4: FA_NAME(ukr_body)(4, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 3: FA_NAME(ukr_body)(3, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 2: FA_NAME(ukr_body)(2, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
+    case 1: FA_NAME(ukr_body)(1, kc, a, rs_a, cs_a, b, ldb, c, ldc, alpha, accumulate, colmax); break;
     default: break;
     }
 }
@@ -156,13 +162,13 @@ static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
 {
     for (fa_idx j = 0; j < ld; j += VLEN) {
         const V mj = VLOAD(m + j);
-        V acc = VZERO();
+        V acc[4] = {VZERO(), VZERO(), VZERO(), VZERO()}; /* four interleaved sums: a quarter of the rounding */
         for (fa_idx r = 0; r < nk; ++r) {
             const V e = FA_NAME(vexp1)(VSUB(VLOAD(z + r * ld + j), mj));
             VSTORE(z + r * ld + j, e);
-            acc = VADD(acc, e);
+            acc[r & 3] = VADD(acc[r & 3], e);
         }
-        VSTORE(sum + j, acc);
+        VSTORE(sum + j, VADD(VADD(acc[0], acc[1]), VADD(acc[2], acc[3])));
     }
 }
 

@@ -42,23 +42,23 @@ static T FA_NAME(mask_bias)(const fa_attn_args *a, const void *mask, fa_idx i, f
 }
 
 /* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;
- * qs holds the query rows times the scale. */
+ * qs holds the query rows. */
 static void FA_NAME(rows_logits)(const fa_attn_args *a, const T *qs, const T *k,
                                  const void *mask, fa_idx i0, fa_idx nq, fa_idx s0,
                                  fa_idx nk, T *s)
 {
-    const T ninf = -(T)INFINITY;
+    const T ninf = -(T)INFINITY, scale = (T)a->scale;
     for (fa_idx r = 0; r < nk; ++r) {
         const T *krow = k + (s0 + r) * a->k_ss;
         for (fa_idx t = 0; t < nq; ++t) {
             const T b = FA_NAME(mask_bias)(a, mask, i0 + t, s0 + r);
-            s[t * FA_RB + r] = b == ninf ? ninf : FA_NAME(dot)(a->E, qs + t * FA_EP(a), krow, a->k_es) + b;
+            s[t * FA_RB + r] = b == ninf ? ninf : scale * FA_NAME(dot)(a->E, qs + t * FA_EP(a), krow, a->k_es) + b;
         }
     }
 }
 
 /* Keys s_lo..s_hi-1 into the running state of nq rows: maximum m, sum l and
- * unnormalised output o (nq x Ev); qs holds the query rows times the scale. */
+ * unnormalised output o (nq x Ev); qs holds the query rows. */
 static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const T *qs, const T *k, const T *v,
                                      const void *mask, fa_idx i0, fa_idx nq, fa_idx s_lo,
                                      fa_idx s_hi, T *s, T *o, T *m, T *l)
@@ -89,13 +89,12 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const T *qs, const T
     }
 }
 
-/* qs = the query rows times the scale; the state starts empty. */
+/* qs = the query rows; the state starts empty. */
 static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa_idx nq, T *qs,
                                 T *o, T *m, T *l)
 {
-    const T scale = (T)a->scale;
     for (fa_idx t = 0; t < nq; ++t) {
-        for (fa_idx e = 0; e < a->E; ++e) qs[t * FA_EP(a) + e] = q[(i0 + t) * a->q_ls + e * a->q_es] * scale;
+        for (fa_idx e = 0; e < a->E; ++e) qs[t * FA_EP(a) + e] = q[(i0 + t) * a->q_ls + e * a->q_es];
         for (fa_idx c = 0; c < a->Ev; ++c) o[t * FA_EVP(a) + c] = 0;
         m[t] = -(T)INFINITY;
         l[t] = 0;
@@ -104,7 +103,7 @@ static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa
 
 /* The weights of rows i0..i0+nq-1, exp(z - m) / l, from their final maximum
  * m and sum l: 0 where hidden or where no key was visible, NaN all along a
- * NaN row; qs holds the query rows times the scale. */
+ * NaN row; qs holds the query rows. */
 static void FA_NAME(rows_weights)(const fa_attn_args *a, const T *qs, const T *k,
                                   const void *mask, fa_idx i0, fa_idx nq, const T *m,
                                   const T *l, T *s, T *w)
@@ -134,7 +133,7 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, co
                                const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
 {
     const fa_idx nq = i1 - i0, Ev = a->Ev;
-    T *qs = work;                         /* nq x E: query rows times the scale */
+    T *qs = work;                         /* nq x E: the query rows */
     T *s = qs + FA_ROWS_MAX * FA_EP(a);   /* nq x FA_RB: logits, then weights */
     T *o = s + FA_ROWS_MAX * FA_RB;       /* nq x Ev: unnormalised output */
     T *m = o + FA_ROWS_MAX * FA_EVP(a);   /* running maximum */
