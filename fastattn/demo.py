@@ -67,7 +67,8 @@ def plot(path):
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install 'fastattn[plot]'") from None
     romanised = {"我": "wo", "爱": "ai", "你": "ni"}
-    fig, axes = plt.subplots(1, len(seeds.EXAMPLES), figsize=(4.2 * len(seeds.EXAMPLES), 4))
+    fig, axes = plt.subplots(1, len(seeds.EXAMPLES), figsize=(4.6 * len(seeds.EXAMPLES), 4),
+                             layout="constrained")
     for ax, ex in zip(axes, seeds.EXAMPLES):
         w = seeds.compute(ex)["weights"]
         labels = [romanised.get(t, t) for t in ex.tokens]
