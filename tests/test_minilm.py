@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from conftest import load_example
 
+import fastattn
+
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("scipy")
@@ -71,13 +73,26 @@ def test_embeddings_match_sentence_transformers(models, capsys):
     alone = np.concatenate([ours_model.encode([s]) for s in SENTENCES])
     np.testing.assert_allclose(alone, ours, rtol=0, atol=1e-6)
 
-    t_ours = best_time(lambda: ours_model.encode(SENTENCES))
-    t_theirs = best_time(lambda: theirs_model.encode(SENTENCES, batch_size=len(SENTENCES)))
+    # Timed on one thread each: in this process OpenMP's threads spin while
+    # NumPy's BLAS works (see README, "Speed and threads"), which would time
+    # the contention, not the libraries.
+    import torch
+    from threadpoolctl import threadpool_limits
+    torch_threads = torch.get_num_threads()
+    try:
+        fastattn.set_num_threads(1)
+        torch.set_num_threads(1)
+        with threadpool_limits(1, user_api="blas"):
+            t_ours = best_time(lambda: ours_model.encode(SENTENCES))
+            t_theirs = best_time(lambda: theirs_model.encode(SENTENCES, batch_size=len(SENTENCES)))
+    finally:
+        fastattn.set_num_threads(None)
+        torch.set_num_threads(torch_threads)
     with capsys.disabled():
         print(f"\nall-MiniLM-L6-v2, batch of {len(SENTENCES)} sentences "
               f"({mask.shape[1]} tokens padded): max |diff| {diff:.2e}, min cosine "
-              f"{cosine.min():.9f}; time per batch (best of 5): fastattn {t_ours * 1e3:.1f} ms, "
-              f"sentence-transformers (PyTorch) {t_theirs * 1e3:.1f} ms")
+              f"{cosine.min():.9f}; time per batch on 1 thread (best of 5): fastattn "
+              f"{t_ours * 1e3:.1f} ms, sentence-transformers (PyTorch) {t_theirs * 1e3:.1f} ms")
 
 
 def test_float64_encoder_agrees(models):
