@@ -8,6 +8,15 @@ kernels under a strict NumPy API.
 """
 from importlib.metadata import PackageNotFoundError, version as _version
 
+try:
+    from . import _core  # noqa: F401  (the compiled extension)
+except ImportError as e:  # pragma: no cover - depends on how Python was started
+    raise ImportError(
+        "fastattn's compiled extension cannot be imported. Python found fastattn at "
+        f"{__path__[0]!r}: if that is the source tree, start Python from another directory "
+        "so that the installed package is used (pip install . builds it); otherwise "
+        f"reinstall. Original error: {e}") from e
+
 from . import reference
 from ._runtime import (available_simd_paths, get_num_threads, openmp_enabled,
                        set_num_threads, set_simd_path, simd_path)

@@ -12,7 +12,8 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def shape_str(shape):
-    return "(" + ", ".join(str(s) for s in shape) + ")"
+    """A shape as Python prints a tuple: (8,) for one axis."""
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
 def require_array(x, name):
@@ -120,6 +121,18 @@ def has_internal_overlap(a):
     return False
 
 
+def _overlap(a, b):
+    """True when a and b may share an element: the cheap bounds test, then,
+    for interleaved views within one buffer, NumPy's exact test (bounded;
+    when it gives up the answer stays "may")."""
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return np.shares_memory(a, b, max_work=10_000)
+    except np.exceptions.TooHardError:
+        return True
+
+
 def check_out(out, shape, dtype, inputs, name="out"):
     """A caller's output array: right type, dtype, shape; writeable; kernel
     readable strides; no memory shared with an input."""
@@ -136,7 +149,7 @@ def check_out(out, shape, dtype, inputs, name="out"):
         raise ValueError(f"{name} has elements that share memory (strides {out.strides}, a "
                          "broadcast or overlapping view); pass an array of distinct elements")
     for in_name, a in inputs.items():
-        if a is not None and np.may_share_memory(out, a):
+        if a is not None and _overlap(out, a):
             raise ValueError(f"{name} overlaps {in_name}; pass a separate output array")
     return out
 
@@ -177,6 +190,7 @@ def mask_kind_and_array(mask, dtype, name):
     if mask.dtype == np.bool_:
         return _core.MASK_BOOL, kernel_view(mask)
     if np.issubdtype(mask.dtype, np.floating):
-        return _core.MASK_ADD, kernel_view(mask.astype(dtype, copy=False))
+        with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
+            return _core.MASK_ADD, kernel_view(mask.astype(dtype, copy=False))
     raise TypeError(f"{name} has dtype {mask.dtype}; expected bool (True = may attend) "
                     "or a floating dtype (added to the scores, -inf = hidden)")

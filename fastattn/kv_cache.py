@@ -189,8 +189,9 @@ class KVCache:
         (batch_size, Hq, L, length) with need_weights.  A query that sees
         no real token gives zeros.
 
-        Raises the errors of ``scaled_dot_product_attention``, and TypeError
-        for a query whose dtype is not the cache's.
+        Raises the errors of ``scaled_dot_product_attention``, TypeError for
+        a query whose dtype is not the cache's, and ValueError, with
+        is_causal, for more queries than positions held.
         """
         C.require_array(query, "query")
         if query.dtype != self.dtype:
@@ -199,6 +200,13 @@ class KVCache:
             raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
                              f"(batch_size, Hq, L, head_dim) = ({self.batch_size}, Hq, L, "
                              f"{self.head_dim})")
+        if query.shape[1] % self.num_kv_heads:
+            raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value "
+                             f"heads ({self.num_kv_heads}) for grouped-query attention")
+        if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
+            raise ValueError(f"query has {query.shape[2]} positions but the cache holds "
+                             f"{self._length}: with is_causal the queries are the last "
+                             "positions held; append their keys and values first")
         mask = _masks.both(attn_mask, "attn_mask", self.attn_mask, "the cache's padding",
                            self.dtype)
         return scaled_dot_product_attention(

@@ -220,10 +220,14 @@ class MultiHeadAttention:
         return KVCache(batch_size, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype)
 
     # ---- forward ----------------------------------------------------------
-    def forward(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-                is_causal=False, need_weights=False, average_attn_weights=True, cache=None,
+    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=False,
+                attn_mask=None, average_attn_weights=True, is_causal=None, *, cache=None,
                 num_threads=None):
         """Attention of query over key/value, with the projections.
+
+        The arguments up to is_causal have the names and order of
+        ``torch.nn.MultiheadAttention.forward``; cache and num_threads are
+        keyword-only.
 
         Parameters
         ----------
@@ -243,9 +247,10 @@ class MultiHeadAttention:
             Either mask alone reaches the kernel as a broadcast view; both
             together are combined into one array of their broadcast shape,
             (N, 1 or num_heads, L, S).
-        is_causal : bool
+        is_causal : bool or None
             Query i sees keys 0..i, or, with a cache, the keys up to its own
-            position (bottom-right alignment).  PyTorch's module documents
+            position (bottom-right alignment).  None (the default) means True
+            with a cache (a decoder's step) and False without.  PyTorch's module documents
             the same effect but treats the flag as a hint that attn_mask is
             causal; here no mask is needed, and with one a key is visible
             when both allow it.
@@ -289,7 +294,7 @@ class MultiHeadAttention:
         """
         need_weights = C.check_bool(need_weights, "need_weights")
         average = C.check_bool(average_attn_weights, "average_attn_weights")
-        is_causal = C.check_bool(is_causal, "is_causal")
+        is_causal = cache is not None if is_causal is None else C.check_bool(is_causal, "is_causal")
         _runtime.resolve_threads(num_threads)  # checked before a cache is written
         self._check_inputs(query, key, value)
         batched = query.ndim == 3
@@ -299,6 +304,10 @@ class MultiHeadAttention:
         if not batched:  # a batch of one, batch first (PyTorch ignores batch_first here)
             query, key, value = query[None], key[None], value[None]
             if isinstance(key_padding_mask, np.ndarray):
+                if key_padding_mask.ndim != 1:
+                    raise ValueError(f"key_padding_mask has shape "
+                                     f"{C.shape_str(key_padding_mask.shape)}; unbatched inputs "
+                                     f"take (S,) = ({key.shape[1]},) (True = ignore the key)")
                 key_padding_mask = key_padding_mask[None]
         seq_first = batched and not self.batch_first
         N, L = query.shape[1::-1] if seq_first else query.shape[:2]

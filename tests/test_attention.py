@@ -315,3 +315,27 @@ def test_decode_split_weights(simd, dtype, rng, kind):
     q[1, 0, 0, 3] = np.nan                   # a NaN row: NaN weights everywhere
     out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True, **kwargs)
     assert np.all(np.isnan(w[1, 0, 0])) and np.all(np.isnan(out[1, 0, 0]))
+
+
+def test_out_interleaved_with_an_input_in_one_buffer(rng):
+    """out and key in alternate columns of one buffer share no element: accepted."""
+    buf = np.zeros((1, 2, 4, 16), np.float32)
+    buf[..., ::2] = rng.standard_normal((1, 2, 4, 8))
+    q = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    key = buf[..., ::2]
+    expected = fastattn.scaled_dot_product_attention(q, key.copy(), q)
+    out = fastattn.scaled_dot_product_attention(q, key, q, out=buf[..., 1::2])
+    np.testing.assert_array_equal(out, expected)
+    with pytest.raises(ValueError, match="out overlaps key"):
+        fastattn.scaled_dot_product_attention(q, key, q, out=buf[..., ::2])
+
+
+def test_float_mask_beyond_float32_range_is_quiet(rng):
+    import warnings
+    q = rng.standard_normal((3, 4)).astype(np.float32)
+    mask = np.array([0.0, -1e300, 0.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fastattn.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    r = ref.scaled_dot_product_attention(*f64(q, q, q), attn_mask=np.array([0.0, -np.inf, 0.0]))
+    assert_close(out, r, np.float32, 7, magnitude=4)

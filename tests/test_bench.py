@@ -205,7 +205,7 @@ def test_cli_bench_json():
                        "--quick", "--repeat", "1", "--min-time", "0", "--no-progress",
                        "--json", "out.json")
     assert r.returncode == 0, r.stderr
-    assert "bert-base" in r.stdout and "Targets of issue 3" in r.stdout
+    assert "bert-base" in r.stdout and "Speed targets of the project" in r.stdout
     data = json.loads(files["out.json"])
     assert data["settings"]["threads"] == [1] and data["machine"]["fastattn_simd"]
     peaks = data["peaks"]["1"]

@@ -3,6 +3,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+import pytest
 
 
 def run(*args, env=None):
@@ -33,3 +36,15 @@ def test_demo():
 def test_bad_command():
     r = run("nonsense")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_import_from_the_source_tree_explains_itself():
+    """Inside the repository the source folder hides the installed package;
+    without a compiled extension in it the error says what to do."""
+    root = Path(__file__).resolve().parents[1]
+    if list((root / "fastattn").glob("_core*.so")) + list((root / "fastattn").glob("_core*.pyd")):
+        pytest.skip("built in place: the source tree imports")
+    r = subprocess.run([sys.executable, "-c", "import fastattn"], capture_output=True, text=True,
+                       cwd=root, timeout=60)
+    assert r.returncode != 0
+    assert "start Python from another directory" in r.stderr

@@ -232,3 +232,13 @@ def test_cache_constructor_errors(args, kwargs, exc, msg):
     with pytest.raises(exc) as info:
         fastattn.KVCache(*args, **kwargs)
     assert msg in str(info.value)
+
+
+def test_attend_more_queries_than_positions_is_an_error(rng):
+    cache = fastattn.KVCache(1, 1, 8, 2)
+    kv = np.ones((1, 1, 2, 2), np.float32)
+    cache.append(kv, kv)
+    with pytest.raises(ValueError, match="query has 4 positions but the cache holds 2"):
+        cache.attend(rng.standard_normal((1, 1, 4, 2)).astype(np.float32))
+    out = cache.attend(rng.standard_normal((1, 1, 4, 2)).astype(np.float32), is_causal=False)
+    assert out.shape == (1, 1, 4, 2)   # without causality any number of queries is fine

@@ -284,7 +284,7 @@ BAD_FORWARD = [
     ((x32, x32), {}, ValueError, "pass both key and value (cross-attention) or neither"),
     ((x32[..., :-1],), {}, ValueError,
      f"query has {E - 1} features (last axis of (2, 5, {E - 1})); expected embed_dim = {E}"),
-    ((x32[0, 0],), {}, ValueError, f"query must be (N, L, E) or unbatched (L, E), got shape ({E})"),
+    ((x32[0, 0],), {}, ValueError, f"query must be (N, L, E) or unbatched (L, E), got shape ({E},)"),
     ((x32, x32[0], x32[0]), {}, ValueError, "they must have as many dimensions"),
     ((x32, x32[:1], x32[:1]), {}, ValueError, "query, key and value must have one batch size N"),
     ((x32, x32, x32[:, :3]), {}, ValueError, "key and value one length S"),
@@ -340,3 +340,35 @@ def test_loading_needs_no_torch():
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=120, cwd=cwd)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_cache_step_is_causal_by_default(rng):
+    """With a cache, forward defaults to causal (a decoder's step); without
+    one it does not, as in PyTorch."""
+    m = fastattn.MultiHeadAttention(16, 2, rng=0)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    stepped = m(x, cache=m.new_cache(2, 8))
+    np.testing.assert_allclose(stepped, m(x, is_causal=True), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(m(x), m(x, is_causal=True))
+
+
+def test_pytorch_argument_order(rng):
+    """query, key, value, key_padding_mask, need_weights, attn_mask,
+    average_attn_weights, is_causal may be passed positionally, as in PyTorch."""
+    m = fastattn.MultiHeadAttention(16, 2, rng=0)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    pad = np.zeros((2, 5), bool)
+    pad[1, 3:] = True
+    out, w = m(x, x, x, pad, True, None, False)
+    ref_out, ref_w = m(x, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
+    np.testing.assert_array_equal(out, ref_out)
+    np.testing.assert_array_equal(w, ref_w)
+    assert w.shape == (2, 2, 5, 5)
+
+
+def test_unbatched_key_padding_mask_error_names_its_shape(rng):
+    m = fastattn.MultiHeadAttention(16, 2, rng=0)
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"key_padding_mask has shape \(1, 5\); unbatched inputs "
+                                         r"take \(S,\) = \(5,\)"):
+        m(x, key_padding_mask=np.zeros((1, 5), bool))

@@ -1,4 +1,4 @@
-"""Benchmarks of issue 3: fastattn against NumPy, PyTorch's
+"""Benchmarks: fastattn against NumPy, PyTorch's
 scaled_dot_product_attention and ONNX Runtime's MultiHeadAttention, with the
 machine's own peaks (FMA throughput, memory read bandwidth) measured in the
 same run.

@@ -1,7 +1,8 @@
-"""`fastattn bench`: the comparison of issue 3 as a table."""
+"""`fastattn bench`: fastattn against NumPy, PyTorch and ONNX Runtime, as a table."""
 import argparse
 import importlib.util
 import json
+import os
 import sys
 
 from .runners import RUNNERS
@@ -47,7 +48,9 @@ def add_arguments(p):
     shape_names = [s.name for s in SHAPES] + [TINY.name]
     p.add_argument("--shapes", type=lambda t: _names(t, shape_names + [LONG_16384.name], "shape"),
                    default=shape_names, metavar="LIST",
-                   help=f"comma-separated, from: {', '.join(shape_names)} (default: all)")
+                   help=f"comma-separated, from: {', '.join(shape_names)}, "
+                        f"{LONG_16384.name} (default: all but {LONG_16384.name}, the shape "
+                        "of --memory)")
     p.add_argument("--runners", type=lambda t: _names(t, list(RUNNERS), "runner"),
                    default=list(RUNNERS), metavar="LIST",
                    help=f"comma-separated, from: {', '.join(RUNNERS)} (default: all; "
@@ -88,6 +91,11 @@ def main(args):
         return 2
     from . import report as rep
     from .suite import run_suite
+
+    for path in (args.json, args.plot):  # fail now, not after minutes of measuring
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            print(f"fastattn bench: cannot write {path}: no such directory", file=sys.stderr)
+            return 2
 
     settings = dict(QUICK if args.quick else DEFAULT)
     if args.repeat is not None:

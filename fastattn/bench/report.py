@@ -179,7 +179,7 @@ def format_memory(report, estimated=()):
 
 
 def targets(report):
-    """The targets of issue 3 against this run: (target, verdict, detail)."""
+    """The project's speed targets against this run: (target, verdict, detail)."""
     ok = [c for c in report["cases"] if c.get("status") == "ok"]
     fa = [c for c in ok if c["runner"] == "fastattn"]
     table = {s.name for s in SHAPES}
@@ -209,12 +209,12 @@ def targets(report):
     if compute:
         out.append(("at least 85 % of the FMA peak on long-8192 and head-128",
                     verdict(min(c["pct_peak"] for c in compute) >= 85),
-                    listing(compute, "pct_peak", ".0f", " %")))
+                    listing(compute, "pct_peak", ".1f", " %")))
     decode = [c for c in timed if ALL_SHAPES[c["shape"]].kind == "decode" and "pct_peak" in c]
     if decode:
         out.append(("decoding at least 80 % of the read bandwidth on the same bytes",
                     verdict(min(c["pct_peak"] for c in decode) >= 80),
-                    listing(decode, "pct_peak", ".0f", " %")))
+                    listing(decode, "pct_peak", ".1f", " %")))
     big = [c for c in timed if ALL_SHAPES[c["shape"]].L >= 512 and "speedup_vs_numpy" in c]
     if big:
         out.append(("at least 3x NumPy on every shape with L >= 512",
@@ -246,7 +246,7 @@ def targets(report):
 
 def format_targets(report):
     rows = targets(report)
-    lines = ["", "Targets of issue 3 (this run):"]
+    lines = ["", "Speed targets of the project (this run):"]
     lines += [f"  [{v}] {t}: {d}" for t, v, d in rows]
     if not rows:
         lines.append("  none applies to the shapes and runners measured")
@@ -263,8 +263,8 @@ def plot(report, path):
     threads = report["settings"]["threads"]
     runners = report["settings"]["runners"]
     shapes = [s for s in report["settings"]["shapes"] if ALL_SHAPES[s].kind in ("compute", "decode")]
-    fig, axes = plt.subplots(len(threads), 1, figsize=(max(6, 1.6 * len(shapes) + 2), 3.2 * len(threads)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(threads), 1, figsize=(max(8, 1.6 * len(shapes) + 4), 3.2 * len(threads)),
+                             squeeze=False, layout="constrained")
     width = 0.8 / max(1, len(runners))
     by_key = {(c["shape"], c["threads"], c["runner"]): c for c in report["cases"]}
     for ax, n in zip(axes[:, 0], threads):
@@ -278,12 +278,11 @@ def plot(report, path):
         peaks = report["peaks"].get(str(n), {})
         kernel = peaks.get("fma", {}).get("isa", "")
         ax.set_title(f"{n} thread{'s' if n > 1 else ''}: % of the {kernel} FMA peak "
-                     "(decode: of the read bandwidth)")
+                     "(decode: of the read bandwidth)", fontsize="medium")
         ax.axhline(100, color="grey", linewidth=0.5)
         for isa, other in peaks.get("fma_others", {}).items():
             ax.axhline(100 * other["gflops"] / peaks["fma"]["gflops"], color="grey",
                        linestyle="--", linewidth=0.8, label=f"{isa} FMA peak")
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""The shapes of the benchmark (issue 3), and what a call of each costs."""
+"""The shapes of the benchmark, and what a call of each costs."""
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +64,7 @@ class Shape:
         return q, k, v
 
 
-# The table of issue 3.
+# The benchmark table.
 SHAPES = (
     Shape("bert-base", 1, 12, 128, 128, 64),
     Shape("minilm-batch", 32, 12, 128, 128, 32),
@@ -80,5 +80,5 @@ TINY = Shape("tiny", 1, 1, 4, 4, 8, kind="overhead")
 LONG_16384 = Shape("long-16384", 1, 8, 16384, 16384, 64, kind="memory")
 
 ALL_SHAPES = {s.name: s for s in SHAPES + (TINY, LONG_16384)}
-# The thread counts of issue 3.
+# The thread counts measured by default.
 THREADS = (1, 2)
