@@ -42,6 +42,8 @@ def test_import_from_the_source_tree_explains_itself():
     """Inside the repository the source folder hides the installed package;
     without a compiled extension in it the error says what to do."""
     root = Path(__file__).resolve().parents[1]
+    if not (root / "fastattn" / "__init__.py").exists():
+        pytest.skip("the tests run without the source tree beside them")
     if list((root / "fastattn").glob("_core*.so")) + list((root / "fastattn").glob("_core*.pyd")):
         pytest.skip("built in place: the source tree imports")
     r = subprocess.run([sys.executable, "-c", "import fastattn"], capture_output=True, text=True,
