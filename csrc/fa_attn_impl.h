@@ -133,8 +133,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     /* the scale multiplies the scores, not the queries: one rounding fewer
      * when it is not a power of two */
     FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, 1, qp, ld, 1);
+    for (fa_idx e = 0; e < E; ++e) /* padding columns */
+        for (fa_idx j = nq; j < ld; ++j) qp[e * ld + j] = 0;
     for (fa_idx j = 0; j < ld; ++j) {
-        for (fa_idx e = 0; j >= nq && e < E; ++e) qp[e * ld + j] = 0;
         m[j] = ninf;
         ms[j] = 0;
         l[j] = 0;
@@ -188,12 +189,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end &&
                             FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm);
-        if (visible)
-            for (fa_idx r = 0; r < nk; ++r) {
-                T *z = st + r * ld;
-                for (fa_idx j = 0; j < ld; ++j) z[j] -= ms[j];
-                FA_NAME(vexp)(ld, z, z);
-            }
+        if (visible) FA_NAME(exp_block)(nk, ld, st, ms, bl); /* exp(z - m); bl is unused here */
         for (fa_idx j = 0; j < nq; ++j) {
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;
             const int zero = !visible || l[j] == 0;

@@ -185,6 +185,58 @@ cdef inline fa_idx estride(cnp.ndarray a, int axis):
     return cnp.PyArray_STRIDE(a, axis) // cnp.PyArray_ITEMSIZE(a)
 
 
+cdef struct Operands:
+    # Where the operands of one attention call start (mask and weights NULL
+    # when absent) and their element strides over the batch axes.
+    char *q
+    char *k
+    char *v
+    char *m
+    char *o
+    char *w
+    fa_idx qs[MAXDIM]
+    fa_idx ks[MAXDIM]
+    fa_idx vs[MAXDIM]
+    fa_idx ms[MAXDIM]
+    fa_idx os[MAXDIM]
+    fa_idx ws[MAXDIM]
+    int elsize   # of q, k, v, out and weights
+    int msize    # of the mask
+    fa_idx group  # query heads per key/value head
+
+
+cdef inline void *at(char *base, int size, const Batch *b, const fa_idx *strides, fa_idx item,
+                     int div) noexcept nogil:
+    """Start of batch item `item` of an operand; NULL stays NULL."""
+    if base == NULL:
+        return NULL
+    return base + size * nd_offset(b, strides, item, div)
+
+
+cdef inline void *q_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
+    return at(o.q, o.elsize, b, o.qs, item, 1)
+
+
+cdef inline void *k_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
+    return at(o.k, o.elsize, b, o.ks, item, o.group)
+
+
+cdef inline void *v_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
+    return at(o.v, o.elsize, b, o.vs, item, o.group)
+
+
+cdef inline void *m_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
+    return at(o.m, o.msize, b, o.ms, item, 1)
+
+
+cdef inline void *o_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
+    return at(o.o, o.elsize, b, o.os, item, 1)
+
+
+cdef inline void *w_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
+    return at(o.w, o.elsize, b, o.ws, item, 1)
+
+
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
               double scale, int nthreads):
@@ -195,28 +247,19 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     batch axis divided by group."""
     cdef int nd = q.ndim - 2
     cdef Batch b
-    cdef fa_idx qs[MAXDIM]
-    cdef fa_idx ks[MAXDIM]
-    cdef fa_idx vs[MAXDIM]
-    cdef fa_idx ms[MAXDIM]
-    cdef fa_idx os[MAXDIM]
-    cdef fa_idx ws[MAXDIM]
+    cdef Operands o
     cdef fa_attn_args a
     cdef cnp.ndarray m_arr, w_arr
-    cdef char *qp = <char *>cnp.PyArray_DATA(q)
-    cdef char *kp = <char *>cnp.PyArray_DATA(k)
-    cdef char *vp = <char *>cnp.PyArray_DATA(v)
-    cdef char *op = <char *>cnp.PyArray_DATA(out)
-    cdef char *mp = NULL
-    cdef char *wp = NULL
-    cdef int elsize = cnp.PyArray_ITEMSIZE(q)
-    cdef int msize = 1
-    fill_batch(&b, out, nd)
-    fill_strides(qs, q, nd)
-    fill_strides(ks, k, nd)
-    fill_strides(vs, v, nd)
-    fill_strides(os, out, nd)
+    memset(&o, 0, sizeof(o))
     memset(&a, 0, sizeof(a))
+    fill_batch(&b, out, nd)
+    o.q, o.k, o.v, o.o = (<char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(k),
+                          <char *>cnp.PyArray_DATA(v), <char *>cnp.PyArray_DATA(out))
+    o.elsize, o.msize, o.group = cnp.PyArray_ITEMSIZE(q), 1, group
+    fill_strides(o.qs, q, nd)
+    fill_strides(o.ks, k, nd)
+    fill_strides(o.vs, v, nd)
+    fill_strides(o.os, out, nd)
     a.L = q.shape[nd]
     a.E = q.shape[nd + 1]
     a.S = k.shape[nd]
@@ -228,23 +271,23 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     a.mask_kind = <fa_mask_kind>mask_kind
     if mask_kind != MASK_NONE:
         m_arr = mask
-        mp = <char *>cnp.PyArray_DATA(m_arr)
-        msize = cnp.PyArray_ITEMSIZE(m_arr)
-        fill_strides(ms, m_arr, nd)
+        o.m = <char *>cnp.PyArray_DATA(m_arr)
+        o.msize = cnp.PyArray_ITEMSIZE(m_arr)
+        fill_strides(o.ms, m_arr, nd)
         a.m_ls, a.m_ss = estride(m_arr, nd), estride(m_arr, nd + 1)
     if weights is not None:
         w_arr = weights
-        wp = <char *>cnp.PyArray_DATA(w_arr)
-        fill_strides(ws, w_arr, nd)
+        o.w = <char *>cnp.PyArray_DATA(w_arr)
+        fill_strides(o.ws, w_arr, nd)
         a.w_ls, a.w_ss = estride(w_arr, nd), estride(w_arr, nd + 1)
     a.causal = causal
     a.causal_offset = causal_offset
     a.scale = scale
 
-    cdef fa_idx qb = fa_attn_query_block(elsize)
+    cdef fa_idx qb = fa_attn_query_block(o.elsize)
     cdef fa_idx nqb = (a.L + qb - 1) // qb
     cdef fa_idx ntasks = nqb * b.count
-    cdef size_t work_bytes = fa_attn_work_bytes(&a, elsize)
+    cdef size_t work_bytes = fa_attn_work_bytes(&a, o.elsize)
     cdef fa_idx t, item, blk, i0, i1
     cdef void *work
     cdef int err = 0
@@ -254,8 +297,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         return
     cdef fa_idx nsplit = fa_attn_splits(&a, b.count)
     if nsplit > 1:
-        split_attention(isa, &a, &b, qp, kp, vp, mp, op, wp, qs, ks, vs, ms, os, ws, msize,
-                        elsize, group, nsplit, work_bytes, nthreads)
+        split_attention(isa, &a, &b, &o, nsplit, work_bytes, nthreads)
         return
     nthreads = min(nthreads, ntasks)  # do not wake threads that would get no work
     with nogil, parallel(num_threads=nthreads):
@@ -271,51 +313,41 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
             blk = nqb - 1 - t % nqb
             i0 = blk * qb
             i1 = i0 + qb if i0 + qb < a.L else a.L
-            if elsize == 4:
-                rc = fa_attn_f32(<fa_isa>isa, &a,
-                                 <float *>(qp + 4 * nd_offset(&b, qs, item, 1)),
-                                 <float *>(kp + 4 * nd_offset(&b, ks, item, group)),
-                                 <float *>(vp + 4 * nd_offset(&b, vs, item, group)),
-                                 <void *>(mp + msize * nd_offset(&b, ms, item, 1)) if mp != NULL else NULL,
-                                 <float *>(op + 4 * nd_offset(&b, os, item, 1)),
-                                 <float *>(wp + 4 * nd_offset(&b, ws, item, 1)) if wp != NULL else NULL,
-                                 i0, i1, work)
+            if o.elsize == 4:
+                rc = fa_attn_f32(<fa_isa>isa, &a, <float *>q_at(&o, &b, item),
+                                 <float *>k_at(&o, &b, item), <float *>v_at(&o, &b, item),
+                                 m_at(&o, &b, item), <float *>o_at(&o, &b, item),
+                                 <float *>w_at(&o, &b, item), i0, i1, work)
             else:
-                rc = fa_attn_f64(<fa_isa>isa, &a,
-                                 <double *>(qp + 8 * nd_offset(&b, qs, item, 1)),
-                                 <double *>(kp + 8 * nd_offset(&b, ks, item, group)),
-                                 <double *>(vp + 8 * nd_offset(&b, vs, item, group)),
-                                 <void *>(mp + msize * nd_offset(&b, ms, item, 1)) if mp != NULL else NULL,
-                                 <double *>(op + 8 * nd_offset(&b, os, item, 1)),
-                                 <double *>(wp + 8 * nd_offset(&b, ws, item, 1)) if wp != NULL else NULL,
-                                 i0, i1, work)
+                rc = fa_attn_f64(<fa_isa>isa, &a, <double *>q_at(&o, &b, item),
+                                 <double *>k_at(&o, &b, item), <double *>v_at(&o, &b, item),
+                                 m_at(&o, &b, item), <double *>o_at(&o, &b, item),
+                                 <double *>w_at(&o, &b, item), i0, i1, work)
             if rc != 0:
                 errp[0] = 2
         free(work)
     raise_on(err, "attention")
 
 
-cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, char *qp, char *kp,
-                         char *vp, char *mp, char *op, char *wp, const fa_idx *qs,
-                         const fa_idx *ks, const fa_idx *vs, const fa_idx *ms, const fa_idx *os,
-                         const fa_idx *ws, int msize, int elsize, fa_idx group, fa_idx nsplit,
-                         size_t work_bytes, int nthreads) except -1:
+cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const Operands *o,
+                         fa_idx nsplit, size_t work_bytes, int nthreads) except -1:
     """Decoding with few (batch, head) items: every item's keys in nsplit
     pieces computed in parallel, then merged (csrc/fastattn.h); the weights,
     when wanted, from each row's merged maximum and sum, so that asking for
     them does not change the output."""
+    cdef int es = o.elsize
     cdef fa_idx chunk = (a.S + nsplit - 1) // nsplit
     cdef fa_idx slen = fa_attn_state_len(a, 0, a.L)
     cdef fa_idx ntasks = b.count * nsplit
     cdef fa_idx t, item, piece, s_lo, s_hi
-    cdef char *states = <char *>malloc(ntasks * slen * elsize)
-    cdef char *ml = <char *>malloc(b.count * a.L * 2 * elsize) if wp != NULL else NULL
+    cdef char *states = <char *>malloc(ntasks * slen * es)
+    cdef char *ml = <char *>malloc(b.count * a.L * 2 * es) if o.w != NULL else NULL
     cdef void *work
-    cdef void *mrow
+    cdef void *mlrow
     cdef int err = 0
     cdef int *errp = &err
     cdef int rc
-    if states == NULL or (wp != NULL and ml == NULL):
+    if states == NULL or (o.w != NULL and ml == NULL):
         free(states)
         free(ml)
         raise MemoryError("fastattn: cannot allocate the split-attention state")
@@ -330,40 +362,34 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, char *q
             piece = t % nsplit
             s_lo = piece * chunk
             s_hi = s_lo + chunk if s_lo + chunk < a.S else a.S
-            mrow = <void *>(mp + msize * nd_offset(b, ms, item, 1)) if mp != NULL else NULL
-            if elsize == 4:
-                rc = fa_attn_part_f32(<fa_isa>isa, a, <float *>(qp + 4 * nd_offset(b, qs, item, 1)),
-                                      <float *>(kp + 4 * nd_offset(b, ks, item, group)),
-                                      <float *>(vp + 4 * nd_offset(b, vs, item, group)),
-                                      mrow, 0, a.L, s_lo, s_hi,
-                                      <float *>(states + 4 * t * slen), work)
+            if es == 4:
+                rc = fa_attn_part_f32(<fa_isa>isa, a, <float *>q_at(o, b, item),
+                                      <float *>k_at(o, b, item), <float *>v_at(o, b, item),
+                                      m_at(o, b, item), 0, a.L, s_lo, s_hi,
+                                      <float *>(states + es * t * slen), work)
             else:
-                rc = fa_attn_part_f64(<fa_isa>isa, a, <double *>(qp + 8 * nd_offset(b, qs, item, 1)),
-                                      <double *>(kp + 8 * nd_offset(b, ks, item, group)),
-                                      <double *>(vp + 8 * nd_offset(b, vs, item, group)),
-                                      mrow, 0, a.L, s_lo, s_hi,
-                                      <double *>(states + 8 * t * slen), work)
+                rc = fa_attn_part_f64(<fa_isa>isa, a, <double *>q_at(o, b, item),
+                                      <double *>k_at(o, b, item), <double *>v_at(o, b, item),
+                                      m_at(o, b, item), 0, a.L, s_lo, s_hi,
+                                      <double *>(states + es * t * slen), work)
             if rc != 0:
                 errp[0] = 2
         free(work)
     if err == 0:
         with nogil:
             for item in prange(b.count, schedule="static", num_threads=min(nthreads, b.count)):
-                if elsize == 4:
+                mlrow = <void *>(ml + es * item * a.L * 2) if ml != NULL else NULL
+                if es == 4:
                     rc = fa_attn_merge_f32(<fa_isa>isa, a, nsplit,
-                                           <float *>(states + 4 * item * nsplit * slen),
-                                           <float *>(op + 4 * nd_offset(b, os, item, 1)),
-                                           <float *>(ml + 4 * item * a.L * 2) if ml != NULL else NULL,
-                                           0, a.L)
+                                           <float *>(states + es * item * nsplit * slen),
+                                           <float *>o_at(o, b, item), <float *>mlrow, 0, a.L)
                 else:
                     rc = fa_attn_merge_f64(<fa_isa>isa, a, nsplit,
-                                           <double *>(states + 8 * item * nsplit * slen),
-                                           <double *>(op + 8 * nd_offset(b, os, item, 1)),
-                                           <double *>(ml + 8 * item * a.L * 2) if ml != NULL else NULL,
-                                           0, a.L)
+                                           <double *>(states + es * item * nsplit * slen),
+                                           <double *>o_at(o, b, item), <double *>mlrow, 0, a.L)
                 if rc != 0:
                     errp[0] = 2
-    if err == 0 and wp != NULL:
+    if err == 0 and o.w != NULL:
         with nogil, parallel(num_threads=min(nthreads, b.count)):
             work = malloc(work_bytes)
             if work == NULL:
@@ -371,17 +397,17 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, char *q
             for item in prange(b.count, schedule="static"):
                 if work == NULL:
                     continue
-                mrow = <void *>(mp + msize * nd_offset(b, ms, item, 1)) if mp != NULL else NULL
-                if elsize == 4:
-                    rc = fa_attn_weights_f32(<fa_isa>isa, a, <float *>(qp + 4 * nd_offset(b, qs, item, 1)),
-                                             <float *>(kp + 4 * nd_offset(b, ks, item, group)), mrow,
-                                             <float *>(ml + 4 * item * a.L * 2),
-                                             <float *>(wp + 4 * nd_offset(b, ws, item, 1)), 0, a.L, work)
+                mlrow = <void *>(ml + es * item * a.L * 2)
+                if es == 4:
+                    rc = fa_attn_weights_f32(<fa_isa>isa, a, <float *>q_at(o, b, item),
+                                             <float *>k_at(o, b, item), m_at(o, b, item),
+                                             <float *>mlrow, <float *>w_at(o, b, item), 0, a.L,
+                                             work)
                 else:
-                    rc = fa_attn_weights_f64(<fa_isa>isa, a, <double *>(qp + 8 * nd_offset(b, qs, item, 1)),
-                                             <double *>(kp + 8 * nd_offset(b, ks, item, group)), mrow,
-                                             <double *>(ml + 8 * item * a.L * 2),
-                                             <double *>(wp + 8 * nd_offset(b, ws, item, 1)), 0, a.L, work)
+                    rc = fa_attn_weights_f64(<fa_isa>isa, a, <double *>q_at(o, b, item),
+                                             <double *>k_at(o, b, item), m_at(o, b, item),
+                                             <double *>mlrow, <double *>w_at(o, b, item), 0, a.L,
+                                             work)
                 if rc != 0:
                     errp[0] = 2
             free(work)
@@ -431,15 +457,15 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
         for r in prange(b.count, schedule="static"):
             if work == NULL:
                 continue
-            mrow = <void *>(mp + msize * nd_offset(&b, ms, r, 1)) if mp != NULL else NULL
+            mrow = at(mp, msize, &b, ms, r, 1)
             if elsize == 4:
-                fa_softmax_row_f32(<fa_isa>isa, n, <float *>(xp + 4 * nd_offset(&b, xs, r, 1)), x_s,
+                fa_softmax_row_f32(<fa_isa>isa, n, <float *>at(xp, 4, &b, xs, r, 1), x_s,
                                    <fa_mask_kind>mask_kind, mrow, m_s,
-                                   <float *>(op + 4 * nd_offset(&b, os, r, 1)), o_s, work)
+                                   <float *>at(op, 4, &b, os, r, 1), o_s, work)
             else:
-                fa_softmax_row_f64(<fa_isa>isa, n, <double *>(xp + 8 * nd_offset(&b, xs, r, 1)), x_s,
+                fa_softmax_row_f64(<fa_isa>isa, n, <double *>at(xp, 8, &b, xs, r, 1), x_s,
                                    <fa_mask_kind>mask_kind, mrow, m_s,
-                                   <double *>(op + 8 * nd_offset(&b, os, r, 1)), o_s, work)
+                                   <double *>at(op, 8, &b, os, r, 1), o_s, work)
         free(work)
     raise_on(err, "softmax")
 
@@ -491,14 +517,14 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
             i1 = i0 + mc if i0 + mc < g.M else g.M
             j1 = j0 + nc if j0 + nc < g.N else g.N
             if elsize == 4:
-                rc = fa_gemm_f32(<fa_isa>isa, &g, <float *>(ap + 4 * nd_offset(&b, as_, item, 1)),
-                                 <float *>(bp + 4 * nd_offset(&b, bs, item, 1)),
-                                 <float *>(op + 4 * nd_offset(&b, os, item, 1)),
+                rc = fa_gemm_f32(<fa_isa>isa, &g, <float *>at(ap, 4, &b, as_, item, 1),
+                                 <float *>at(bp, 4, &b, bs, item, 1),
+                                 <float *>at(op, 4, &b, os, item, 1),
                                  i0, i1, j0, j1, work)
             else:
-                rc = fa_gemm_f64(<fa_isa>isa, &g, <double *>(ap + 8 * nd_offset(&b, as_, item, 1)),
-                                 <double *>(bp + 8 * nd_offset(&b, bs, item, 1)),
-                                 <double *>(op + 8 * nd_offset(&b, os, item, 1)),
+                rc = fa_gemm_f64(<fa_isa>isa, &g, <double *>at(ap, 8, &b, as_, item, 1),
+                                 <double *>at(bp, 8, &b, bs, item, 1),
+                                 <double *>at(op, 8, &b, os, item, 1),
                                  i0, i1, j0, j1, work)
             if rc != 0:
                 errp[0] = 2
