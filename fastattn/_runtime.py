@@ -93,7 +93,10 @@ def set_num_threads(n):
     which is max(1024, CPU count)), or None for OpenMP's default
     (OMP_NUM_THREADS when set, else the number of CPUs).  Without OpenMP in
     the build every call runs on one thread.  Calls already running keep the
-    count they started with."""
+    count they started with.
+
+    Raises TypeError for a non-int (bool and float included) and ValueError
+    for a count out of range."""
     global _num_threads
     _num_threads = None if n is None else _check_threads(n, "n")
 

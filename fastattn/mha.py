@@ -216,7 +216,9 @@ class MultiHeadAttention:
                 f"batch_first={self.batch_first}, dtype={self.dtype.name})")
 
     def new_cache(self, batch_size, capacity):
-        """An empty KVCache sized for this layer (num_kv_heads, head_dim, dtype)."""
+        """An empty KVCache sized for this layer: (batch_size, num_kv_heads,
+        capacity, head_dim) in the layer's dtype.  Raises the errors of
+        KVCache for a bad batch_size or capacity."""
         return KVCache(batch_size, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype)
 
     # ---- forward ----------------------------------------------------------

@@ -227,6 +227,8 @@ def test_cli_bench_json():
     (["--runners", "tensorflow"], "unknown runner tensorflow"),
     (["--repeat", "0"], "expected a number >= 1"),
     (["--min-time", "-1"], "expected a number >= 0.0"),
+    (["--shapes", "tiny", "--json", "/nonexistent-dir/out.json"],
+     "cannot write /nonexistent-dir/out.json: no such directory"),
 ])
 def test_cli_bench_bad_arguments(args, message):
     r, _ = run_cli(*args)
