@@ -85,17 +85,17 @@ def _require(modules, command):
 
 
 def main(args):
+    # argument errors before missing packages, and before minutes of measuring
+    for path in (args.json, args.plot):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            print(f"fastattn bench: cannot write {path}: no such directory", file=sys.stderr)
+            return 2
     if not _require(["tqdm", "threadpoolctl"], "pip install 'fastattn[bench]'"):
         return 2
     if args.plot and not _require(["matplotlib"], "pip install 'fastattn[plot]'"):
         return 2
     from . import report as rep
     from .suite import run_suite
-
-    for path in (args.json, args.plot):  # fail now, not after minutes of measuring
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            print(f"fastattn bench: cannot write {path}: no such directory", file=sys.stderr)
-            return 2
 
     settings = dict(QUICK if args.quick else DEFAULT)
     if args.repeat is not None:
