@@ -100,29 +100,35 @@ size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
     return elsize == 4 ? fa_attn_work_f32_portable(a) : fa_attn_work_f64_portable(a);
 }
 
-static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
+static int rows_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
 {
-    return a->L >= 0 && a->S >= 0 && attn_features_ok(a) && 0 <= i0 && i0 <= i1 &&
-           i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize) &&
+    return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize);
+}
+
+static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_next *next,
+                   int elsize)
+{
+    return a->L >= 0 && a->S >= 0 && attn_features_ok(a) && rows_ok(a, i0, i1, elsize) &&
+           (next == NULL || rows_ok(a, next->i0, next->i1, elsize)) &&
            (a->mask_kind == FA_MASK_NONE || a->mask_kind == FA_MASK_BOOL ||
             a->mask_kind == FA_MASK_ADD);
 }
 
 int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
                 const float *v, const void *mask, float *out, float *w, fa_idx i0, fa_idx i1,
-                void *work)
+                const fa_attn_next *next, void *work)
 {
-    if (!attn_ok(a, i0, i1, 4)) return -1;
-    FA_DISPATCH(isa, attn, f32, (a, q, k, v, mask, out, w, i0, i1, work));
+    if (!attn_ok(a, i0, i1, next, 4)) return -1;
+    FA_DISPATCH(isa, attn, f32, (a, q, k, v, mask, out, w, i0, i1, next, work));
     return 0;
 }
 
 int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                 const double *v, const void *mask, double *out, double *w, fa_idx i0,
-                fa_idx i1, void *work)
+                fa_idx i1, const fa_attn_next *next, void *work)
 {
-    if (!attn_ok(a, i0, i1, 8)) return -1;
-    FA_DISPATCH(isa, attn, f64, (a, q, k, v, mask, out, w, i0, i1, work));
+    if (!attn_ok(a, i0, i1, next, 8)) return -1;
+    FA_DISPATCH(isa, attn, f64, (a, q, k, v, mask, out, w, i0, i1, next, work));
     return 0;
 }
 
@@ -144,7 +150,7 @@ fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1) { return (
 
 static int part_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi)
 {
-    return attn_ok(a, i0, i1, 8) && i1 - i0 <= FA_ROWS_MAX && 0 <= s_lo && s_lo <= s_hi &&
+    return attn_ok(a, i0, i1, NULL, 8) && i1 - i0 <= FA_ROWS_MAX && 0 <= s_lo && s_lo <= s_hi &&
            s_hi <= a->S;
 }
 
@@ -169,7 +175,7 @@ int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const d
 int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
                       float *out, float *ml, fa_idx i0, fa_idx i1)
 {
-    if (nsplit < 1 || !attn_ok(a, i0, i1, 8)) return -1;
+    if (nsplit < 1 || !attn_ok(a, i0, i1, NULL, 8)) return -1;
     FA_DISPATCH(isa, attn_merge, f32, (a, nsplit, states, out, ml, i0, i1));
     return 0;
 }
@@ -186,7 +192,7 @@ int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const float *q, const
 int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
                       double *out, double *ml, fa_idx i0, fa_idx i1)
 {
-    if (nsplit < 1 || !attn_ok(a, i0, i1, 8)) return -1;
+    if (nsplit < 1 || !attn_ok(a, i0, i1, NULL, 8)) return -1;
     FA_DISPATCH(isa, attn_merge, f64, (a, nsplit, states, out, ml, i0, i1));
     return 0;
 }

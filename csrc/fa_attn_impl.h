@@ -23,6 +23,50 @@
 #define FA_QB (FA_QB_BYTES / (fa_idx)sizeof(T)) /* query rows per block: 64 floats, 32 doubles */
 #define FA_KB 128           /* keys per block */
 
+/* Ask the cache for share `part` of `parts` equal shares of rows 0..rows-1
+ * (n contiguous elements each) ahead of their use; a prefetch never faults
+ * and changes no result. */
+static void FA_NAME(prefetch_share)(const T *x, fa_idx rows, fa_idx rs, fa_idx n, fa_idx es,
+                                    fa_idx part, fa_idx parts)
+{
+#ifdef __GNUC__
+    if (es != 1) return;
+    for (fa_idx r = rows * part / parts; r < rows * (part + 1) / parts; ++r)
+        for (fa_idx e = 0; e < n; e += 64 / (fa_idx)sizeof(T)) __builtin_prefetch(x + r * rs + e);
+#else
+    (void)x, (void)rows, (void)rs, (void)n, (void)es, (void)part, (void)parts;
+#endif
+}
+
+/* The next call's queries and keys (their first block), asked for while
+ * the scores of this call's last key block are computed: the hardware
+ * prefetcher cannot guess where a new head starts.  Measured at 1 thread on
+ * minilm-batch (B=32, H=12, L=S=128, E=32): 5.4 -> 5.0 ms. */
+typedef struct {
+    const T *q, *k;
+    fa_idx q_rows, k_rows;
+} FA_NAME(ahead);
+
+static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const T *k, const fa_attn_next *next)
+{
+    FA_NAME(ahead) h = {NULL, NULL, 0, 0};
+    if (next != NULL) {
+        h.q = (const T *)next->q + next->i0 * a->q_ls;
+        h.q_rows = next->i1 - next->i0;
+        h.k = (const T *)next->k;
+        h.k_rows = h.k == k ? 0 : a->S < FA_KB ? a->S : FA_KB; /* the same keys: in cache */
+    }
+    return h;
+}
+
+static void FA_NAME(fetch_ahead)(const fa_attn_args *a, const FA_NAME(ahead) *h, fa_idx part,
+                                 fa_idx parts)
+{
+    if (h == NULL) return;
+    FA_NAME(prefetch_share)(h->q, h->q_rows, a->q_ls, a->E, a->q_es, part, parts);
+    FA_NAME(prefetch_share)(h->k, h->k_rows, a->k_ss, a->E, a->k_es, part, parts);
+}
+
 size_t FA_NAME(attn_work)(const fa_attn_args *a)
 {
     /* Qp E x QB, S^T and the mask tile KB x QB each, O^T Ev x QB, six vectors
@@ -36,10 +80,12 @@ size_t FA_NAME(attn_work)(const fa_attn_args *a)
  * mask, -inf where hidden; bm[j] = the maximum of column j (NaN ignored).
  * Columns nq..ld-1 are padding.  Returns 0, with st untouched, when the mask
  * hides every key of the block from every query row (the block is then
- * skipped without reading K). */
+ * skipped without reading K).  With `ahead`, the next call's rows are
+ * prefetched as the scores are computed. */
 static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
                                  const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
-                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm)
+                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm,
+                                 const FA_NAME(ahead) *ahead)
 {
     const T ninf = -(T)INFINITY;
     const int per_key = a->mask_kind != FA_MASK_NONE && a->m_ls == 0;
@@ -80,6 +126,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     const int plain = !per_key && !tile && !diagonal;
     for (fa_idx r = 0; r < nk; r += FA_MR) {
         const int mr = (int)(nk - r < FA_MR ? nk - r : FA_MR);
+        FA_NAME(fetch_ahead)(a, ahead, r / FA_MR, (nk + FA_MR - 1) / FA_MR);
         for (fa_idx p = 0; p < ld; p += FA_NR)
             FA_NAME(ukr)(mr, a->E, k + (s0 + r) * a->k_ss, a->k_ss, a->k_es, qp + p, ld,
                          st + r * ld + p, ld, (T)a->scale, 0, plain ? bm + p : NULL);
@@ -107,7 +154,8 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
 }
 
 void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
-                   const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, void *work)
+                   const void *mask, T *out, T *w, fa_idx i0, fa_idx i1,
+                   const fa_attn_next *next, void *work)
 {
     const fa_idx nq = i1 - i0, ld = (nq + FA_NR - 1) / FA_NR * FA_NR;
     const fa_idx E = a->E, Ev = a->Ev;
@@ -124,6 +172,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     T *bm = bl + ld;            /* block maximum */
     T *rows_work = bm + ld;     /* the row kernel's scratch */
     const fa_idx s_end = FA_NAME(key_end)(a, i1);
+    const FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, k, next);
 
     if (nq <= 0) return;
     if (nq <= FA_ROWS_MAX) {
@@ -144,7 +193,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
 
     for (fa_idx s0 = 0; s0 < s_end; s0 += FA_KB) {
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
-        if (!FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm)) continue;
+        if (!FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm,
+                                   s0 + FA_KB >= s_end ? &ahead : NULL))
+            continue;
 
         int rescale = 0;
         for (fa_idx j = 0; j < ld; ++j) {
@@ -188,7 +239,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_KB) {
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end &&
-                            FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm);
+                            FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm, NULL);
         if (visible) FA_NAME(exp_block)(nk, ld, st, ms, bl); /* exp(z - m); bl is unused here */
         for (fa_idx j = 0; j < nq; ++j) {
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;

@@ -48,7 +48,8 @@
     size_t FA_CAT4(fa, attn_work, SFX, ISA)(const fa_attn_args *a);                       \
     void FA_CAT4(fa, attn, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,       \
                                      const T *v, const void *mask, T *out, T *w,          \
-                                     fa_idx i0, fa_idx i1, void *work);                   \
+                                     fa_idx i0, fa_idx i1, const fa_attn_next *next,      \
+                                     void *work);                                         \
     void FA_CAT4(fa, attn_part, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,  \
                                           const T *v, const void *mask, fa_idx i0,        \
                                           fa_idx i1, fa_idx s_lo, fa_idx s_hi, T *state,  \

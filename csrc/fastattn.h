@@ -69,6 +69,15 @@ typedef struct {
     double scale;                /* multiplies Q K^T before the mask is added */
 } fa_attn_args;
 
+/* Where the caller's next call of fa_attn_* on this thread will read its
+ * queries (rows i0..i1-1) and keys: the kernel asks the cache for them while
+ * it finishes, so the next call does not start cold.  Only a hint: it never
+ * changes a result, and may be NULL. */
+typedef struct {
+    const void *q, *k;           /* as the q and k of that call */
+    fa_idx i0, i1;
+} fa_attn_next;
+
 /* Largest E and Ev the attention kernels accept, far above any head size:
  * their scratch memory grows with E + Ev, and this bound keeps its size far
  * from overflowing a size_t (a wrapped size would be a heap overflow).
@@ -87,10 +96,10 @@ size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize);
  * row, so a non-finite value at a hidden key cannot leak into the output. */
 int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
                  const float *v, const void *mask, float *out, float *w,
-                 fa_idx i0, fa_idx i1, void *work);
+                 fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work);
 int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                  const double *v, const void *mask, double *out, double *w,
-                 fa_idx i0, fa_idx i1, void *work);
+                 fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work);
 
 /* ---- Decoding split along the keys ------------------------------------- */
 

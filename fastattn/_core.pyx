@@ -67,12 +67,16 @@ cdef extern from "fastattn.h" nogil:
     enum: FA_ATTN_MAX_FEATURES
     fa_idx fa_attn_query_block(int elsize)
     size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
+    ctypedef struct fa_attn_next:
+        const void *q
+        const void *k
+        fa_idx i0, i1
     int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
                     const float *v, const void *mask, float *out, float *w,
-                    fa_idx i0, fa_idx i1, void *work)
+                    fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
     int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                     const double *v, const void *mask, double *out, double *w,
-                    fa_idx i0, fa_idx i1, void *work)
+                    fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
     fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items)
     fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
     int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
@@ -237,6 +241,19 @@ cdef inline void *w_at(const Operands *o, const Batch *b, fa_idx item) noexcept 
     return at(o.w, o.elsize, b, o.ws, item, 1)
 
 
+# Task t of the attention loop: head by head, so that the threads share one
+# head's keys and values in cache; within a head the largest causal blocks
+# come first.
+cdef inline fa_attn_next task_rows(const Operands *o, const Batch *b, fa_idx t, fa_idx nqb,
+                                   fa_idx qb, fa_idx L) noexcept nogil:
+    cdef fa_attn_next r
+    cdef fa_idx item = t // nqb
+    r.q, r.k = q_at(o, b, item), k_at(o, b, item)
+    r.i0 = (nqb - 1 - t % nqb) * qb
+    r.i1 = r.i0 + qb if r.i0 + qb < L else L
+    return r
+
+
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
               double scale, int nthreads):
@@ -288,7 +305,9 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef fa_idx nqb = (a.L + qb - 1) // qb
     cdef fa_idx ntasks = nqb * b.count
     cdef size_t work_bytes = fa_attn_work_bytes(&a, o.elsize)
-    cdef fa_idx t, item, blk, i0, i1
+    cdef fa_idx t, item
+    cdef fa_attn_next cur, nxt
+    cdef const fa_attn_next *hint
     cdef void *work
     cdef int err = 0
     cdef int *errp = &err
@@ -304,25 +323,27 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         work = malloc(work_bytes)
         if work == NULL:
             errp[0] = 1
-        # Head by head, so that the threads share one head's keys and values
-        # in cache; within a head the largest causal blocks come first.
         for t in prange(ntasks, schedule="dynamic"):
             if work == NULL:
                 continue
             item = t // nqb
-            blk = nqb - 1 - t % nqb
-            i0 = blk * qb
-            i1 = i0 + qb if i0 + qb < a.L else a.L
+            cur = task_rows(&o, &b, t, nqb, qb, a.L)
+            # the task this thread most likely takes next: prefetched as
+            # this one ends (only a hint; no result depends on it)
+            hint = NULL
+            if t + nthreads < ntasks:
+                nxt = task_rows(&o, &b, t + nthreads, nqb, qb, a.L)
+                hint = &nxt
             if o.elsize == 4:
-                rc = fa_attn_f32(<fa_isa>isa, &a, <float *>q_at(&o, &b, item),
-                                 <float *>k_at(&o, &b, item), <float *>v_at(&o, &b, item),
-                                 m_at(&o, &b, item), <float *>o_at(&o, &b, item),
-                                 <float *>w_at(&o, &b, item), i0, i1, work)
+                rc = fa_attn_f32(<fa_isa>isa, &a, <float *>cur.q, <float *>cur.k,
+                                 <float *>v_at(&o, &b, item), m_at(&o, &b, item),
+                                 <float *>o_at(&o, &b, item), <float *>w_at(&o, &b, item),
+                                 cur.i0, cur.i1, hint, work)
             else:
-                rc = fa_attn_f64(<fa_isa>isa, &a, <double *>q_at(&o, &b, item),
-                                 <double *>k_at(&o, &b, item), <double *>v_at(&o, &b, item),
-                                 m_at(&o, &b, item), <double *>o_at(&o, &b, item),
-                                 <double *>w_at(&o, &b, item), i0, i1, work)
+                rc = fa_attn_f64(<fa_isa>isa, &a, <double *>cur.q, <double *>cur.k,
+                                 <double *>v_at(&o, &b, item), m_at(&o, &b, item),
+                                 <double *>o_at(&o, &b, item), <double *>w_at(&o, &b, item),
+                                 cur.i0, cur.i1, hint, work)
             if rc != 0:
                 errp[0] = 2
         free(work)
