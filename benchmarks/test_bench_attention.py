@@ -13,7 +13,7 @@ reference before it is timed, and the error is kept in extra_info."""
 import pytest
 
 from fastattn.bench import RUNNERS, SHAPES, THREADS
-from fastattn.bench.runners import max_abs_error, reference_rows
+from fastattn.bench.runners import output_errors, reference_rows
 
 pytest.importorskip("pytest_benchmark")
 
@@ -29,10 +29,11 @@ def test_attention(benchmark, attention_inputs, shape, runner, threads):
     benchmark.group = f"{shape.name} ({shape.describe()}), {threads} thread{'s' * (threads > 1)}"
     with RUNNERS[runner].setup(q, k, v, shape.causal, threads) as prepared:
         out = prepared.call()  # the warm-up call, and the one that is checked
-        err = max_abs_error(prepared.to_bhle(out), q, k, v, shape.causal, reference_rows(shape))
+        err, rms = output_errors(prepared.to_bhle(out), q, k, v, shape.causal,
+                                 reference_rows(shape))
         del out
         benchmark(prepared.call)
-    benchmark.extra_info["max_abs_err"] = err
+    benchmark.extra_info["max_abs_err"], benchmark.extra_info["rms_err"] = err, rms
     if benchmark.stats is not None:  # None under --benchmark-disable
         median = benchmark.stats.stats.median
         if shape.kind == "decode":

@@ -15,7 +15,7 @@ import sys
 import traceback
 
 from .measure import OtherLoad, PeakRSS, time_call
-from .runners import RUNNERS, max_abs_error, reference_rows
+from .runners import RUNNERS, output_errors, reference_rows
 from .shapes import ALL_SHAPES
 
 RESULT_TAG = "FASTATTN-BENCH-RESULT "
@@ -39,8 +39,8 @@ def run_case(spec):
             result["peak_extra_bytes"] = mem.bytes - (out_bytes if prepared.allocates_output else 0)
         else:
             result["peak_note"] = mem.why
-        result["max_abs_err"] = max_abs_error(prepared.to_bhle(out), q, k, v, shape.causal,
-                                              reference_rows(shape))
+        result["max_abs_err"], result["rms_err"] = output_errors(
+            prepared.to_bhle(out), q, k, v, shape.causal, reference_rows(shape))
         del out
         if spec.get("repeat", 0) > 0:
             with OtherLoad() as load:
