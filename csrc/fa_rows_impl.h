@@ -48,8 +48,13 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const T *qs, const T *k,
                                  fa_idx nk, T *s)
 {
     const T ninf = -(T)INFINITY, scale = (T)a->scale;
+    const fa_idx row_bytes = a->E * (fa_idx)sizeof(T);
+    const fa_idx ahead = row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes : 1;
+    const fa_idx line = 64 / (fa_idx)sizeof(T);
     for (fa_idx r = 0; r < nk; ++r) {
         const T *krow = k + (s0 + r) * a->k_ss;
+        if (a->k_es == 1 && s0 + r + ahead < a->S) /* a contiguous key row, further on */
+            for (fa_idx e = 0; e < a->E; e += line) FA_PREFETCH(krow + ahead * a->k_ss + e);
         for (fa_idx t = 0; t < nq; ++t) {
             const T b = FA_NAME(mask_bias)(a, mask, i0 + t, s0 + r);
             s[t * FA_RB + r] = b == ninf ? ninf : scale * FA_NAME(dot)(a->E, qs + t * FA_EP(a), krow, a->k_es) + b;
