@@ -39,9 +39,10 @@ static void FA_NAME(prefetch_share)(const T *x, fa_idx rows, fa_idx rs, fa_idx n
 }
 
 /* The next call's queries and keys (their first block), asked for while
- * the scores of this call's last key block are computed: the hardware
+ * the values of this call's last key block are summed: the hardware
  * prefetcher cannot guess where a new head starts.  Measured at 1 thread on
- * minilm-batch (B=32, H=12, L=S=128, E=32): 5.4 -> 5.0 ms. */
+ * minilm-batch (B=32, H=12, L=S=128, E=32): 5.4 -> 5.0 ms.  (Asked for any
+ * earlier, they push this call's keys out of L1: bert-base 2 % slower.) */
 typedef struct {
     const T *q, *k;
     fa_idx q_rows, k_rows;
@@ -62,7 +63,6 @@ static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const T *k, const
 static void FA_NAME(fetch_ahead)(const fa_attn_args *a, const FA_NAME(ahead) *h, fa_idx part,
                                  fa_idx parts)
 {
-    if (h == NULL) return;
     FA_NAME(prefetch_share)(h->q, h->q_rows, a->q_ls, a->E, a->q_es, part, parts);
     FA_NAME(prefetch_share)(h->k, h->k_rows, a->k_ss, a->E, a->k_es, part, parts);
 }
@@ -80,12 +80,10 @@ size_t FA_NAME(attn_work)(const fa_attn_args *a)
  * mask, -inf where hidden; bm[j] = the maximum of column j (NaN ignored).
  * Columns nq..ld-1 are padding.  Returns 0, with st untouched, when the mask
  * hides every key of the block from every query row (the block is then
- * skipped without reading K).  With `ahead`, the next call's rows are
- * prefetched as the scores are computed. */
+ * skipped without reading K). */
 static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
                                  const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
-                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm,
-                                 const FA_NAME(ahead) *ahead)
+                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm)
 {
     const T ninf = -(T)INFINITY;
     const int per_key = a->mask_kind != FA_MASK_NONE && a->m_ls == 0;
@@ -126,7 +124,6 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     const int plain = !per_key && !tile && !diagonal;
     for (fa_idx r = 0; r < nk; r += FA_MR) {
         const int mr = (int)(nk - r < FA_MR ? nk - r : FA_MR);
-        FA_NAME(fetch_ahead)(a, ahead, r / FA_MR, (nk + FA_MR - 1) / FA_MR);
         for (fa_idx p = 0; p < ld; p += FA_NR)
             FA_NAME(ukr)(mr, a->E, k + (s0 + r) * a->k_ss, a->k_ss, a->k_es, qp + p, ld,
                          st + r * ld + p, ld, (T)a->scale, 0, plain ? bm + p : NULL);
@@ -193,9 +190,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
 
     for (fa_idx s0 = 0; s0 < s_end; s0 += FA_KB) {
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
-        if (!FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm,
-                                   s0 + FA_KB >= s_end ? &ahead : NULL))
-            continue;
+        if (!FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm)) continue;
 
         int rescale = 0;
         for (fa_idx j = 0; j < ld; ++j) {
@@ -218,6 +213,8 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         const T *vb = v + s0 * a->v_ss;
         for (fa_idx c = 0; c < Ev; c += FA_MR) {
             const int mr = (int)(Ev - c < FA_MR ? Ev - c : FA_MR);
+            if (s0 + FA_KB >= s_end) /* the last block: this call's keys are done with */
+                FA_NAME(fetch_ahead)(a, &ahead, c / FA_MR, (Ev + FA_MR - 1) / FA_MR);
             for (fa_idx p = 0; p < ld; p += FA_NR)
                 FA_NAME(ukr)(mr, nk, vb + c * a->v_es, a->v_es, a->v_ss, st + p, ld,
                              ot + c * ld + p, ld, 1, 1, NULL);
@@ -239,7 +236,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_KB) {
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end &&
-                            FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm, NULL);
+                            FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm);
         if (visible) FA_NAME(exp_block)(nk, ld, st, ms, bl); /* exp(z - m); bl is unused here */
         for (fa_idx j = 0; j < nq; ++j) {
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;
