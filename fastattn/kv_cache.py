@@ -43,7 +43,9 @@ class KVCache:
     Raises
     ------
     TypeError for non-int sizes or another dtype; ValueError for sizes < 1
-    (value_dim and head_dim may be 0).
+    (value_dim and head_dim may be 0) or buffers larger than any address
+    space; MemoryError, with the sizes and bytes, when they cannot be
+    allocated.
     """
 
     def __init__(self, batch_size, num_kv_heads, capacity, head_dim, *, value_dim=None,
@@ -54,10 +56,19 @@ class KVCache:
         head_dim = C.check_index(head_dim, "head_dim", 0)
         value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
         dtype = C.check_float_dtype(dtype, "dtype")
-        # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
-        self._key = np.zeros((batch_size, num_kv_heads, capacity, head_dim), dtype)
-        self._value = np.zeros((batch_size, num_kv_heads, capacity, value_dim), dtype)
-        self._real = np.zeros((batch_size, capacity), bool)  # True = a real token, may be attended
+        nbytes = batch_size * capacity * (num_kv_heads * (head_dim + value_dim) * dtype.itemsize + 1)
+        sizes = (f"batch_size={batch_size}, num_kv_heads={num_kv_heads}, capacity={capacity}, "
+                 f"head_dim={head_dim}, value_dim={value_dim}, {dtype.name}")
+        if nbytes > np.iinfo(np.intp).max:
+            raise ValueError(f"KVCache of {sizes} would need {nbytes} bytes, more than any "
+                             f"address space; lower capacity")
+        try:  # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
+            self._key = np.zeros((batch_size, num_kv_heads, capacity, head_dim), dtype)
+            self._value = np.zeros((batch_size, num_kv_heads, capacity, value_dim), dtype)
+            self._real = np.zeros((batch_size, capacity), bool)  # True = a real token
+        except MemoryError:
+            raise MemoryError(f"KVCache of {sizes} needs {nbytes / 2**30:.1f} GiB, which could "
+                              f"not be allocated; lower capacity") from None
         self._length = 0
         self._padded = False
 

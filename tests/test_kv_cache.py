@@ -227,6 +227,11 @@ def test_cache_errors(method, args, kwargs, exc, msg):
     ((1, 1, 0, 1), {}, ValueError, "capacity must be >= 1, got 0"),
     ((1, 1, 1, 1.5), {}, TypeError, "head_dim must be an int, got float"),
     ((1, 1, 1, 1), {"dtype": np.int32}, TypeError, "dtype must be float32 or float64"),
+    ((1, 8, 2**62, 64), {}, ValueError, "KVCache of batch_size=1, num_kv_heads=8, "
+     "capacity=4611686018427387904, head_dim=64, value_dim=64, float32 would need"),
+    # 36 PiB: within a 64-bit size, beyond any address space a process gets
+    ((1, 8, 10**13, 64), {}, MemoryError, "capacity=10000000000000, head_dim=64, value_dim=64, "
+     "float32 needs 38156285.9 GiB, which could not be allocated; lower capacity"),
 ])
 def test_cache_constructor_errors(args, kwargs, exc, msg):
     with pytest.raises(exc) as info:
