@@ -102,11 +102,13 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """The number of threads a call uses when it is not given num_threads."""
+    """The number of threads a call uses when it is not given num_threads:
+    the count set by set_num_threads, else OpenMP's default capped at
+    MAX_THREADS (so that OMP_NUM_THREADS=100000 cannot abort the process)."""
     if not _core.have_openmp():
         return 1
     n = _num_threads  # read once: another thread may reset it meanwhile
-    return n if n is not None else _core.omp_max_threads()
+    return n if n is not None else min(_core.omp_max_threads(), MAX_THREADS)
 
 
 def resolve_threads(num_threads):

@@ -2,6 +2,9 @@
 of Python threads at once, while the settings change."""
 import concurrent.futures
 import itertools
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -55,6 +58,20 @@ def test_global_thread_setting(big):
     finally:
         fastattn.set_num_threads(None)
     assert fastattn.get_num_threads() == before
+
+
+@pytest.mark.skipif(not fastattn.openmp_enabled(), reason="serial build: always 1 thread")
+def test_omp_num_threads_is_capped():
+    # the default count comes from OMP_NUM_THREADS, read when OpenMP starts:
+    # a fresh process
+    code = ("import fastattn, numpy as np; print(fastattn.get_num_threads()); "
+            "q = np.ones((1, 1, 4, 8), np.float32); "
+            "print(fastattn.scaled_dot_product_attention(q, q, q).sum())")
+    env = dict(os.environ, OMP_NUM_THREADS="100000")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(fastattn._runtime.MAX_THREADS), "32.0"]
 
 
 def test_concurrent_python_threads(big):
