@@ -5,6 +5,7 @@ import itertools
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 
 import numpy as np
@@ -68,8 +69,9 @@ def test_omp_num_threads_is_capped():
             "q = np.ones((1, 1, 4, 8), np.float32); "
             "print(fastattn.scaled_dot_product_attention(q, q, q).sum())")
     env = dict(os.environ, OMP_NUM_THREADS="100000")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
+    with tempfile.TemporaryDirectory() as cwd:  # not the source tree, which would hide the build
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=cwd)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(fastattn._runtime.MAX_THREADS), "32.0"]
 
