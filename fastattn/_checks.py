@@ -76,10 +76,15 @@ def broadcast_shapes(named_shapes, what):
     first = named_shapes[0][1]
     if all(s == first for _, s in named_shapes):
         return tuple(first)
+    seen = ", ".join(f"{n} {shape_str(s)}" for n, s in named_shapes)
     try:
         return np.broadcast_shapes(*(s for _, s in named_shapes))
     except ValueError:
-        seen = ", ".join(f"{n} {shape_str(s)}" for n, s in named_shapes)
+        ndim = max(len(s) for _, s in named_shapes)
+        if all(len({s[i] for _, s in named_shapes if len(s) >= -i} - {1}) <= 1
+               for i in range(-ndim, 0)):  # compatible: NumPy refuses the size
+            raise ValueError(f"{what} broadcast to more elements than a 64-bit index "
+                             f"addresses: {seen}") from None
         raise ValueError(f"{what} do not broadcast: {seen}") from None
     except RuntimeError as e:  # NumPy broadcasts at most 32 dimensions
         raise ValueError(f"{what} cannot be broadcast: {e}") from None

@@ -137,10 +137,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                     ("value", value.shape[:-3])], "the batch axes")
         batch, kv_batch, group = outer + (Hq,), outer + (Hkv,), Hq // Hkv
     else:
+        heads = {a.shape[-3] for a in (query, key) if a.ndim >= 3} - {1}
+        hint = " (set enable_gqa=True for grouped-query attention)" if len(heads) > 1 else ""
         batch = C.broadcast_shapes([("query", query.shape[:-2]), ("key", key.shape[:-2]),
-                                    ("value", value.shape[:-2])],
-                                   "the leading axes (set enable_gqa=True for grouped-query "
-                                   "attention)")
+                                    ("value", value.shape[:-2])], "the leading axes" + hint)
         kv_batch, group = batch, 1
 
     # Broadcast views (stride 0) can describe more elements than an index
