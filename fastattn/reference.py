@@ -42,10 +42,14 @@ def weighted_sum(weights, value):
         return np.where(w != 0, w * value[..., None, :, :], 0).sum(axis=-2)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False,
+def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal=False,
                                  scale=None, enable_gqa=False, causal_alignment="upper_left",
                                  need_weights=False):
-    """softmax(query @ key^T * scale + mask) @ value, step by step."""
+    """softmax(query @ key^T * scale + mask) @ value, step by step.
+
+    fastattn.scaled_dot_product_attention's arguments, keyword-only after
+    attn_mask: there is no dropout_p here, so PyTorch's positional order
+    would shift them."""
     E = query.shape[-1]
     if enable_gqa:
         group = query.shape[-3] // key.shape[-3]
