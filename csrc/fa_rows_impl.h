@@ -48,8 +48,10 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const T *qs, const T *k,
                                  fa_idx nk, T *s)
 {
     const T ninf = -(T)INFINITY, scale = (T)a->scale;
-    const fa_idx row_bytes = a->E * (fa_idx)sizeof(T);
-    const fa_idx ahead = row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes : 1;
+    const fa_idx row_bytes = a->E * (fa_idx)sizeof(T); /* 0 when E = 0: nothing to fetch */
+    const fa_idx ahead = row_bytes == 0                   ? 0
+                         : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
+                                                         : 1;
     const fa_idx line = 64 / (fa_idx)sizeof(T);
     for (fa_idx r = 0; r < nk; ++r) {
         const T *krow = k + (s0 + r) * a->k_ss;

@@ -167,9 +167,11 @@ def main(argv=None):
           f"{fastattn.__version__}: greedy decoding with a KVCache per layer")
     for b, n in enumerate(lengths):
         print(f"  prompt {prompt[b, P - n:].tolist()} -> {tokens[b].tolist()}")
+    ok = diff <= 1e-4
     print(f"max |cached step logits - full causal pass logits| = {diff:.2e} "
-          f"(logits up to {np.abs(full).max():.1f})")
-    return 0 if diff <= 1e-4 else 1
+          f"(logits up to {np.abs(full).max():.1f}): {'agree' if ok else 'DIFFER'} "
+          f"within 1e-4")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ def plot(path):
 def main(plot_path=None):
     from . import simd_path
 
-    print(f"fastattn demo: the worked examples of shared/seeds, on the {simd_path()} kernels")
+    print(f"fastattn demo: the worked examples of two attention tutorials (in Chinese; their "
+          f"titles are below), on the {simd_path()} kernels")
     differ, all_agree = 0, True
     for ex in seeds.EXAMPLES:
         d, agree = run_example(ex)

@@ -1,5 +1,7 @@
 """KVCache: preallocated keys and values of the positions seen so far, for
 generating one step at a time."""
+import math
+
 import numpy as np
 
 from . import _checks as C
@@ -56,16 +58,19 @@ class KVCache:
         head_dim = C.check_index(head_dim, "head_dim", 0)
         value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
         dtype = C.check_float_dtype(dtype, "dtype")
-        nbytes = batch_size * capacity * (num_kv_heads * (head_dim + value_dim) * dtype.itemsize + 1)
+        shapes = [(batch_size, num_kv_heads, capacity, head_dim),
+                  (batch_size, num_kv_heads, capacity, value_dim), (batch_size, capacity)]
+        nbytes = sum(math.prod(s) for s in shapes[:2]) * dtype.itemsize + math.prod(shapes[2])
         sizes = (f"batch_size={batch_size}, num_kv_heads={num_kv_heads}, capacity={capacity}, "
                  f"head_dim={head_dim}, value_dim={value_dim}, {dtype.name}")
-        if nbytes > np.iinfo(np.intp).max:
-            raise ValueError(f"KVCache of {sizes} would need {nbytes} bytes, more than any "
-                             f"address space; lower capacity")
+        # NumPy refuses any shape whose nonzero sizes multiply past its index, even empty ones
+        if any(math.prod(d for d in s if d) > C.max_elements(dtype) for s in shapes):
+            raise ValueError(f"KVCache of {sizes} would need buffers larger than any address "
+                             f"space; lower capacity")
         try:  # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
-            self._key = np.zeros((batch_size, num_kv_heads, capacity, head_dim), dtype)
-            self._value = np.zeros((batch_size, num_kv_heads, capacity, value_dim), dtype)
-            self._real = np.zeros((batch_size, capacity), bool)  # True = a real token
+            self._key = np.zeros(shapes[0], dtype)
+            self._value = np.zeros(shapes[1], dtype)
+            self._real = np.zeros(shapes[2], bool)  # True = a real token, may be attended
         except MemoryError:
             raise MemoryError(f"KVCache of {sizes} needs {nbytes / 2**30:.1f} GiB, which could "
                               f"not be allocated; lower capacity") from None

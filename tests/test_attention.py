@@ -113,7 +113,10 @@ def test_fully_masked_rows_give_zeros(simd, dtype, rng):
         assert np.all(np.isfinite(out))
 
 
-@pytest.mark.parametrize("L,S,E,Ev", [(0, 5, 4, 3), (5, 0, 4, 3), (5, 6, 0, 3), (5, 6, 4, 0)])
+# E = 0 also through the row kernel: short queries, split decoding (few heads,
+# S >= 2048), and the one-row last block of L = 65 (float32) or 33 (float64)
+@pytest.mark.parametrize("L,S,E,Ev", [(0, 5, 4, 3), (5, 0, 4, 3), (5, 6, 0, 3), (5, 6, 4, 0),
+                                      (1, 6, 0, 3), (3, 4096, 0, 3), (65, 6, 0, 3), (33, 6, 0, 3)])
 def test_zero_size(simd, dtype, rng, L, S, E, Ev):
     q, k, v = attn_case(rng, dtype, (2, L, E), (2, S, E), (2, S, Ev))
     out, w = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True)
