@@ -150,12 +150,19 @@ cdef int fill_batch(Batch *b, cnp.ndarray a, int nd) except -1:
     return 0
 
 
+cdef inline fa_idx estride(cnp.ndarray a, int axis):
+    """The element stride of one axis; 0 for an empty array, whose strides
+    may be anything (2**62 included) and only ever feed pointer arithmetic."""
+    if cnp.PyArray_SIZE(a) == 0:
+        return 0
+    return cnp.PyArray_STRIDE(a, axis) // cnp.PyArray_ITEMSIZE(a)
+
+
 cdef int fill_strides(fa_idx *dst, cnp.ndarray a, int nd) except -1:
-    """Element strides of the first nd axes of a."""
+    """Element strides of the first nd axes of a (see estride)."""
     cdef int d
-    cdef fa_idx item = cnp.PyArray_ITEMSIZE(a)
     for d in range(nd):
-        dst[d] = cnp.PyArray_STRIDE(a, d) // item
+        dst[d] = estride(a, d)
     return 0
 
 
@@ -183,10 +190,6 @@ cdef int raise_on(int err, str what) except -1:
     if err == 2:
         raise RuntimeError(f"fastattn internal error: the {what} kernel rejected its arguments")
     return 0
-
-
-cdef inline fa_idx estride(cnp.ndarray a, int axis):
-    return cnp.PyArray_STRIDE(a, axis) // cnp.PyArray_ITEMSIZE(a)
 
 
 cdef struct Operands:

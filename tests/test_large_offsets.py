@@ -72,3 +72,24 @@ def test_softmax(spaces, simd, rng):
     out = place(dst, f, 2 * G + 7, (3, 6), (-G, 1))
     assert fastattn.softmax(x, mask=mask, out=out) is out
     np.testing.assert_array_equal(out, y)
+
+
+def test_empty_operands_with_absurd_strides(simd, dtype, rng):
+    """Empty arrays may carry any strides; the kernels never read them, and
+    must not even compute offsets with them (pointer arithmetic past any
+    object is undefined behaviour, which the sanitizer build reports)."""
+    base = np.zeros(1, dtype)
+    huge = [2**62, 2**61, 2**61, 8]
+    q0 = as_strided(base, (3, 5, 128, 0), huge)          # E = 0
+    k0 = as_strided(base, (3, 5, 7, 0), huge)
+    v = rng.standard_normal((3, 5, 7, 2)).astype(dtype)
+    out = fastattn.scaled_dot_product_attention(q0, k0, v)
+    assert_close(out, np.broadcast_to(v.astype(np.float64).mean(axis=-2, keepdims=True),
+                                      out.shape), dtype, 7)  # no feature: equal weights
+    q = rng.standard_normal((3, 5, 128, 4)).astype(dtype)
+    k = rng.standard_normal((3, 5, 7, 4)).astype(dtype)
+    v0 = as_strided(base, (3, 5, 7, 0), huge)             # Ev = 0, weights wanted
+    o0 = as_strided(np.zeros(1, dtype), (3, 5, 128, 0), huge)
+    _, w = fastattn.scaled_dot_product_attention(q, k, v0, need_weights=True, out=o0)
+    assert_close(w, ref.scaled_dot_product_attention(*f64(q, k, v0), need_weights=True)[1],
+                 dtype, 7)
