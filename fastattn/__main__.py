@@ -1,5 +1,6 @@
 """Command line: `fastattn info | demo | bench`."""
 import argparse
+import os
 import sys
 
 
@@ -21,6 +22,15 @@ def info():
 
 
 def main(argv=None):
+    try:
+        return _run(argv)
+    except BrokenPipeError:  # the reader stopped early (fastattn demo | head): end quietly
+        # Python's recipe: stdout onto devnull, so that the flush at exit fails no more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(argv):
     parser = argparse.ArgumentParser(prog="fastattn", description="CPU attention kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="version, SIMD path, OpenMP and thread count")

@@ -27,6 +27,18 @@ def test_info_portable_forced():
     assert "SIMD path: portable" in r.stdout
 
 
+def test_demo_into_a_pipe_closed_early():
+    """`fastattn demo | head -0`: the reader leaves (here before the demo has
+    started writing); no traceback."""
+    with tempfile.TemporaryDirectory() as cwd:
+        p = subprocess.Popen([sys.executable, "-m", "fastattn", "demo"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=cwd)
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=300) in (0, 1)
+    assert "Traceback" not in err, err
+
+
 def test_demo():
     r = run("demo")
     assert r.returncode == 0, r.stderr
