@@ -28,19 +28,12 @@
  * and store per tile (2-3 % of the time at E = 64). */
 #define FA_EC 32
 
-/* Ask the cache for share `part` of `parts` equal shares of rows 0..rows-1
- * (n contiguous elements each) ahead of their use; a prefetch never faults
- * and changes no result. */
+/* Prefetch share `part` of `parts` equal shares of rows 0..rows-1. */
 static void FA_NAME(prefetch_share)(const T *x, fa_idx rows, fa_idx rs, fa_idx n, fa_idx es,
                                     fa_idx part, fa_idx parts)
 {
-#ifdef __GNUC__
-    if (es != 1) return;
     for (fa_idx r = rows * part / parts; r < rows * (part + 1) / parts; ++r)
-        for (fa_idx e = 0; e < n; e += 64 / (fa_idx)sizeof(T)) __builtin_prefetch(x + r * rs + e);
-#else
-    (void)x, (void)rows, (void)rs, (void)n, (void)es, (void)part, (void)parts;
-#endif
+        FA_NAME(prefetch_row)(x + r * rs, n, es);
 }
 
 /* The next call's queries and keys (their first block), asked for while

@@ -39,11 +39,6 @@ typedef enum { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 } fa_mask_kin
 #define FA_PREFETCH(p) ((void)(p))
 #endif
 
-/* How far ahead a streaming loop asks for its rows: with rows of a few
- * hundred bytes the hardware prefetcher alone leaves decoding some 10 %
- * short of the read bandwidth. */
-#define FA_PREFETCH_BYTES 8192
-
 #define FA_CAT3_(a, b, c) a##_##b##_##c
 #define FA_CAT3(a, b, c) FA_CAT3_(a, b, c)
 

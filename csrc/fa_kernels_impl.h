@@ -17,6 +17,14 @@ static T FA_NAME(sum)(fa_idx n, const T *x)
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
+/* Ask the cache for a row of n elements ahead of its use, when they are
+ * contiguous (es == 1); a prefetch never faults and changes no result. */
+static FA_ALWAYS_INLINE void FA_NAME(prefetch_row)(const T *x, fa_idx n, fa_idx es)
+{
+    if (es != 1) return;
+    for (fa_idx e = 0; e < n; e += 64 / (fa_idx)sizeof(T)) FA_PREFETCH(x + e);
+}
+
 #include "fa_gemm_impl.h"
 #include "fa_softmax_impl.h"
 #include "fa_attn_impl.h"
@@ -27,6 +35,8 @@ void FA_NAME(exp_array)(fa_idx n, const T *x, T *y) { FA_NAME(vexp)(n, x, y); }
 #undef FA_QB
 #undef FA_KB
 #undef FA_RB
+#undef FA_EC
+#undef FA_PREFETCH_BYTES
 #undef FA_EP
 #undef FA_EVP
 #undef FA_ROWS_SCALARS

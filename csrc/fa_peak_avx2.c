@@ -15,31 +15,15 @@ fa_idx fa_peak_fma_flops_avx2(void) { return CHAINS * 8 * 2; }
 float fa_peak_fma_f32_avx2(fa_idx iters)
 {
     const __m256 a = _mm256_set1_ps(FA_PEAK_MUL), b = _mm256_set1_ps(FA_PEAK_ADD);
-    __m256 c0 = _mm256_set1_ps(1.00f), c1 = _mm256_set1_ps(1.01f), c2 = _mm256_set1_ps(1.02f),
-           c3 = _mm256_set1_ps(1.03f), c4 = _mm256_set1_ps(1.04f), c5 = _mm256_set1_ps(1.05f),
-           c6 = _mm256_set1_ps(1.06f), c7 = _mm256_set1_ps(1.07f), c8 = _mm256_set1_ps(1.08f),
-           c9 = _mm256_set1_ps(1.09f), c10 = _mm256_set1_ps(1.10f), c11 = _mm256_set1_ps(1.11f);
+    __m256 c[CHAINS];
     float lanes[8], total = 0.0f;
     fa_idx i;
     int j;
-    for (i = 0; i < iters; i++) {
-        c0 = _mm256_fmadd_ps(c0, a, b);
-        c1 = _mm256_fmadd_ps(c1, a, b);
-        c2 = _mm256_fmadd_ps(c2, a, b);
-        c3 = _mm256_fmadd_ps(c3, a, b);
-        c4 = _mm256_fmadd_ps(c4, a, b);
-        c5 = _mm256_fmadd_ps(c5, a, b);
-        c6 = _mm256_fmadd_ps(c6, a, b);
-        c7 = _mm256_fmadd_ps(c7, a, b);
-        c8 = _mm256_fmadd_ps(c8, a, b);
-        c9 = _mm256_fmadd_ps(c9, a, b);
-        c10 = _mm256_fmadd_ps(c10, a, b);
-        c11 = _mm256_fmadd_ps(c11, a, b);
-    }
-    c0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
-                       _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7)));
-    c0 = _mm256_add_ps(c0, _mm256_add_ps(_mm256_add_ps(c8, c9), _mm256_add_ps(c10, c11)));
-    _mm256_storeu_ps(lanes, c0);
+    for (j = 0; j < CHAINS; j++) c[j] = _mm256_set1_ps(1.0f + 0.01f * (float)j);
+    for (i = 0; i < iters; i++)
+        for (j = 0; j < CHAINS; j++) c[j] = _mm256_fmadd_ps(c[j], a, b);
+    for (j = 1; j < CHAINS; j++) c[0] = _mm256_add_ps(c[0], c[j]);
+    _mm256_storeu_ps(lanes, c[0]);
     for (j = 0; j < 8; j++) total += lanes[j];
     return total;
 }

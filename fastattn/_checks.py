@@ -99,14 +99,24 @@ def max_elements(dtype):
     return _INDEX.max // dtype.itemsize
 
 
+def _counted_elements(shape):
+    """Elements NumPy counts against its limit: zero-size shapes count their
+    other axes."""
+    return math.prod(d for d in shape if d)
+
+
+def addressable(shape, itemsize):
+    """Whether NumPy can make an array, real or a view, of this shape."""
+    return _counted_elements(shape) <= _INDEX.max // itemsize
+
+
 def require_addressable(named_shapes, itemsize):
-    """Refuse arrays, real or broadcast views, beyond max_elements (zero-size
-    ones count their other axes, as NumPy does): a clear error naming the
-    array before any allocation or broadcast."""
+    """Refuse arrays, real or broadcast views, beyond max_elements: a clear
+    error naming the array before any allocation or broadcast."""
     limit = _INDEX.max // itemsize
     for what, shape in named_shapes:
-        n = math.prod(d for d in shape if d)
-        if n > limit:
+        if not addressable(shape, itemsize):
+            n = _counted_elements(shape)
             raise ValueError(f"{what} {shape_str(shape)} would have {n} elements, more than a "
                              f"{_INDEX.bits}-bit index addresses ({limit} of {itemsize} bytes)")
 

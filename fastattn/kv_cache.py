@@ -63,8 +63,7 @@ class KVCache:
         nbytes = sum(math.prod(s) for s in shapes[:2]) * dtype.itemsize + math.prod(shapes[2])
         sizes = (f"batch_size={batch_size}, num_kv_heads={num_kv_heads}, capacity={capacity}, "
                  f"head_dim={head_dim}, value_dim={value_dim}, {dtype.name}")
-        # NumPy refuses any shape whose nonzero sizes multiply past its index, even empty ones
-        if any(math.prod(d for d in s if d) > C.max_elements(dtype) for s in shapes):
+        if not all(C.addressable(s, dtype.itemsize) for s in shapes):
             raise ValueError(f"KVCache of {sizes} would need buffers larger than any address "
                              f"space; lower capacity")
         try:  # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
