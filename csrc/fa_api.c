@@ -132,16 +132,16 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
     return 0;
 }
 
-/* Split keys only where there are few (batch, head) items to spread over
- * threads, in pieces of at least FA_SPLIT_KEYS keys. */
-#define FA_SPLIT_ITEMS 16
+/* Decoding-like calls split their keys in pieces of at least FA_SPLIT_KEYS
+ * keys, by the shape of one (batch, head) alone: a batch item then gives the
+ * same bits alone as inside any batch, and few items still keep every
+ * thread busy. */
 #define FA_SPLIT_KEYS 1024
 #define FA_SPLIT_MAX 16
 
-fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items)
+fa_idx fa_attn_splits(const fa_attn_args *a)
 {
-    if (a->L > FA_ROWS_MAX || items >= FA_SPLIT_ITEMS || a->S < 2 * FA_SPLIT_KEYS)
-        return 1;
+    if (a->L > FA_ROWS_MAX || a->S < 2 * FA_SPLIT_KEYS) return 1;
     const fa_idx n = a->S / FA_SPLIT_KEYS;
     return n < FA_SPLIT_MAX ? n : FA_SPLIT_MAX;
 }

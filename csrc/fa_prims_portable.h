@@ -188,25 +188,24 @@ static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l, T *bad)
         }
 }
 
-/* sum over c of x[c] * y[c * ys], in eight interleaved partial sums */
-static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
+/* sum over c of x[c] * y[c] (both contiguous), in eight interleaved partial sums */
+static T FA_NAME(dot)(fa_idx n, const T *x, const T *y)
 {
     T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     fa_idx c = 0;
     for (; c + 8 <= n; c += 8)
-        for (int t = 0; t < 8; ++t) part[t] += x[c + t] * y[(c + t) * ys];
-    for (; c < n; ++c) part[0] += x[c] * y[c * ys];
+        for (int t = 0; t < 8; ++t) part[t] += x[c + t] * y[c + t];
+    for (; c < n; ++c) part[0] += x[c] * y[c];
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-/* o[c] += sum over r < nk of p[r] * x[r * rs + c * cs], for c < n, leaving
- * out the rows whose p[r] is exactly 0 (their x is never read). */
-static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, fa_idx cs,
-                            T *o)
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, leaving out
+ * the rows whose p[r] is exactly 0 (their x is never read). */
+static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, T *o)
 {
     for (fa_idx r = 0; r < nk; ++r) {
         if (p[r] == 0) continue;
         const T *xr = x + r * rs;
-        for (fa_idx c = 0; c < n; ++c) o[c] += p[r] * xr[c * cs];
+        for (fa_idx c = 0; c < n; ++c) o[c] += p[r] * xr[c];
     }
 }

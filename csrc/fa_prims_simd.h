@@ -230,29 +230,26 @@ static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l, T *bad)
     }
 }
 
-/* sum over c of x[c] * y[c * ys] */
-static T FA_NAME(dot)(fa_idx n, const T *x, const T *y, fa_idx ys)
+/* sum over c of x[c] * y[c] (both contiguous) */
+static T FA_NAME(dot)(fa_idx n, const T *x, const T *y)
 {
     fa_idx c = 0;
-    T s = 0;
-    if (ys == 1) {
-        V s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
-        for (; c + 4 * VLEN <= n; c += 4 * VLEN) {
-            s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
-            s1 = VFMA(VLOAD(x + c + VLEN), VLOAD(y + c + VLEN), s1);
-            s2 = VFMA(VLOAD(x + c + 2 * VLEN), VLOAD(y + c + 2 * VLEN), s2);
-            s3 = VFMA(VLOAD(x + c + 3 * VLEN), VLOAD(y + c + 3 * VLEN), s3);
-        }
-        for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
-        s = VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));
+    V s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
+    for (; c + 4 * VLEN <= n; c += 4 * VLEN) {
+        s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
+        s1 = VFMA(VLOAD(x + c + VLEN), VLOAD(y + c + VLEN), s1);
+        s2 = VFMA(VLOAD(x + c + 2 * VLEN), VLOAD(y + c + 2 * VLEN), s2);
+        s3 = VFMA(VLOAD(x + c + 3 * VLEN), VLOAD(y + c + 3 * VLEN), s3);
     }
-    for (; c < n; ++c) s += x[c] * y[c * ys];
+    for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
+    T s = VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));
+    for (; c < n; ++c) s += x[c] * y[c];
     return s;
 }
 
-/* o[c] += sum over r < nk of p[r] * x[r * rs + c * cs], for c < n, leaving
- * out the rows whose p[r] is exactly 0 (their x is never read).  With cs = 1
- * up to 8 vectors of o stay in registers for the whole sweep over r. */
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, leaving out
+ * the rows whose p[r] is exactly 0 (their x is never read).  Up to 8
+ * vectors of o stay in registers for the whole sweep over r. */
 static FA_ALWAYS_INLINE void
 FA_NAME(gemv_t_body)(const int nv, fa_idx nk, const T *p, const T *x, fa_idx rs, T *o)
 {
@@ -267,27 +264,24 @@ FA_NAME(gemv_t_body)(const int nv, fa_idx nk, const T *p, const T *x, fa_idx rs,
     for (int u = 0; u < nv; ++u) VSTORE(o + u * VLEN, acc[u]);
 }
 
-static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, fa_idx cs,
-                            T *o)
+static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, T *o)
 {
     fa_idx c = 0;
-    if (cs == 1) {
-        for (; c + 8 * VLEN <= n; c += 8 * VLEN) FA_NAME(gemv_t_body)(8, nk, p, x + c, rs, o + c);
-        switch ((n - c) / VLEN) {
-        case 7: FA_NAME(gemv_t_body)(7, nk, p, x + c, rs, o + c); break;
-        case 6: FA_NAME(gemv_t_body)(6, nk, p, x + c, rs, o + c); break;
-        case 5: FA_NAME(gemv_t_body)(5, nk, p, x + c, rs, o + c); break;
-        case 4: FA_NAME(gemv_t_body)(4, nk, p, x + c, rs, o + c); break;
-        case 3: FA_NAME(gemv_t_body)(3, nk, p, x + c, rs, o + c); break;
-        case 2: FA_NAME(gemv_t_body)(2, nk, p, x + c, rs, o + c); break;
-        case 1: FA_NAME(gemv_t_body)(1, nk, p, x + c, rs, o + c); break;
-        default: break;
-        }
-        c += (n - c) / VLEN * VLEN;
+    for (; c + 8 * VLEN <= n; c += 8 * VLEN) FA_NAME(gemv_t_body)(8, nk, p, x + c, rs, o + c);
+    switch ((n - c) / VLEN) {
+    case 7: FA_NAME(gemv_t_body)(7, nk, p, x + c, rs, o + c); break;
+    case 6: FA_NAME(gemv_t_body)(6, nk, p, x + c, rs, o + c); break;
+    case 5: FA_NAME(gemv_t_body)(5, nk, p, x + c, rs, o + c); break;
+    case 4: FA_NAME(gemv_t_body)(4, nk, p, x + c, rs, o + c); break;
+    case 3: FA_NAME(gemv_t_body)(3, nk, p, x + c, rs, o + c); break;
+    case 2: FA_NAME(gemv_t_body)(2, nk, p, x + c, rs, o + c); break;
+    case 1: FA_NAME(gemv_t_body)(1, nk, p, x + c, rs, o + c); break;
+    default: break;
     }
+    c += (n - c) / VLEN * VLEN;
     for (fa_idx r = 0; c < n && r < nk; ++r) {
         if (p[r] == 0) continue;
-        for (fa_idx cc = c; cc < n; ++cc) o[cc] += p[r] * x[r * rs + cc * cs];
+        for (fa_idx cc = c; cc < n; ++cc) o[cc] += p[r] * x[r * rs + cc];
     }
 }
 

@@ -6,7 +6,7 @@
  * is exactly zero, so that a non-finite value at a hidden key never reaches
  * the output.
  *
- * Needs T, FA_NAME and the primitives vexp, dot, gemv_t. */
+ * Needs T, FA_NAME and the primitives vexp, sum, dot, gemv_t, prefetch_row. */
 
 #define FA_RB 256       /* keys per block */
 /* How far ahead the key rows are prefetched: with rows of a few hundred
@@ -18,11 +18,78 @@
 #define FA_EP(a) FA_PAD((a)->E, (fa_idx)sizeof(T))
 #define FA_EVP(a) FA_PAD((a)->Ev, (fa_idx)sizeof(T))
 #define FA_ROWS_SCALARS FA_PAD(2 * FA_ROWS_MAX, (fa_idx)sizeof(T))
+/* A tile of value rows whose features are strided is copied FA_VT_ROWS x
+ * FA_VT_COLS at a time (FA_VT_COLS a multiple of every path's vector). */
+#define FA_VT_ROWS 64
+#define FA_VT_COLS 64
+#define FA_GATHER(a) (FA_EP(a) > FA_VT_ROWS * FA_VT_COLS ? FA_EP(a) : FA_VT_ROWS * FA_VT_COLS)
 
 /* Scratch of the row kernel, from a 64-byte aligned start. */
 static size_t FA_NAME(rows_work)(const fa_attn_args *a)
 {
-    return sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + FA_EVP(a)) + FA_ROWS_SCALARS);
+    return sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + FA_EVP(a)) + FA_ROWS_SCALARS +
+                                FA_GATHER(a));
+}
+
+/* The row kernel's scratch, carved from work (64-byte aligned). */
+typedef struct {
+    T *qs;     /* FA_ROWS_MAX x E: the query rows */
+    T *s;      /* FA_ROWS_MAX x FA_RB: logits, then weights */
+    T *o;      /* FA_ROWS_MAX x Ev: unnormalised output */
+    T *m, *l;  /* running maximum and sum */
+    T *gather; /* a key row or a value tile copied contiguous */
+} FA_NAME(rows_scratch);
+
+static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
+{
+    FA_NAME(rows_scratch) w;
+    w.qs = work;
+    w.s = w.qs + FA_ROWS_MAX * FA_EP(a);
+    w.o = w.s + FA_ROWS_MAX * FA_RB;
+    w.m = w.o + FA_ROWS_MAX * FA_EVP(a);
+    w.l = w.m + FA_ROWS_MAX;
+    w.gather = w.m + FA_ROWS_SCALARS;
+    return w;
+}
+
+/* The one place the row kernel loads keys and values.  Rows whose features
+ * are strided are first copied contiguous, so that every layout of the same
+ * numbers goes through the same vector arithmetic: results are bitwise the
+ * same whatever the strides. */
+
+/* Key row j, contiguous: in place, or copied into buf. */
+static const T *FA_NAME(key_row)(const fa_attn_args *a, const T *k, fa_idx j, T *buf)
+{
+    const T *row = k + j * a->k_ss;
+    if (a->k_es == 1) return row;
+    for (fa_idx e = 0; e < a->E; ++e) buf[e] = row[e * a->k_es];
+    return buf;
+}
+
+/* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB). */
+static void FA_NAME(rows_values)(const fa_attn_args *a, const T *v, fa_idx nq, fa_idx s0,
+                                 fa_idx nk, const T *s, T *o, T *buf)
+{
+    const fa_idx Ev = a->Ev;
+    if (a->v_es == 1) {
+        for (fa_idx t = 0; t < nq; ++t)
+            FA_NAME(gemv_t)(nk, Ev, s + t * FA_RB, v + s0 * a->v_ss, a->v_ss, o + t * FA_EVP(a));
+        return;
+    }
+    /* the same products, a tile at a time: each output element still sums
+     * its keys in order, with the same vector or scalar operation */
+    for (fa_idx c0 = 0; c0 < Ev; c0 += FA_VT_COLS) {
+        const fa_idx nc = Ev - c0 < FA_VT_COLS ? Ev - c0 : FA_VT_COLS;
+        for (fa_idx r0 = 0; r0 < nk; r0 += FA_VT_ROWS) {
+            const fa_idx nr = nk - r0 < FA_VT_ROWS ? nk - r0 : FA_VT_ROWS;
+            for (fa_idx r = 0; r < nr; ++r) {
+                const T *vr = v + (s0 + r0 + r) * a->v_ss + c0 * a->v_es;
+                for (fa_idx c = 0; c < nc; ++c) buf[r * FA_VT_COLS + c] = vr[c * a->v_es];
+            }
+            for (fa_idx t = 0; t < nq; ++t)
+                FA_NAME(gemv_t)(nr, nc, s + t * FA_RB + r0, buf, FA_VT_COLS, o + t * FA_EVP(a) + c0);
+        }
+    }
 }
 
 /* One past the last key any of the rows before i1 may see. */
@@ -46,38 +113,40 @@ static T FA_NAME(mask_bias)(const fa_attn_args *a, const void *mask, fa_idx i, f
 }
 
 /* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;
- * qs holds the query rows. */
-static void FA_NAME(rows_logits)(const fa_attn_args *a, const T *qs, const T *k,
-                                 const void *mask, fa_idx i0, fa_idx nq, fa_idx s0,
-                                 fa_idx nk, T *s)
+ * w.qs holds the query rows. */
+static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
+                                 const T *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx s0,
+                                 fa_idx nk)
 {
+    T *s = w->s;
     const T ninf = -(T)INFINITY, scale = (T)a->scale;
     const fa_idx row_bytes = a->E * (fa_idx)sizeof(T); /* 0 when E = 0: nothing to fetch */
     const fa_idx ahead = row_bytes == 0                   ? 0
                          : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
                                                          : 1;
     for (fa_idx r = 0; r < nk; ++r) {
-        const T *krow = k + (s0 + r) * a->k_ss;
         if (a->k_es == 1 && s0 + r + ahead < a->S) /* a contiguous key row, further on */
-            FA_NAME(prefetch_row)(krow + ahead * a->k_ss, a->E, 1);
+            FA_NAME(prefetch_row)(k + (s0 + r + ahead) * a->k_ss, a->E, 1);
+        const T *krow = FA_NAME(key_row)(a, k, s0 + r, w->gather);
         for (fa_idx t = 0; t < nq; ++t) {
             const T b = FA_NAME(mask_bias)(a, mask, i0 + t, s0 + r);
-            s[t * FA_RB + r] = b == ninf ? ninf : scale * FA_NAME(dot)(a->E, qs + t * FA_EP(a), krow, a->k_es) + b;
+            s[t * FA_RB + r] = b == ninf ? ninf : scale * FA_NAME(dot)(a->E, w->qs + t * FA_EP(a), krow) + b;
         }
     }
 }
 
 /* Keys s_lo..s_hi-1 into the running state of nq rows: maximum m, sum l and
- * unnormalised output o (nq x Ev); qs holds the query rows. */
-static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const T *qs, const T *k, const T *v,
-                                     const void *mask, fa_idx i0, fa_idx nq, fa_idx s_lo,
-                                     fa_idx s_hi, T *s, T *o, T *m, T *l)
+ * unnormalised output o (nq x Ev); w.qs holds the query rows. */
+static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
+                                     const T *k, const T *v, const void *mask, fa_idx i0,
+                                     fa_idx nq, fa_idx s_lo, fa_idx s_hi)
 {
     const fa_idx Ev = a->Ev;
     const T ninf = -(T)INFINITY;
+    T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
     for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
         const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
-        FA_NAME(rows_logits)(a, qs, k, mask, i0, nq, s0, nk, s);
+        FA_NAME(rows_logits)(a, w, k, mask, i0, nq, s0, nk);
         for (fa_idx t = 0; t < nq; ++t) {
             T *st = s + t * FA_RB, bm = ninf;
             for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
@@ -93,37 +162,36 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const T *qs, const T
             FA_NAME(vexp)(nk, st, st);
             l[t] += FA_NAME(sum)(nk, st);
         }
-        for (fa_idx t = 0; t < nq; ++t)
-            FA_NAME(gemv_t)(nk, Ev, s + t * FA_RB, v + s0 * a->v_ss, a->v_ss, a->v_es,
-                            o + t * FA_EVP(a));
+        FA_NAME(rows_values)(a, v, nq, s0, nk, s, o, w->gather);
     }
 }
 
-/* qs = the query rows; the state starts empty. */
-static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa_idx nq, T *qs,
-                                T *o, T *m, T *l)
+/* w.qs = the query rows; the state starts empty. */
+static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa_idx nq,
+                                const FA_NAME(rows_scratch) *w)
 {
     for (fa_idx t = 0; t < nq; ++t) {
-        for (fa_idx e = 0; e < a->E; ++e) qs[t * FA_EP(a) + e] = q[(i0 + t) * a->q_ls + e * a->q_es];
-        for (fa_idx c = 0; c < a->Ev; ++c) o[t * FA_EVP(a) + c] = 0;
-        m[t] = -(T)INFINITY;
-        l[t] = 0;
+        for (fa_idx e = 0; e < a->E; ++e) w->qs[t * FA_EP(a) + e] = q[(i0 + t) * a->q_ls + e * a->q_es];
+        for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] = 0;
+        w->m[t] = -(T)INFINITY;
+        w->l[t] = 0;
     }
 }
 
 /* The weights of rows i0..i0+nq-1, exp(z - m) / l, from their final maximum
- * m and sum l: 0 where hidden or where no key was visible, NaN all along a
- * NaN row; qs holds the query rows. */
-static void FA_NAME(rows_weights)(const fa_attn_args *a, const T *qs, const T *k,
-                                  const void *mask, fa_idx i0, fa_idx nq, const T *m,
-                                  const T *l, T *s, T *w)
+ * m and sum l (in ws): 0 where hidden or where no key was visible, NaN all
+ * along a NaN row; ws.qs holds the query rows. */
+static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scratch) *ws,
+                                  const T *k, const void *mask, fa_idx i0, fa_idx nq, T *w)
 {
     const T ninf = -(T)INFINITY;
+    const T *m = ws->m, *l = ws->l;
+    T *s = ws->s;
     const fa_idx s_end = FA_NAME(key_end)(a, i0 + nq);
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_RB) {
         const fa_idx nk = a->S - s0 < FA_RB ? a->S - s0 : FA_RB;
         if (s0 < s_end) {
-            FA_NAME(rows_logits)(a, qs, k, mask, i0, nq, s0, nk, s);
+            FA_NAME(rows_logits)(a, ws, k, mask, i0, nq, s0, nk);
             for (fa_idx t = 0; t < nq; ++t) {
                 const T ms = m[t] == ninf ? 0 : m[t];
                 for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] -= ms;
@@ -143,22 +211,19 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, co
                                const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
 {
     const fa_idx nq = i1 - i0, Ev = a->Ev;
-    T *qs = work;                         /* nq x E: the query rows */
-    T *s = qs + FA_ROWS_MAX * FA_EP(a);   /* nq x FA_RB: logits, then weights */
-    T *o = s + FA_ROWS_MAX * FA_RB;       /* nq x Ev: unnormalised output */
-    T *m = o + FA_ROWS_MAX * FA_EVP(a);   /* running maximum */
-    T *l = m + FA_ROWS_MAX;               /* running sum */
+    const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, work);
     const fa_idx s_end = FA_NAME(key_end)(a, i1);
 
-    FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
-    FA_NAME(rows_accumulate)(a, qs, k, v, mask, i0, nq, 0, s_end, s, o, m, l);
+    FA_NAME(rows_start)(a, q, i0, nq, &ws);
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, 0, s_end);
     /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
     for (fa_idx t = 0; t < nq; ++t) {
         T *orow = out + (i0 + t) * a->o_ls;
-        for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = l[t] == 0 ? 0 : o[t * FA_EVP(a) + c] / l[t];
+        for (fa_idx c = 0; c < Ev; ++c)
+            orow[c * a->o_es] = ws.l[t] == 0 ? 0 : ws.o[t * FA_EVP(a) + c] / ws.l[t];
     }
 
-    if (w != NULL) FA_NAME(rows_weights)(a, qs, k, mask, i0, nq, m, l, s, w);
+    if (w != NULL) FA_NAME(rows_weights)(a, &ws, k, mask, i0, nq, w);
 }
 
 /* The state (m, l, o[0..Ev)) of rows i0..i1-1 over keys s_lo..s_hi-1 only,
@@ -168,15 +233,14 @@ void FA_NAME(attn_part)(const fa_attn_args *a, const T *q, const T *k, const T *
                         T *state, void *work)
 {
     const fa_idx nq = i1 - i0, Ev = a->Ev, end = FA_NAME(key_end)(a, i1);
-    T *qs = (T *)FA_ALIGNED(work), *s = qs + FA_ROWS_MAX * FA_EP(a);
-    T *o = s + FA_ROWS_MAX * FA_RB, *m = o + FA_ROWS_MAX * FA_EVP(a), *l = m + FA_ROWS_MAX;
-    FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
-    FA_NAME(rows_accumulate)(a, qs, k, v, mask, i0, nq, s_lo, s_hi < end ? s_hi : end, s, o, m, l);
+    const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, (T *)FA_ALIGNED(work));
+    FA_NAME(rows_start)(a, q, i0, nq, &ws);
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_lo, s_hi < end ? s_hi : end);
     for (fa_idx t = 0; t < nq; ++t) {
         T *st = state + t * (Ev + 2);
-        st[0] = m[t];
-        st[1] = l[t];
-        for (fa_idx c = 0; c < Ev; ++c) st[2 + c] = o[t * FA_EVP(a) + c];
+        st[0] = ws.m[t];
+        st[1] = ws.l[t];
+        for (fa_idx c = 0; c < Ev; ++c) st[2 + c] = ws.o[t * FA_EVP(a) + c];
     }
 }
 
@@ -221,12 +285,11 @@ void FA_NAME(attn_weights)(const fa_attn_args *a, const T *q, const T *k, const 
                            const T *ml, T *w, fa_idx i0, fa_idx i1, void *work)
 {
     const fa_idx nq = i1 - i0;
-    T *qs = (T *)FA_ALIGNED(work), *s = qs + FA_ROWS_MAX * FA_EP(a);
-    T *o = s + FA_ROWS_MAX * FA_RB, *m = o + FA_ROWS_MAX * FA_EVP(a), *l = m + FA_ROWS_MAX;
-    FA_NAME(rows_start)(a, q, i0, nq, qs, o, m, l);
+    const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, (T *)FA_ALIGNED(work));
+    FA_NAME(rows_start)(a, q, i0, nq, &ws);
     for (fa_idx t = 0; t < nq; ++t) {
-        m[t] = ml[2 * t];
-        l[t] = ml[2 * t + 1];
+        ws.m[t] = ml[2 * t];
+        ws.l[t] = ml[2 * t + 1];
     }
-    FA_NAME(rows_weights)(a, qs, k, mask, i0, nq, m, l, s, w);
+    FA_NAME(rows_weights)(a, &ws, k, mask, i0, nq, w);
 }

@@ -103,11 +103,11 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
 
 /* ---- Decoding split along the keys ------------------------------------- */
 
-/* How many pieces to split the keys of each (batch, head) into, when there
- * are `items` (batch, head) pairs: more than 1 only for decoding-like calls
- * (at most 4 query rows, few items, many keys).  It depends on the shape
- * alone, never on the thread count nor on whether weights are wanted. */
-fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items);
+/* How many pieces to split the keys of each (batch, head) into: more than 1
+ * only for decoding-like calls (at most 4 query rows, at least 2048 keys).
+ * It depends on the shape of one (batch, head) alone, never on the batch,
+ * the thread count, the strides nor on whether weights are wanted. */
+fa_idx fa_attn_splits(const fa_attn_args *a);
 /* Values of state one piece holds: (i1 - i0) * (Ev + 2). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
 /* The running maximum, sum and unnormalised output of rows i0..i1-1 over

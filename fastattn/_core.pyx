@@ -77,7 +77,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                     const double *v, const void *mask, double *out, double *w,
                     fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
-    fa_idx fa_attn_splits(const fa_attn_args *a, fa_idx items)
+    fa_idx fa_attn_splits(const fa_attn_args *a)
     fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
     int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
                          const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
@@ -317,7 +317,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef int rc
     if ntasks == 0:
         return
-    cdef fa_idx nsplit = fa_attn_splits(&a, b.count)
+    cdef fa_idx nsplit = fa_attn_splits(&a)
     if nsplit > 1:
         split_attention(isa, &a, &b, &o, nsplit, work_bytes, nthreads)
         return
@@ -355,7 +355,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
 
 cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const Operands *o,
                          fa_idx nsplit, size_t work_bytes, int nthreads) except -1:
-    """Decoding with few (batch, head) items: every item's keys in nsplit
+    """Decoding (a few query rows, many keys): every item's keys in nsplit
     pieces computed in parallel, then merged (csrc/fastattn.h); the weights,
     when wanted, from each row's merged maximum and sum, so that asking for
     them does not change the output."""

@@ -7,9 +7,10 @@ sliced with a step, reversed, broadcast with stride 0), boolean or float
 masks of any broadcastable shape with fully hidden rows and -inf, both
 causal alignments, grouped-query attention, float32 or float64, a SIMD path
 and a thread count.  Every result is compared with the float64 NumPy
-reference under the tolerance model of conftest.py; every thread count must
-give the same bits; an ``out`` array is written through its strides and
-nowhere else; the inputs are never modified.
+reference under the tolerance model of conftest.py; every thread count,
+contiguous copies of the operands and (attention) a batch item computed
+alone must give the same bits; an ``out`` array is written through its
+strides and nowhere else; the inputs are never modified.
 
 The number of examples comes from the hypothesis profile (conftest.py):
 "ci" by default, ``pytest --hypothesis-profile=thorough`` for thousands.
@@ -178,6 +179,26 @@ def test_attention(data):
         out, _ = check_attention(q, k, v, dtype, **kwargs)
         check_out_and_threads(sdpa, (q, k, v), kwargs, out,
                               random_out(draw, out.shape, dtype), draw(THREADS))
+        check_layout_and_batch(draw, (q, k, v), kwargs, out, batch, gqa)
+
+
+def check_layout_and_batch(draw, qkv, kwargs, out, batch, gqa):
+    """The same numbers give the same bits in any layout, and a batch item
+    the same bits alone as inside its batch."""
+    mask = kwargs["attn_mask"]
+    dense = dict(kwargs, attn_mask=None if mask is None else np.ascontiguousarray(mask))
+    np.testing.assert_array_equal(sdpa(*(np.ascontiguousarray(a) for a in qkv), **dense), out)
+    # one item of the first batch axis (not the head axis under GQA, whose
+    # query heads come in groups)
+    if len(batch) < 1 + gqa or batch[0] == 0:
+        return
+    i = draw(st.integers(0, batch[0] - 1))
+    lead = batch[:-1] if gqa else batch
+    core = 2 + len(batch) - len(lead)  # (L or S, E), after the head axis under GQA
+    item = [np.broadcast_to(a, lead + a.shape[-core:])[i:i + 1] for a in qkv]
+    if mask is not None:
+        mask = np.broadcast_to(mask, batch + (out.shape[-2], qkv[1].shape[-2]))[i:i + 1]
+    np.testing.assert_array_equal(sdpa(*item, **dict(kwargs, attn_mask=mask)), out[i:i + 1])
 
 
 @given(st.data())
@@ -247,6 +268,9 @@ def test_softmax(data):
             check_out_and_threads(fastattn.softmax, (x, axis), {"mask": mask}, y,
                                   random_out(draw, shape, dtype), draw(THREADS))
         assert_close(y, expected, dtype, shape[axis])
+        dense_mask = None if mask is None else np.ascontiguousarray(mask)
+        np.testing.assert_array_equal(
+            fastattn.softmax(np.ascontiguousarray(x), axis, mask=dense_mask), y)
         if in_place:
             assert fastattn.softmax(x, axis, mask=mask, out=x) is x
             np.testing.assert_array_equal(x, y)
@@ -265,6 +289,8 @@ def test_matmul(data):
     with simd_path(draw(PATHS)), unchanged(a, b):
         c = fastattn.matmul(a, b)
         assert_close(c, expected, dtype, K, magnitude=np.sqrt(max(K, 1)))
+        np.testing.assert_array_equal(
+            fastattn.matmul(np.ascontiguousarray(a), np.ascontiguousarray(b)), c)
         check_out_and_threads(fastattn.matmul, (a, b), {}, c, random_out(draw, c.shape, dtype),
                               draw(THREADS))
 
