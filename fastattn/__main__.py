@@ -23,7 +23,12 @@ def info():
 
 def main(argv=None):
     try:
-        return _run(argv)
+        try:
+            return _run(argv)
+        finally:  # --help and usage errors too (SystemExit)
+            # stdout into a pipe is block buffered unless PYTHONUNBUFFERED is set: the
+            # write that finds the pipe closed is often this last flush, not a print
+            sys.stdout.flush()
     except BrokenPipeError:  # the reader stopped early (fastattn demo | head): end quietly
         # Python's recipe: stdout onto devnull, so that the flush at exit fails no more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
