@@ -16,7 +16,7 @@ from conftest import assert_close
 import fastattn
 from fastattn import _peak, reference
 from fastattn.bench import RUNNERS, measure, report, runners, worker
-from fastattn.bench.cli import _require
+from fastattn.bench.cli import require
 from fastattn.bench.shapes import ALL_SHAPES, SHAPES, Shape
 
 
@@ -197,8 +197,11 @@ def test_targets_from_a_made_up_run():
 
 
 def test_require_names_the_install_command(capsys):
-    assert not _require(["no_such_module_for_fastattn"], "pip install 'fastattn[bench]'")
-    assert "pip install 'fastattn[bench]'" in capsys.readouterr().err
+    assert require(["numpy"], "pip install numpy")
+    assert not require(["numpy", "no_such_module_for_fastattn"], "pip install 'fastattn[bench]'")
+    err = capsys.readouterr().err
+    assert err == ("fastattn bench: no_such_module_for_fastattn cannot be imported; install "
+                   "with: pip install 'fastattn[bench]'\n")
 
 
 def run_cli(*args):
@@ -240,6 +243,8 @@ def test_cli_bench_json():
     (["--min-time", "-1"], "expected a number >= 0.0"),
     (["--shapes", "tiny", "--json", "/nonexistent-dir/out.json"],
      "cannot write /nonexistent-dir/out.json: no such directory"),
+    (["--shapes", "tiny", "--plot", "bars"], "'bars' does not end in .png"),
+    (["--shapes", "tiny", "--json", "."], "cannot write .: it is a directory"),
 ])
 def test_cli_bench_bad_arguments(args, message):
     r, _ = run_cli(*args)
