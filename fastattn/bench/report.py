@@ -72,8 +72,8 @@ def format_peaks(report):
              "FMA in GFLOP/s:", f"  {'threads':>7}{head}  {'read GB/s':>10}"]
     for n, p in peaks.items():
         read = p.get("read")
-        lines.append(f"  {n:>7}" + "".join(f"  {_fmt((p.get('fma', {}).get(isa) or {}).get('gflops'), '12.1f'):>12}"
-                                           for isa in paths)
+        fma = [(p.get("fma", {}).get(isa) or {}).get("gflops") for isa in paths]
+        lines.append(f"  {n:>7}" + "".join(f"  {_fmt(f, '12.1f'):>12}" for f in fma)
                      + f"  {_fmt(read and read['gbps'], '10.1f'):>10}")
         for key, value in p.items():
             if key.startswith("read:"):
@@ -103,8 +103,8 @@ def format_disturbance(report):
     for n, p in report["peaks"].items():
         fma = p.get("fma", {}).get(widest)
         if one and fma and int(n) > 1 and fma["gflops"] < 0.8 * int(n) * one["gflops"]:
-            lines.append(f"Note: the FMA peak at {n} threads is {fma['gflops'] / one['gflops']:.2f} "
-                         f"x the 1-thread one: other processes were using the cores, so the "
+            lines.append(f"Note: the FMA peak at {n} threads is "
+                         f"{fma['gflops'] / one['gflops']:.2f} x the 1-thread one: other processes were using the cores, so the "
                          f"{n}-thread numbers are disturbed.")
     timed = [c for c in report["cases"] if c.get("other_cores") is not None]
     busy = [c for c in timed if c["other_cores"] > BUSY]
@@ -164,7 +164,8 @@ def format_table(report):
                 f"{_fmt(c.get('max_abs_err'), '8.1e'):>8} "
                 f"{_fmt(c.get('rms_err'), '8.1e'):>8} "
                 f"{_fmt(c.get('other_cores'), '5.2f'):>5}")
-    lines += [""] + textwrap.wrap("time: median per call.  speed: 4·B·H·L·S·E FLOP (halved when causal) per "
+    lines += [""] + textwrap.wrap(
+              "time: median per call.  speed: 4·B·H·L·S·E FLOP (halved when causal) per "
               "second, or for decode-4096 bytes of key+value per second.  xNumPy, xPyTorch, "
               "xORT: that library's time / this row's (> 1: this row is faster), ORT: the faster "
               "of its two key/value layouts, BSD = (B, S, H·E), BHSD = (B, H, S, E).  %peak: of "

@@ -1,7 +1,7 @@
 """Runs the benchmark: the machine's peaks per thread count (in this
 process), then every case (runner x shape x thread count, and for fastattn x
-SIMD path) in a fresh process (fastattn.bench.worker).  Returns the raw results that report.py turns into
-the table, the JSON file and the plot."""
+SIMD path) in a fresh process (fastattn.bench.worker).  Returns the raw
+results that report.py turns into the table, the JSON file and the plot."""
 import json
 import os
 import subprocess
