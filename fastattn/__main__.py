@@ -23,7 +23,12 @@ def info():
 
 def main(argv=None):
     try:
-        return _run(argv)
+        try:
+            return _run(argv)
+        finally:  # --help and usage errors too (SystemExit)
+            # stdout into a pipe is block buffered unless PYTHONUNBUFFERED is set: the
+            # write that finds the pipe closed is often this last flush, not a print
+            sys.stdout.flush()
     except BrokenPipeError:  # the reader stopped early (fastattn demo | head): end quietly
         # Python's recipe: stdout onto devnull, so that the flush at exit fails no more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -31,21 +36,39 @@ def main(argv=None):
 
 
 def _run(argv):
-    parser = argparse.ArgumentParser(prog="fastattn", description="CPU attention kernels")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="version, SIMD path, OpenMP and thread count")
-    demo = sub.add_parser("demo", help="the tutorials' worked examples, step by step")
-    demo.add_argument("--plot", metavar="FILE.png", help="draw the weight matrices as heatmaps")
+    import fastattn
     from fastattn.bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser(
+        prog="fastattn", description="Exact attention on the CPU: C kernels under a small NumPy "
+        "API.", epilog="`fastattn COMMAND --help` describes a command and its options.")
+    parser.add_argument("--version", action="version", version=f"fastattn {fastattn.__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    sub.add_parser("info", help="version, SIMD path, OpenMP and thread count",
+                   description="Print fastattn's version, the SIMD path its kernels use (and "
+                               "those this CPU has), whether OpenMP is compiled in, and the "
+                               "thread count.")
+    from fastattn import demo as demo_mod
+    demo = sub.add_parser("demo", help="two worked examples of attention, step by step",
+                          description=demo_mod.DESCRIPTION)
+    demo.add_argument("--plot", metavar="FILE.png", type=bench_cli.output_file(".png"),
+                      help="also draw the weight matrices as heatmaps into FILE.png (a PNG "
+                           "file, written under exactly that name; needs matplotlib)")
     bench = sub.add_parser("bench", help="fastattn vs NumPy, PyTorch and ONNX Runtime: a table",
                            description=bench_cli.__doc__)
     bench_cli.add_arguments(bench)
     args = parser.parse_args(argv)
+    if args.command is None:  # a usage error, but the help says more than "required"
+        parser.print_help(sys.stderr)
+        return 2
     if args.command == "info":
         return info()
     if args.command == "bench":
         return bench_cli.main(args)
-    from fastattn import demo as demo_mod
+    # checked before the demo runs, not after it has printed everything
+    if args.plot and not bench_cli.require(["matplotlib"], "pip install 'fastattn[plot]'",
+                                           "fastattn demo --plot"):
+        return 2
     return demo_mod.main(args.plot)
 
 

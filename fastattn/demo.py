@@ -1,45 +1,96 @@
-"""`fastattn demo`: the tutorials' worked examples, step by step, on the C kernels."""
+"""`fastattn demo`: two worked examples of attention, step by step, on the C kernels.
+
+The examples, their inputs and the numbers their tutorials print are in
+seeds.py; everything shown here is computed from those inputs."""
 import math
+import sys
+import textwrap
 
 import numpy as np
 
 from . import seeds
 
+DESCRIPTION = (
+    "Walks through the worked examples of two attention tutorials (blog posts in Chinese): "
+    "two tokens, without and with a causal mask, and three tokens 我 爱 你. For each it prints "
+    "the inputs Q, K, V, then every step of softmax(Q K^T / sqrt(d_k) + M) V computed with "
+    "fastattn's C kernels: the scores, the scaled scores, their exponentials and row sums, the "
+    "weights A and the output O = A V. It checks these against the numbers the tutorial prints "
+    "and says where one is wrong, then shows on random vectors why the scores are divided by "
+    "sqrt(d_k).")
+
 
 def _show(label, a, out=print):
-    """A matrix to 4 decimals, rows aligned under the label."""
+    """A vector or a matrix to 4 decimals, rows aligned under the label."""
     rows = ["[" + ", ".join("-inf" if v == -np.inf else f"{v:.4f}" for v in r) + "]"
             for r in np.atleast_2d(a)]
-    prefix = f"  {label:<10}= "
-    out(prefix + "[" + (",\n" + " " * (len(prefix) + 1)).join(rows) + "]")
+    prefix = f"  {label:<14}= "
+    if np.ndim(a) == 1:
+        out(prefix + rows[0])
+    else:
+        out(prefix + "[" + (",\n" + " " * (len(prefix) + 1)).join(rows) + "]")
+
+
+# the quantities of seeds.QUANTITIES, as a sentence names them
+_NAMES = {"scores": "scores", "scaled": "scaled scores", "exps": "exps", "exp_sums": "sum",
+          "weights": "weights", "out": "output"}
+
+
+def _say(text, out=print):
+    """A sentence of prose, wrapped and indented under the matrices."""
+    out(textwrap.fill(text, width=100, initial_indent="  ", subsequent_indent="  "))
+
+
+def _values(values, decimals):
+    return ", ".join(f"{v:.{decimals}f}" for v in values)
+
+
+def tutorial_note(ex, results):
+    """One sentence on how the tutorial's printed numbers compare with the
+    exact ones: they agree at its rounding, or where a row does not, what it
+    prints and what the exact values are."""
+    wrong = [(c, exact) for c, exact, ok in results if not ok]
+    if not wrong:
+        return (f"The {len(results)} rows of numbers the tutorial prints agree with these at "
+                "its rounding.")
+    rows = []
+    for row in dict.fromkeys(c.row for c, _ in wrong):
+        claims = [(c, exact) for c, exact in wrong if c.row == row]
+        printed = " and ".join(f"{_NAMES[c.quantity]} {_values(c.printed, c.decimals)}"
+                               for c, _ in claims)
+        exact = " and ".join(_values(e, 4) for _, e in claims)
+        rows.append(f"row {ex.tokens[row]}, which it prints as {printed}; the exact values "
+                    f"are {exact}")
+    return (f"The tutorial's other printed rows ({len(results) - len(wrong)}) agree with these "
+            f"at its rounding; not so " + "; and ".join(rows) + ".")
 
 
 def run_example(ex, out=print):
+    """Print one example step by step; returns whether the fused kernel
+    agrees with the step-by-step path."""
     steps = seeds.compute(ex)
-    out(f"\n== {ex.title}\n   from: {ex.source}\n   tokens: {' '.join(ex.tokens)}")
+    d_k = ex.q.shape[-1]
+    out(f"\n== {ex.title}\n   from the tutorial \"{ex.source}\"\n"
+        f"   tokens: {', '.join(ex.tokens)} (one row each); d_k = {d_k}")
     _show("Q", ex.q, out=out)
     _show("K", ex.k, out=out)
     _show("V", ex.v, out=out)
-    _show("Q K^T", steps["scores"], out=out)
-    _show(f"/ sqrt({ex.q.shape[-1]})", steps["scaled"], out=out)
-    _show("mask M", steps["mask"], out=out)
-    _show("A", steps["weights"], out=out)
+    _show("S = Q K^T", steps["scores"], out=out)
+    _show(f"S / sqrt({d_k})", steps["scaled"], out=out)
+    if ex.causal:
+        _show("mask M", steps["mask"], out=out)
+        _say("(a token sees itself and the tokens before it: M adds -inf after the diagonal)",
+             out=out)
+    _show("exp", steps["exps"], out=out)
+    _show("row sums", steps["exp_sums"].ravel(), out=out)
+    _show("A = exp / sum", steps["weights"], out=out)
     _show("O = A V", steps["out"], out=out)
     agree = (np.allclose(steps["weights"], steps["fused_weights"], rtol=0, atol=1e-12)
              and np.allclose(steps["stepwise_out"], steps["out"], rtol=0, atol=1e-12))
-    out(f"  fused kernel and step-by-step path agree to 1e-12: {'yes' if agree else 'NO'}")
-    results = seeds.check(ex, steps)
-    differ = 0
-    for claim, exact, ok in results:
-        label = f"{seeds.QUANTITIES[claim.quantity]}, row {ex.tokens[claim.row]}"
-        printed = ", ".join(f"{p:.{claim.decimals}f}" for p in claim.printed)
-        exact_s = ", ".join(f"{e:.4f}" for e in exact)
-        if ok:
-            out(f"  ok      {label}: tutorial [{printed}], exact [{exact_s}]")
-        else:
-            differ += 1
-            out(f"  DIFFERS {label}: tutorial prints [{printed}], the exact value is [{exact_s}]")
-    return differ, agree
+    _say("The fused kernel (scaled_dot_product_attention) gives the same A and O to 1e-12: "
+         + ("yes." if agree else "NO."), out=out)
+    _say(tutorial_note(ex, seeds.check(ex, steps)), out=out)
+    return agree
 
 
 def scaling_check(d_k=64, n=200_000, seed=0, out=print):
@@ -51,22 +102,24 @@ def scaling_check(d_k=64, n=200_000, seed=0, out=print):
     q = rng.standard_normal((n, 1, d_k))
     k = rng.standard_normal((n, d_k, 1))
     dots = matmul(q, k).ravel()
-    out(f"\n== Scaling by 1/sqrt(d_k), d_k = {d_k}, {n} random pairs")
+    out(f"\n== Why the scores are divided by sqrt(d_k): {n} random pairs q, k, d_k = {d_k}")
+    _say("With independent unit-variance components, q.k has mean 0 and variance d_k, so "
+         "unscaled scores spread out as d_k grows and the softmax saturates; divided by "
+         "sqrt(d_k) their variance is 1 whatever d_k.", out=out)
     out(f"  q.k: mean {dots.mean():+.3f}, variance {dots.var():.2f} (theory: 0 and {d_k})")
     out(f"  q.k / sqrt(d_k): variance {(dots / math.sqrt(d_k)).var():.3f} (theory: 1)")
-    out("  note: seed 003 says the dot product's expected value grows 64-fold; it is its "
-        "variance that grows with d_k (seed 000 says so); the mean stays 0.")
     return dots
 
 
 def plot(path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'fastattn[plot]'") from None
-    romanised = {"我": "wo", "爱": "ai", "你": "ni"}
+    """Draw the weight matrices of the examples as heatmaps into path, a PNG
+    file written under exactly that name.  Needs matplotlib (ImportError
+    otherwise); OSError when the file cannot be written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    romanised = {"我": "wo", "爱": "ai", "你": "ni"}  # the default fonts have no CJK glyphs
     fig, axes = plt.subplots(1, len(seeds.EXAMPLES), figsize=(4.6 * len(seeds.EXAMPLES), 4),
                              layout="constrained")
     for ax, ex in zip(axes, seeds.EXAMPLES):
@@ -83,23 +136,27 @@ def plot(path):
                 ax.text(j, i, f"{w[i, j]:.4f}", ha="center", va="center",
                         color="white" if w[i, j] < 0.5 else "black", fontsize=8)
     fig.colorbar(im, ax=axes, shrink=0.8, label="attention weight")
-    fig.savefig(path, dpi=120)
-    print(f"\nweights written to {path}")
+    try:
+        fig.savefig(path, dpi=120, format="png")
+    finally:
+        plt.close(fig)
 
 
 def main(plot_path=None):
+    """Print the walk-through (and with plot_path draw the weights); 0 when
+    the fused kernel agrees with the step-by-step path, else 1."""
     from . import simd_path
 
-    print(f"fastattn demo: the worked examples of two attention tutorials (in Chinese; their "
-          f"titles are below), on the {simd_path()} kernels")
-    differ, all_agree = 0, True
-    for ex in seeds.EXAMPLES:
-        d, agree = run_example(ex)
-        differ += d
-        all_agree &= agree
+    print(textwrap.fill("fastattn demo: attention, softmax(Q K^T / sqrt(d_k) + M) V, step by step "
+                        "on the worked examples of two tutorials (blog posts in Chinese), "
+                        f"computed with fastattn's {simd_path()} kernels", width=100))
+    all_agree = all([run_example(ex) for ex in seeds.EXAMPLES])
     scaling_check()
-    print(f"\n{differ} printed value(s) in the tutorials differ from the exact result; "
-          "fastattn gives the exact one.")
     if plot_path:
-        plot(plot_path)
+        try:
+            plot(plot_path)
+        except OSError as e:
+            print(f"fastattn demo: cannot write {plot_path}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"\nweights drawn in {plot_path}")
     return 0 if all_agree else 1

@@ -1,4 +1,5 @@
-"""The worked examples of the two tutorials in shared/seeds/, as data.
+"""The worked examples of two attention tutorials (blog posts in Chinese,
+named by their titles), as data: `fastattn demo` walks through them.
 
 Each example gives its inputs and every number the tutorial prints, at the
 precision it prints it.  The demo and the tests recompute all of them with
@@ -33,7 +34,7 @@ class Claim:
 @dataclass
 class Example:
     title: str
-    source: str
+    source: str              # the title of the tutorial it comes from
     tokens: tuple
     x: np.ndarray            # inputs, one row per token (already projected, or X with W = I)
     q: np.ndarray
@@ -47,8 +48,8 @@ def _a(rows):
     return np.array(rows, dtype=np.float64)
 
 
-SEED1 = "Transformer 中的 Attention 如何计算？ (seed 000)"
-SEED2 = "Attention计算全过程：从QK转置到Softmax加权求和一步步拆解 (seed 003)"
+SEED1 = "Transformer 中的 Attention 如何计算？"
+SEED2 = "Attention计算全过程：从QK转置到Softmax加权求和一步步拆解"
 _S1_Q = _a([[1, 0], [0, 1]])
 _S1_V = _a([[2, 0], [0, 4]])
 _S2_X = _a([[1, 0], [0, 1], [1, 1]])

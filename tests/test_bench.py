@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from conftest import assert_close
 import fastattn
 from fastattn import _peak, reference
 from fastattn.bench import RUNNERS, measure, report, runners, worker
-from fastattn.bench.cli import _require
+from fastattn.bench import cli as bench_cli
+from fastattn.bench.cli import require
 from fastattn.bench.shapes import ALL_SHAPES, SHAPES, Shape
 
 
@@ -153,29 +155,88 @@ def test_worker_case_in_process():
     assert result["max_abs_err"] < 1e-5 and result["version"] == fastattn.__version__
 
 
-def _case(shape, runner, median, threads=1, err=1e-7, rms=1e-8):
+def _case(shape, runner, median, threads=1, err=1e-7, rms=1e-8, **extra):
     return {"shape": shape, "runner": runner, "threads": threads, "status": "ok",
-            "median": median, "max_abs_err": err, "rms_err": rms}
+            "median": median, "max_abs_err": err, "rms_err": rms, **extra}
 
 
-def test_targets_from_a_made_up_run():
-    r = {"machine": measure.machine_info(),
-         "settings": {"shapes": ["bert-base", "long-8192"], "runners": list(RUNNERS),
-                      "threads": [1], "repeat": 5, "min_time": 1.0, "warmup": 1},
-         "peaks": {"1": {"fma": {"isa": "avx2", "gflops": 100.0}}},
-         "cases": [_case("bert-base", "fastattn", 1.0, err=3e-7),
-                   _case("bert-base", "torch", 1.5, err=2e-7, rms=2e-8),
-                   _case("bert-base", "onnxruntime", 1.2), _case("bert-base", "onnxruntime-bhsd", 3),
-                   _case("bert-base", "numpy", 4.0),
-                   _case("long-8192", "fastattn", ALL_SHAPES["long-8192"].flops / 90e9),
-                   _case("long-8192", "torch", 0.5), _case("long-8192", "numpy", 9.0)]}
-    report.derive(r)
+def _made_up_run():
+    return {"machine": dict(measure.machine_info(), simd_paths=["portable", "avx2"]),
+            "settings": {"shapes": ["bert-base", "long-8192"], "runners": list(RUNNERS),
+                         "simd": ["avx2"], "threads": [1], "repeat": 5, "min_time": 1.0,
+                         "warmup": 1},
+            "peaks": {"1": {"fma": {"avx2": {"isa": "avx2", "gflops": 100.0}}}},
+            "cases": [_case("bert-base", "fastattn", 1.0, err=3e-7, simd="avx2"),
+                      _case("bert-base", "torch", 1.5, err=2e-7, rms=2e-8),
+                      _case("bert-base", "onnxruntime", 1.2),
+                      _case("bert-base", "onnxruntime-bhsd", 3),
+                      _case("bert-base", "numpy", 4.0),
+                      _case("long-8192", "fastattn", ALL_SHAPES["long-8192"].flops / 90e9,
+                            simd="avx2"),
+                      _case("long-8192", "torch", 0.5), _case("long-8192", "numpy", 9.0)]}
+
+
+def test_report_from_a_made_up_run():
+    r = report.derive(_made_up_run())
     fa = r["cases"][0]
     assert fa["speedup_vs_onnxruntime"] == pytest.approx(1.2)  # the faster ORT layout
     assert fa["speedup_vs_best_peer"] == pytest.approx(1.2)
     assert r["cases"][5]["pct_peak"] == pytest.approx(90)
-    verdicts = {t: v for t, v, _ in report.targets(r)}
-    details = {t: d for t, _, d in report.targets(r)}
+    text = report.format_table(r)
+    assert "bert-base     fastattn avx2" in text and "1.20" in text
+    assert "CPU: " in text and "SIMD path measured: avx2" in text
+    # a user's report: no project targets, no note when nothing disturbed the run
+    assert "target" not in text.lower() and "NOT met" not in text and "Note:" not in text
+    if importlib.util.find_spec("matplotlib"):
+        with tempfile.TemporaryDirectory() as tmp:
+            report.plot(r, os.path.join(tmp, "bars.png"))
+            assert os.path.getsize(os.path.join(tmp, "bars.png")) > 0
+
+
+def test_report_notes_a_disturbed_run():
+    r = _made_up_run()
+    r["cases"][0]["other_cores"], r["cases"][1]["other_cores"] = 0.6, 0.0
+    r["peaks"]["1"]["fma"]["avx2"]["other_cores"] = 0.9
+    text = " ".join(report.format_table(report.derive(r)).split())
+    assert ("Note: other processes used more than 0.1 cores during 1 of 2 timed cases "
+            "(column other)") in text
+    assert "Note: at 1 thread(s) other processes used 0.90 cores during the avx2 FMA peak" in text
+
+
+def test_pct_peak_of_each_rows_simd_path():
+    """fastattn rows against the FMA peak of the path they ran, the others
+    against the widest path's."""
+    r = _made_up_run()
+    r["machine"]["simd_paths"] = ["portable", "avx2", "avx512"]
+    r["settings"]["simd"] = ["avx2", "avx512"]
+    r["peaks"]["1"]["fma"]["avx512"] = {"isa": "avx512", "gflops": 200.0}
+    flops = ALL_SHAPES["bert-base"].flops
+    r["cases"] = [_case("bert-base", "fastattn", flops / 80e9, simd="avx2"),
+                  _case("bert-base", "fastattn", flops / 150e9, simd="avx512"),
+                  _case("bert-base", "numpy", flops / 50e9)]
+    pct = [c["pct_peak"] for c in report.derive(r)["cases"]]
+    assert pct == [pytest.approx(80), pytest.approx(75), pytest.approx(25)]
+    text = report.format_table(r)
+    assert "fastattn avx2" in text and "fastattn avx512" in text
+
+
+TARGETS = Path(__file__).resolve().parents[1] / "benchmarks" / "targets.py"
+
+
+def _targets_module():
+    if not TARGETS.exists():
+        pytest.skip("the tests run without the source tree beside them")
+    spec = importlib.util.spec_from_file_location("targets", TARGETS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_targets_from_a_made_up_run():
+    targets = _targets_module().targets
+    r = report.derive(_made_up_run())
+    verdicts = {t: v for t, v, _ in targets(r)}
+    details = {t: d for t, _, d in targets(r)}
     assert verdicts["faster than the faster peer on every shape"] == "NOT met"  # long-8192
     assert verdicts["at least 1.3x the faster peer on bert-base, minilm-batch, causal-2048"] == "NOT met"
     assert verdicts["at least 85 % of the FMA peak on long-8192 and head-128"] == "met"
@@ -185,20 +246,34 @@ def test_targets_from_a_made_up_run():
     assert "largest error larger on: bert-base@1 3.0e-07 > 2.0e-07" in details[
         "float32 error (RMS) no larger than PyTorch's"]
     r["cases"][0]["rms_err"] = 3e-8
-    verdicts = {t: v for t, v, _ in report.targets(r)}
+    verdicts = {t: v for t, v, _ in targets(r)}
     assert verdicts["float32 error (RMS) no larger than PyTorch's"] == "NOT met"
-    text = report.format_table(r)
-    assert "bert-base" in text and "1.20" in text
-    if importlib.util.find_spec("matplotlib"):
-        r["peaks"]["1"]["fma_others"] = {"avx2": {"isa": "avx2", "gflops": 50.0}}
-        with tempfile.TemporaryDirectory() as tmp:
-            report.plot(r, os.path.join(tmp, "bars.png"))
-            assert os.path.getsize(os.path.join(tmp, "bars.png")) > 0
+    assert targets(r, "avx512") == []  # no fastattn row on that path
+
+
+def test_targets_script_reads_the_json():
+    _targets_module()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        with open(path, "w") as f:
+            json.dump(report.derive(_made_up_run()), f)
+        r = subprocess.run([sys.executable, str(TARGETS), path], capture_output=True, text=True,
+                           timeout=120)
+        wrong = subprocess.run([sys.executable, str(TARGETS), path, "--simd", "avx512"],
+                               capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stdout.startswith("The project's targets, fastattn on avx2 (this run):")
+    assert "[NOT met] faster than the faster peer on every shape" in r.stdout
+    assert "[met] at least 85 % of the FMA peak on long-8192 and head-128: long-8192@1 90.0 %" in r.stdout
+    assert wrong.returncode == 2 and "the run measured avx2" in wrong.stderr
 
 
 def test_require_names_the_install_command(capsys):
-    assert not _require(["no_such_module_for_fastattn"], "pip install 'fastattn[bench]'")
-    assert "pip install 'fastattn[bench]'" in capsys.readouterr().err
+    assert require(["numpy"], "pip install numpy")
+    assert not require(["numpy", "no_such_module_for_fastattn"], "pip install 'fastattn[bench]'")
+    err = capsys.readouterr().err
+    assert err == ("fastattn bench: no_such_module_for_fastattn cannot be imported; install "
+                   "with: pip install 'fastattn[bench]'\n")
 
 
 def run_cli(*args):
@@ -216,11 +291,13 @@ def test_cli_bench_json():
                        "--quick", "--repeat", "1", "--min-time", "0", "--no-progress",
                        "--json", "out.json")
     assert r.returncode == 0, r.stderr
-    assert "bert-base" in r.stdout and "Speed targets of the project" in r.stdout
+    path = fastattn.simd_path()
+    assert f"bert-base     fastattn {path}" in r.stdout and "CPU: " in r.stdout
+    assert "target" not in r.stdout.lower() and "NOT met" not in r.stdout
     data = json.loads(files["out.json"])
-    assert data["settings"]["threads"] == [1] and data["machine"]["fastattn_simd"]
+    assert data["settings"]["threads"] == [1] and data["settings"]["simd"] == [path]
     peaks = data["peaks"]["1"]
-    assert peaks["fma"]["gflops"] > 0 and peaks["read"]["gbps"] > 0
+    assert peaks["fma"][path]["gflops"] > 0 and peaks["read"]["gbps"] > 0
     cases = {c["runner"]: c for c in data["cases"]}
     assert set(cases) == {"fastattn", "numpy"}
     for c in cases.values():
@@ -230,6 +307,52 @@ def test_cli_bench_json():
         assert c["max_abs_err"] < 1e-4
     assert cases["fastattn"]["speedup_vs_numpy"] == pytest.approx(
         cases["numpy"]["median"] / cases["fastattn"]["median"])
+    assert cases["fastattn"]["simd"] == path and "simd" not in cases["numpy"]
+
+
+def test_cli_bench_simd_paths():
+    """--simd: fastattn once per path, each worker on its path, each row's
+    %peak of its path's FMA peak."""
+    pytest.importorskip("tqdm")
+    paths = list(dict.fromkeys(["portable", fastattn.simd_path()]))
+    r, files = run_cli("--shapes", "bert-base", "--threads", "1", "--runners", "fastattn",
+                       "--quick", "--repeat", "1", "--min-time", "0", "--no-progress",
+                       "--simd", ",".join(paths), "--json", "out.json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(files["out.json"])
+    assert data["settings"]["simd"] == paths
+    assert [c["simd"] for c in data["cases"]] == paths
+    fma = data["peaks"]["1"]["fma"]
+    for c in data["cases"]:
+        assert c["status"] == "ok" and f"fastattn {c['simd']}" in r.stdout
+        assert c["pct_peak"] == pytest.approx(100 * c["gflops"] / fma[c["simd"]]["gflops"])
+
+
+def test_simd_option_refuses_a_path_the_cpu_lacks(monkeypatch):
+    import argparse
+    monkeypatch.setattr(fastattn, "available_simd_paths", lambda: ["portable"])
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match="SIMD path avx2 not available on this CPU or build; available: portable"):
+        bench_cli._simd_paths("portable,avx2")
+    assert bench_cli._simd_paths("portable, portable") == ["portable"]
+
+
+def test_cli_bench_into_a_closed_pipe_keeps_its_json():
+    """The files are written before the table: a reader that stops early
+    (fastattn bench --json f | head) costs nothing."""
+    pytest.importorskip("tqdm")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with tempfile.TemporaryDirectory() as cwd:
+        p = subprocess.Popen([sys.executable, "-m", "fastattn", "bench", "--shapes", "tiny",
+                              "--runners", "fastattn", "--threads", "1", "--quick", "--repeat",
+                              "1", "--min-time", "0", "--no-progress", "--json", "out.json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env)
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        p.stderr.close()
+        assert p.wait(timeout=300) in (0, 1) and err == ""
+        with open(os.path.join(cwd, "out.json")) as f:
+            assert json.load(f)["cases"][0]["status"] == "ok"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -240,6 +363,9 @@ def test_cli_bench_json():
     (["--min-time", "-1"], "expected a number >= 0.0"),
     (["--shapes", "tiny", "--json", "/nonexistent-dir/out.json"],
      "cannot write /nonexistent-dir/out.json: no such directory"),
+    (["--shapes", "tiny", "--plot", "bars"], "'bars' does not end in .png"),
+    (["--shapes", "tiny", "--json", "."], "cannot write .: it is a directory"),
+    (["--simd", "sse9"], "unknown SIMD path sse9"),
 ])
 def test_cli_bench_bad_arguments(args, message):
     r, _ = run_cli(*args)

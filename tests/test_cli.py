@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import fastattn
+
 
 def run(*args, env=None):
     # from a directory without the source tree, so that the installed package is found
@@ -27,22 +29,135 @@ def test_info_portable_forced():
     assert "SIMD path: portable" in r.stdout
 
 
-def test_demo_into_a_pipe_closed_early():
-    """`fastattn demo | head -0`: the reader leaves (here before the demo has
-    started writing); no traceback."""
+BUFFERED = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+QUICK_BENCH = ["bench", "--shapes", "tiny", "--runners", "fastattn", "--threads", "1", "--quick",
+               "--repeat", "1", "--min-time", "0", "--no-progress"]
+
+
+@pytest.mark.parametrize("args", [["demo"], ["info"], ["demo", "--help"], QUICK_BENCH],
+                         ids=["demo", "info", "help", "bench"])
+def test_pipe_closed_early(args):
+    """`fastattn demo | head -0`: the reader leaves (here before the command
+    has written anything); the command ends quietly.  Without
+    PYTHONUNBUFFERED (a fresh machine's default) stdout into a pipe is block
+    buffered, so the broken pipe appears in the last flush: that one too."""
     with tempfile.TemporaryDirectory() as cwd:
-        p = subprocess.Popen([sys.executable, "-m", "fastattn", "demo"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, cwd=cwd)
+        p = subprocess.Popen([sys.executable, "-m", "fastattn", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=cwd, env=BUFFERED)
         p.stdout.close()
         err = p.stderr.read().decode()
-        assert p.wait(timeout=300) in (0, 1)
-    assert "Traceback" not in err, err
+        p.stderr.close()
+        assert p.wait(timeout=300) in (0, 1), err
+    assert err == ""
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"fastattn {fastattn.__version__}\n"
+
+
+def test_no_command_prints_the_help():
+    r = run()
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("usage: fastattn")
+    for command in ("info", "demo", "bench", "--version"):
+        assert command in r.stderr
+    assert "Traceback" not in r.stderr and "required" not in r.stderr
+
+
+def test_demo_help_says_what_it_shows():
+    r = run("demo", "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    for what in ("worked examples", "Q, K, V", "scaled scores", "weights A", "output O = A V",
+                 "--plot FILE.png"):
+        assert what in text, what
 
 
 def test_demo():
     r = run("demo")
     assert r.returncode == 0, r.stderr
-    assert "2 printed value(s) in the tutorials differ" in r.stdout
+    text = " ".join(r.stdout.split())
+    # the three examples in full, from the inputs to the output
+    for line in ("Q = [[1.0000, 0.0000], [0.0000, 1.0000]]",
+                 "V = [[2.0000, 0.0000], [0.0000, 4.0000]]",
+                 "S / sqrt(2) = [[0.7071, 0.0000], [0.0000, 0.7071]]",
+                 "A = exp / sum = [[0.6698, 0.3302], [0.3302, 0.6698]]",
+                 "O = A V = [[1.3395, 1.3210], [0.6605, 2.6790]]",
+                 "mask M = [[0.0000, -inf], [0.0000, 0.0000]]",
+                 "O = A V = [[2.0000, 0.0000], [0.6605, 2.6790]]",
+                 "Q = [[1.0000, 0.0000], [0.0000, 1.0000], [1.0000, 1.0000]]",
+                 "S = Q K^T = [[1.0000, 0.0000, 1.0000], [0.0000, 1.0000, 1.0000], "
+                 "[1.0000, 1.0000, 2.0000]]",
+                 "row sums = [5.0562, 5.0562, 8.1695]",
+                 "[0.2483, 0.2483, 0.5035]]",
+                 "[0.7517, 0.7517]]"):
+        assert line in text, line
+    # the tutorial's wrong row, said once
+    assert text.count("0.27, 0.27, 0.46") == 1
+    assert ("row 你, which it prints as weights 0.27, 0.27, 0.46 and output 0.73, 0.73; the "
+            "exact values are 0.2483, 0.2483, 0.5035 and 0.7517, 0.7517") in text
+    assert "DIFFERS" not in text and "NO." not in text
+    # nothing outside the repository
+    for outside in ("seed 0", "shared", "beside", "../"):
+        assert outside not in text, outside
+
+
+def test_demo_plot_refuses_a_name_without_png():
+    """--plot writes exactly the name given, so it must be a .png name;
+    refused before the demo runs."""
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, "-m", "fastattn", "demo", "--plot", "out"],
+                           capture_output=True, text=True, timeout=300, cwd=cwd)
+        assert os.listdir(cwd) == []
+    assert r.returncode == 2 and r.stdout == ""
+    assert "'out' does not end in .png" in r.stderr and "out.png" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("where, message", [
+    ("/nonexistent-dir/w.png", "cannot write /nonexistent-dir/w.png: no such directory"),
+    (".", "cannot write .: it is a directory"),
+])
+def test_demo_plot_path_checked_first(where, message):
+    r = run("demo", "--plot", where)
+    assert r.returncode == 2 and r.stdout == ""
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_demo_plot_without_matplotlib():
+    """Checked before the demo runs: no walk-through that ends in an error."""
+    with tempfile.TemporaryDirectory() as fake:
+        os.mkdir(os.path.join(fake, "matplotlib"))
+        with open(os.path.join(fake, "matplotlib", "__init__.py"), "w") as f:
+            f.write("raise ImportError('not installed here')\n")
+        path = os.pathsep.join(p for p in (fake, os.environ.get("PYTHONPATH")) if p)
+        r = run("demo", "--plot", "w.png", env=dict(os.environ, PYTHONPATH=path))
+    assert r.returncode == 2 and r.stdout == ""
+    assert "matplotlib cannot be imported" in r.stderr
+    assert "pip install 'fastattn[plot]'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_demo_plot_writes_the_name_given():
+    pytest.importorskip("matplotlib")
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, "-m", "fastattn", "demo", "--plot", "w.png"],
+                           capture_output=True, text=True, timeout=300, cwd=cwd)
+        assert r.returncode == 0, r.stderr
+        assert os.listdir(cwd) == ["w.png"]
+        with open(os.path.join(cwd, "w.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert r.stdout.rstrip().endswith("weights drawn in w.png")
+
+
+def test_demo_plot_write_error_is_a_message(capsys):
+    """A write that fails after the checks (say, the disk is full) ends with
+    a message and exit status 1, not a traceback."""
+    pytest.importorskip("matplotlib")
+    from fastattn import demo
+    assert demo.main("/nonexistent-dir/w.png") == 1
+    assert "fastattn demo: cannot write /nonexistent-dir/w.png" in capsys.readouterr().err
 
 
 def test_bad_command():

@@ -1,4 +1,4 @@
-"""Every number printed in the two tutorials of shared/seeds, recomputed."""
+"""Every number printed in the two tutorials of fastattn/seeds.py, recomputed."""
 import math
 
 import numpy as np
@@ -9,7 +9,7 @@ from fastattn import reference as ref
 from fastattn import seeds
 
 # The only printed values that are not the exact result at their precision:
-# seed 003, row 你, computes exp(1.41)/(2 e^0.71 + e^1.41) = 0.5035, not 0.46.
+# the 3-token tutorial, row 你, computes exp(1.41)/(2 e^0.71 + e^1.41) = 0.5035, not 0.46.
 KNOWN_WRONG = {("Three tokens 我 爱 你, W_Q = W_K = W_V = I", "weights", 2),
                ("Three tokens 我 爱 你, W_Q = W_K = W_V = I", "out", 2)}
 
@@ -32,7 +32,7 @@ def test_kernels_equal_reference(simd, ex):
 
 
 def test_seed2_projection_step():
-    """Step 1 of seed 003: Q = X W_Q etc. with identity projections."""
+    """Step 1 of the 3-token tutorial: Q = X W_Q etc. with identity projections."""
     ex = seeds.EXAMPLES[2]
     eye = np.eye(2)
     out = ref.self_attention(ex.x, eye, eye, eye)
@@ -40,7 +40,7 @@ def test_seed2_projection_step():
 
 
 def test_seed1_values_from_first_principles():
-    """Seed 000: Q = K = I, V = diag(2, 4), d_k = 2."""
+    """The 2-token tutorial: Q = K = I, V = diag(2, 4), d_k = 2."""
     a = math.exp(1 / math.sqrt(2)) / (math.exp(1 / math.sqrt(2)) + 1)
     q = np.eye(2)
     v = np.array([[2.0, 0.0], [0.0, 4.0]])
@@ -54,7 +54,7 @@ def test_seed1_values_from_first_principles():
 
 
 def test_seed2_row_ni_exact():
-    """Seed 003, row 你: weights (e^s, e^s, e^2s) / sum with s = 1/sqrt(2)."""
+    """The 3-token tutorial, row 你: weights (e^s, e^s, e^2s) / sum with s = 1/sqrt(2)."""
     s = 1 / math.sqrt(2)
     e = np.array([math.exp(s), math.exp(s), math.exp(2 * s)])
     w = e / e.sum()
@@ -69,7 +69,22 @@ def test_seed2_row_ni_exact():
 def test_demo_runs(capsys):
     from fastattn import demo
     assert demo.main() == 0
-    text = capsys.readouterr().out
-    assert text.count("DIFFERS") == 2
-    assert "exact value is [0.2483, 0.2483, 0.5035]" in text
-    assert "exact value is [0.7517, 0.7517]" in text
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("rows of numbers the tutorial prints agree with these") == 2
+    assert ("The tutorial's other printed rows (10) agree with these at its rounding; not so row "
+            "你, which it prints as weights 0.27, 0.27, 0.46 and output 0.73, 0.73; the exact "
+            "values are 0.2483, 0.2483, 0.5035 and 0.7517, 0.7517.") in text
+
+
+def test_tutorial_note_names_every_wrong_row():
+    from fastattn import demo
+    ex = seeds.EXAMPLES[0]
+    results = seeds.check(ex, seeds.compute(ex))
+    assert demo.tutorial_note(ex, results).startswith("The 5 rows")
+    (c0, e0, _), (c1, e1, _) = results[1], results[4]
+    wrong = [(c0, e0, False)] + results[2:4] + [(c1, e1, False)]
+    note = demo.tutorial_note(ex, wrong)
+    assert note == ("The tutorial's other printed rows (2) agree with these at its rounding; "
+                    "not so row t1, which it prints as weights 0.6698, 0.3302; the exact values "
+                    "are 0.6698, 0.3302; and row t2, which it prints as output 0.6605, 2.6790; "
+                    "the exact values are 0.6605, 2.6790.")

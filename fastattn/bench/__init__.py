@@ -6,8 +6,12 @@ same run.
 * shapes: the shapes table and the work of each call
 * runners: each implementation called the way its users call it
 * measure: timing, peak memory, the peak loops of csrc/fa_peak*.c
-* worker / suite: one case per fresh process, the whole run
-* report / cli: the table, the targets, JSON and plot; `fastattn bench`
+* worker / suite: one case per fresh process (fastattn on each SIMD path
+  asked for), the whole run
+* report / cli: the table, JSON and plot; `fastattn bench`
+
+The project's own targets are judged apart, from the JSON, by
+benchmarks/targets.py.
 
 Used by `fastattn bench` and by the pytest-benchmark suite in benchmarks/.
 """

@@ -1,6 +1,7 @@
-"""`fastattn bench`: fastattn against NumPy, PyTorch and ONNX Runtime, as a table."""
+"""`fastattn bench`: fastattn against NumPy, PyTorch and ONNX Runtime on the same shapes: a
+table of times, speed-ups, % of this machine's peak, accuracy and memory per case."""
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -20,6 +21,19 @@ def _names(text, known, what):
             f"unknown {what} {', '.join(unknown) or '(none given)'}; expected some of: "
             f"{', '.join(known)}")
     return names
+
+
+def _simd_paths(text):
+    import fastattn
+
+    known = fastattn.available_simd_paths()
+    names = _names(text, ["portable", "avx2", "avx512"], "SIMD path")
+    absent = [n for n in names if n not in known]
+    if absent:
+        raise argparse.ArgumentTypeError(
+            f"SIMD path {', '.join(absent)} not available on this CPU or build; available: "
+            f"{', '.join(known)}")
+    return list(dict.fromkeys(names))
 
 
 def _threads(text):
@@ -44,6 +58,29 @@ def _at_least(kind, low):
     return parse
 
 
+def output_file(suffix=None):
+    """An argparse type for a file the command will write: checked when the
+    arguments are read, before any work, so that a wrong path costs nothing.
+    The directory must exist and be writable, and the path must not be a
+    directory; with suffix (".png"), the name must end in it (the file is
+    written under exactly the name given, never with a suffix added)."""
+    def parse(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise argparse.ArgumentTypeError(f"cannot write {path}: it is a directory")
+        if suffix and not path.lower().endswith(suffix):
+            raise argparse.ArgumentTypeError(
+                f"{path!r} does not end in {suffix}: give the file's whole name, like "
+                f"{path.rstrip('.')}{suffix}")
+        if not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"cannot write {path}: no such directory {folder}")
+        if not os.access(folder, os.W_OK) or (os.path.exists(path)
+                                              and not os.access(path, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"cannot write {path}: permission denied")
+        return path
+    return parse
+
+
 def add_arguments(p):
     shape_names = [s.name for s in SHAPES] + [TINY.name]
     p.add_argument("--shapes", type=lambda t: _names(t, shape_names + [LONG_16384.name], "shape"),
@@ -55,6 +92,10 @@ def add_arguments(p):
                    default=list(RUNNERS), metavar="LIST",
                    help=f"comma-separated, from: {', '.join(RUNNERS)} (default: all; "
                         "those not installed are skipped with a note)")
+    p.add_argument("--simd", type=_simd_paths, metavar="PATHS",
+                   help="fastattn's SIMD paths to compare, comma-separated, e.g. avx2,avx512: "
+                        "each case runs once per path (default: the path in use, "
+                        "fastattn.simd_path(); FASTATTN_SIMD chooses it)")
     p.add_argument("--threads", type=_threads, default=list(THREADS), metavar="LIST",
                    help="thread counts, comma-separated (default: 1,2)")
     p.add_argument("--repeat", type=_at_least(int, 1), metavar="N",
@@ -70,29 +111,36 @@ def add_arguments(p):
                    help=f"only measure peak memory, at {LONG_16384.name} ({LONG_16384.describe()}; "
                         "--shapes is ignored)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--json", metavar="FILE", help="write every measurement to FILE as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="draw bars per shape (needs matplotlib)")
+    p.add_argument("--json", metavar="FILE", type=output_file(),
+                   help="write every measurement to FILE as JSON")
+    p.add_argument("--plot", metavar="FILE.png", type=output_file(".png"),
+                   help="draw bars per shape into FILE.png (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _require(modules, command):
-    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+def require(modules, command, who="fastattn bench"):
+    """True when every module imports; else False, after telling stderr
+    which do not and the command that installs them."""
+    absent = []
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ImportError:
+            absent.append(m)
     if absent:
-        sys.stderr.write(f"fastattn bench: {', '.join(absent)} not installed; "
+        sys.stderr.write(f"{who}: {', '.join(absent)} cannot be imported; "
                          f"install with: {command}\n")
         return False
     return True
 
 
 def main(args):
-    # argument errors before missing packages, and before minutes of measuring
-    for path in (args.json, args.plot):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            print(f"fastattn bench: cannot write {path}: no such directory", file=sys.stderr)
-            return 2
-    if not _require(["tqdm", "threadpoolctl"], "pip install 'fastattn[bench]'"):
+    # missing packages before minutes of measuring (the output paths are
+    # checked with the arguments)
+    if not require(["tqdm", "threadpoolctl"], "pip install 'fastattn[bench]'"):
         return 2
-    if args.plot and not _require(["matplotlib"], "pip install 'fastattn[plot]'"):
+    if args.plot and not require(["matplotlib"], "pip install 'fastattn[plot]'",
+                                 "fastattn bench --plot"):
         return 2
     from . import report as rep
     from .suite import run_suite
@@ -107,21 +155,29 @@ def main(args):
         shapes, settings["repeat"], settings["min_time"] = [LONG_16384.name], 0, 0.0
     # at the memory shape the score matrix alone is 8 GiB: computed, not run
     runners = [r for r in args.runners if not (args.memory and RUNNERS[r].holds_scores)]
-    result = run_suite(shapes, runners, args.threads, repeat=settings["repeat"],
+    result = run_suite(shapes, runners, args.threads, simd=args.simd, repeat=settings["repeat"],
                        min_time=settings["min_time"], warmup=args.warmup,
                        peak_seconds=settings["peak_seconds"], seed=args.seed,
                        progress=not args.no_progress)
     rep.derive(result)
+    # the files first: a reader that stops early (fastattn bench | head) must not cost them
+    written = []
+    try:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+            written.append(args.json)
+        if args.plot and not args.memory:
+            rep.plot(result, args.plot)
+            written.append(args.plot)
+    except OSError as e:
+        print(f"fastattn bench: cannot write {e.filename or args.plot}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
     if args.memory:
         print(rep.format_memory(result, [r for r in args.runners if RUNNERS[r].holds_scores]))
     else:
         print(rep.format_table(result))
-    print(rep.format_targets(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.plot and not args.memory:
-        rep.plot(result, args.plot)
-        print(f"wrote {args.plot}")
+    for path in written:
+        print(f"wrote {path}")
     return 0

@@ -1,7 +1,7 @@
 """Runs the benchmark: the machine's peaks per thread count (in this
-process), then every case (runner x shape x thread count) in a fresh process
-(fastattn.bench.worker).  Returns the raw results that report.py turns into
-the table, the JSON file and the plot."""
+process), then every case (runner x shape x thread count, and for fastattn x
+SIMD path) in a fresh process (fastattn.bench.worker).  Returns the raw
+results that report.py turns into the table, the JSON file and the plot."""
 import json
 import os
 import subprocess
@@ -9,6 +9,7 @@ import sys
 import time
 
 import fastattn
+from fastattn._runtime import SIMD_ENV
 
 from . import measure
 from .runners import RUNNERS
@@ -23,12 +24,15 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file
 
 
 def run_worker(spec, timeout=CASE_TIMEOUT):
-    """One case in a fresh Python process; returns its result dict."""
-    base = {"runner": spec["runner"], "shape": spec["shape"], "threads": spec["threads"]}
+    """One case in a fresh Python process; returns its result dict.  With
+    spec["simd"], the process runs fastattn on that SIMD path (FASTATTN_SIMD
+    in its environment, read when fastattn is imported)."""
+    base = {key: spec[key] for key in ("runner", "shape", "threads", "simd") if key in spec}
+    env = dict(os.environ, **({SIMD_ENV: spec["simd"]} if "simd" in spec else {}))
     try:
         proc = subprocess.run([sys.executable, "-m", "fastattn.bench.worker", json.dumps(spec)],
                               capture_output=True, text=True, timeout=timeout,
-                              cwd=PACKAGE_PARENT)
+                              cwd=PACKAGE_PARENT, env=env)
     except subprocess.TimeoutExpired:
         return dict(base, status="error", note=f"timed out after {timeout} s")
     for line in reversed(proc.stdout.splitlines()):
@@ -44,33 +48,47 @@ def _progress(total, enabled):
                 disable=not enabled, dynamic_ncols=True)
 
 
-def run_suite(shape_names, runner_names, threads, *, repeat=5, min_time=1.0, warmup=1,
-              peak_seconds=0.2, seed=0, progress=True):
-    """Measure every runner on every shape at every thread count.
+def _variants(runner_names, simd):
+    """(runner, extra spec) for every row of a case: fastattn once per SIMD path."""
+    for name in runner_names:
+        if name == "fastattn":
+            yield from ((name, {"simd": path}) for path in simd)
+        else:
+            yield name, {}
 
-    Returns {"machine", "settings", "peaks": {threads: {...}}, "cases": [...]}.
-    Runners that cannot run here get a "skipped" case with the reason."""
+
+def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_time=1.0,
+              warmup=1, peak_seconds=0.2, seed=0, progress=True):
+    """Measure every runner on every shape at every thread count, fastattn on
+    each SIMD path of simd (default: the one in use, fastattn.simd_path()).
+
+    Returns {"machine", "settings", "peaks": {threads: {...}}, "cases": [...]}:
+    peaks[threads]["fma"] holds the FMA peak of every path of simd and of the
+    CPU's other vector widths (keyed by path).  Runners that cannot run here
+    get a "skipped" case with the reason."""
     shapes = [ALL_SHAPES[n] for n in shape_names]
+    simd = list(simd or [fastattn.simd_path()])
+    variants = list(_variants(runner_names, simd))
+    machine = measure.machine_info()
+    # the paths measured, and the other vector widths: the ceilings of peers that use them
+    fma_paths = [p for p in machine["simd_paths"] if p in simd or p != "portable"]
     timed = repeat > 0
     started = time.time()
-    steps = len(threads) * (len(shapes) * len(runner_names) + (2 if timed else 0))
+    steps = len(threads) * (len(shapes) * len(variants) + (2 if timed else 0))
     steps += sum(s.kind == "decode" for s in shapes) * len(threads)
-    report = {"machine": measure.machine_info(),
+    report = {"machine": machine,
               "settings": {"shapes": list(shape_names), "runners": list(runner_names),
-                           "threads": list(threads), "repeat": repeat, "min_time": min_time,
-                           "warmup": warmup, "seed": seed, "dtype": "float32"},
+                           "simd": simd, "threads": list(threads), "repeat": repeat,
+                           "min_time": min_time, "warmup": warmup, "seed": seed,
+                           "dtype": "float32"},
               "peaks": {}, "cases": []}
     with _progress(steps, progress) as bar:
         for n in threads:
             peaks = report["peaks"].setdefault(str(n), {})
             if timed:
                 bar.set_postfix_str(f"FMA peak, {n} thread(s)")
-                peaks["fma"] = measure.fma_peak(n, seconds=peak_seconds)
-                # the other vector widths, for the peers that use them
-                peaks["fma_others"] = {
-                    isa: measure.fma_peak(n, isa=isa, seconds=peak_seconds)
-                    for isa in report["machine"]["simd_paths"]
-                    if isa not in ("portable", peaks["fma"]["isa"])}
+                peaks["fma"] = {isa: measure.fma_peak(n, isa=isa, seconds=peak_seconds)
+                                for isa in fma_paths}
                 bar.update()
                 bar.set_postfix_str(f"read bandwidth, {n} thread(s)")
                 peaks["read"] = measure.read_bandwidth(n, min_time=peak_seconds)
@@ -83,16 +101,17 @@ def run_suite(shape_names, runner_names, threads, *, repeat=5, min_time=1.0, war
                                                                          min_time=peak_seconds)
                     del k, v
                     bar.update()
-                for name in runner_names:
-                    bar.set_postfix_str(f"{shape.name} {name} {n} thread(s)")
+                for name, extra in variants:
+                    bar.set_postfix_str(" ".join([shape.name, name, *extra.values(),
+                                                  f"{n} thread(s)"]))
                     why = RUNNERS[name].missing()
                     if why:
-                        case = {"runner": name, "shape": shape.name, "threads": n,
+                        case = {"runner": name, "shape": shape.name, "threads": n, **extra,
                                 "status": "skipped", "note": why}
                     else:
                         case = run_worker({"runner": name, "shape": shape.name, "threads": n,
                                            "repeat": repeat, "min_time": min_time,
-                                           "warmup": warmup, "seed": seed})
+                                           "warmup": warmup, "seed": seed, **extra})
                     report["cases"].append(case)
                     bar.update()
     report["settings"]["wall_seconds"] = round(time.time() - started, 1)

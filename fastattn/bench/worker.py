@@ -14,6 +14,8 @@ import json
 import sys
 import traceback
 
+import fastattn
+
 from .measure import OtherLoad, PeakRSS, time_call
 from .runners import RUNNERS, output_errors, reference_rows
 from .shapes import ALL_SHAPES
@@ -23,10 +25,14 @@ RESULT_TAG = "FASTATTN-BENCH-RESULT "
 
 def run_case(spec):
     """Measure one case; spec: runner, shape (a name of shapes.ALL_SHAPES),
-    threads, repeat, min_time, warmup, seed.  Returns a JSON-able dict."""
+    threads, repeat, min_time, warmup, seed.  Returns a JSON-able dict; for
+    fastattn, with "simd": the SIMD path its kernels ran (set by the caller
+    through FASTATTN_SIMD)."""
     runner = RUNNERS[spec["runner"]]
     shape = ALL_SHAPES[spec["shape"]]
     result = {"runner": runner.name, "shape": shape.name, "threads": spec["threads"]}
+    if runner.name == "fastattn":
+        result["simd"] = fastattn.simd_path()
     why = runner.missing()
     if why:
         return dict(result, status="skipped", note=why)
@@ -59,9 +65,8 @@ def main(argv=None):
         result = run_case(spec)
     except Exception as e:  # reported as the case's result, never a silent gap
         traceback.print_exc()
-        result = {"runner": spec.get("runner"), "shape": spec.get("shape"),
-                  "threads": spec.get("threads"), "status": "error",
-                  "note": f"{type(e).__name__}: {e}"}
+        result = {key: spec[key] for key in ("runner", "shape", "threads", "simd") if key in spec}
+        result.update(status="error", note=f"{type(e).__name__}: {e}")
     print(RESULT_TAG + json.dumps(result), flush=True)
     return 0
 
