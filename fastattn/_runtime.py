@@ -6,6 +6,7 @@ call already running in another.
 """
 import operator
 import os
+import warnings
 
 from . import _core
 
@@ -23,15 +24,28 @@ def available_simd_paths():
     return paths
 
 
-def _path_from_env():
-    wanted = os.environ.get(SIMD_ENV, "auto").strip().lower() or "auto"
+def _choose_path(wanted, available):
+    """The path for FASTATTN_SIMD=wanted on a CPU that runs available (best
+    last), and the warning to give, or None.  An unknown name or a path the
+    CPU lacks falls back to the widest available path: an environment
+    variable must not stop the import (``fastattn info`` included)."""
+    wanted = wanted.strip().lower() or "auto"
+    widest = available[-1]
     if wanted == "auto":
-        return available_simd_paths()[-1]
-    if wanted not in _PATHS:
-        raise ValueError(f"{SIMD_ENV}={wanted!r}: expected 'auto', 'portable', 'avx2' or 'avx512'")
-    if wanted not in available_simd_paths():
-        raise RuntimeError(f"{SIMD_ENV}={wanted!r} but this CPU or build cannot run that path")
-    return wanted
+        return widest, None
+    if wanted in available:
+        return wanted, None
+    why = ("is not a SIMD path" if wanted not in _PATHS
+           else "is a path this CPU or build cannot run")
+    return widest, (f"{SIMD_ENV}={wanted!r} {why}; accepted: 'auto', 'portable', 'avx2', "
+                    f"'avx512' (this CPU runs {', '.join(available)}); using {widest!r}")
+
+
+def _path_from_env():
+    path, warning = _choose_path(os.environ.get(SIMD_ENV, "auto"), available_simd_paths())
+    if warning is not None:
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
+    return path
 
 
 _simd_path = _path_from_env()
@@ -45,7 +59,9 @@ def simd_path():
     """Name of the instruction-set path in use: 'avx512', 'avx2' or 'portable'.
 
     Chosen at import from the CPU's features (the widest it has), or forced
-    with the environment variable FASTATTN_SIMD=portable|avx2|avx512|auto."""
+    with the environment variable FASTATTN_SIMD=portable|avx2|avx512|auto.
+    A value that is not a path, or a path this CPU cannot run, gives one
+    RuntimeWarning at import and the widest path instead."""
     return _simd_path
 
 
