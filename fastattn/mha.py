@@ -257,8 +257,8 @@ class MultiHeadAttention:
             causal; here no mask is needed, and with one a key is visible
             when both allow it.
         need_weights : bool
-            Also return the attention weights (default False; PyTorch's
-            default is True).
+            Compute and return the attention weights (default False, which
+            skips them; PyTorch's default is True).
         average_attn_weights : bool
             Weights averaged over the heads, (N, L, S), else per head
             (N, num_heads, L, S); unbatched without N.
@@ -280,12 +280,16 @@ class MultiHeadAttention:
 
         Returns
         -------
+        (output, weights), always a pair, as PyTorch returns it
+        (``y, _ = mha(x)``):
         output : ndarray shaped like query, the module's dtype
-        weights : ndarray, only when need_weights=True
+        weights : ndarray or None
+            None unless need_weights=True; then (N, L, S) averaged over the
+            heads, or (N, num_heads, L, S); unbatched without N.
 
-        Unlike PyTorch (which returns ``(output, weights or None)`` and gives
-        NaN), a query row with no visible key has zero attention output, so
-        its output row is out_proj.bias (zeros without bias), never NaN.
+        Unlike PyTorch (which gives NaN), a query row with no visible key
+        has zero attention output, so its output row is out_proj.bias (zeros
+        without bias), never NaN.
 
         Raises
         ------
@@ -345,7 +349,7 @@ class MultiHeadAttention:
                 num_threads=num_threads)
         output = _linear(concat, self.out_proj_weight, self.out_proj_bias)
         if not need_weights:
-            return output if batched else output[0]
+            return (output if batched else output[0]), None
         weights = result[1].mean(axis=1) if average else result[1]
         return (output, weights) if batched else (output[0], weights[0])
 
