@@ -16,10 +16,22 @@ def shape_str(shape):
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
+def _is_torch_tensor(x):
+    """Whether x is a torch.Tensor (or a subclass such as Parameter), told by
+    its class's module and name: fastattn never imports torch."""
+    return any(c.__name__ == "Tensor" and c.__module__.partition(".")[0] == "torch"
+               for c in type(x).__mro__)
+
+
 def require_array(x, name):
     if type(x) is np.ndarray:
         return x
     if not isinstance(x, np.ndarray):
+        if _is_torch_tensor(x):
+            kind = type(x)
+            raise TypeError(f"{name} must be a numpy.ndarray, got {kind.__module__}."
+                            f"{kind.__name__}; pass {name}.numpy() ({name}.detach().cpu()"
+                            ".numpy() for a tensor that requires grad or is not on the CPU)")
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if isinstance(x, MaskedArray):  # its mask would be silently ignored
         raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask fastattn does not read; "
@@ -33,12 +45,19 @@ def require_ndim(x, name, min_ndim, layout):
                          f"got shape {shape_str(x.shape)}")
 
 
+def unsupported_float_hint(dtype, name):
+    """The fix for a half-precision array, to end a dtype error ('' otherwise)."""
+    if dtype.name in ("float16", "bfloat16"):
+        return f"; {dtype.name} is not supported yet: pass {name}.astype(np.float32)"
+    return ""
+
+
 def common_float_dtype(**arrays):
     """The one dtype (float32 or float64, native byte order) of all arrays."""
     for name, a in arrays.items():
         if a.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {a.dtype}; expected float32 or float64 "
-                            "(native byte order)")
+                            f"(native byte order){unsupported_float_hint(a.dtype, name)}")
     dtypes = {a.dtype for a in arrays.values()}
     if len(dtypes) > 1:
         seen = ", ".join(f"{n} {a.dtype}" for n, a in arrays.items())

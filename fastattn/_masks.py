@@ -22,20 +22,36 @@ def from_mha(mask, name, dtype):
     if mask is None:
         return None
     _require_mask(mask, name, "True = ignore, nn.MultiheadAttention's convention")
-    return ~mask if mask.dtype == np.bool_ else mask.astype(dtype, copy=False)
+    if mask.dtype == np.bool_:
+        return ~mask
+    with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
+        return mask.astype(dtype, copy=False)
 
 
 def _additive(mask, dtype):
     if mask.dtype == np.bool_:
         return np.where(mask, dtype.type(0), dtype.type(-np.inf))
-    return mask.astype(dtype, copy=False)
+    with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
+        return mask.astype(dtype, copy=False)
+
+
+def _sum(a, b):
+    """a + b, two additive masks, as one that hides what either hides.  Two
+    large negatives (finfo.min + finfo.min, as some models pad) overflow to
+    -inf: hidden, as PyTorch's nn.MultiheadAttention gets from the same
+    sum, and without NumPy's overflow warning.  -inf in either hides the
+    key even against +inf in the other (whose IEEE sum is NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = a + b
+    np.copyto(total, -np.inf, where=(a == -np.inf) | (b == -np.inf))
+    return total
 
 
 def both(a, a_name, b, b_name, dtype):
     """One functional-API mask that hides what a or b hides (either may be
     None): two bool masks give their AND; otherwise the sum of the additive
-    forms (bool False -> -inf) in dtype.  The result has the broadcast shape
-    of the two."""
+    forms (bool False -> -inf) in dtype, -inf where either is -inf or the
+    sum overflows.  The result has the broadcast shape of the two."""
     if a is None or b is None:
         return b if a is None else a
     _require_mask(a, a_name, "True = may attend")
@@ -43,7 +59,7 @@ def both(a, a_name, b, b_name, dtype):
     try:
         if a.dtype == np.bool_ and b.dtype == np.bool_:
             return np.logical_and(a, b)
-        return _additive(a, dtype) + _additive(b, dtype)
+        return _sum(_additive(a, dtype), _additive(b, dtype))
     except ValueError:
         raise ValueError(f"{a_name} of shape {C.shape_str(a.shape)} and {b_name} of shape "
                          f"{C.shape_str(b.shape)} do not broadcast") from None

@@ -10,6 +10,18 @@ _ALIGNMENTS = {"upper_left", "lower_right"}
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
 
 
+def _padding_mask_hint(mask_shape, target):
+    """For a (B, S) mask that fails to broadcast to target (B, ..., L, S):
+    the index that makes it a key padding mask, which is likely what was
+    meant ('' for other shapes)."""
+    if len(mask_shape) != 2 or len(target) < 3 or mask_shape != (target[0], target[-1]):
+        return ""
+    index = "[:, " + "None, " * (len(target) - 2) + ":]"
+    shape = C.shape_str((target[0],) + (1,) * (len(target) - 2) + (target[-1],))
+    return (f"; for a (B, S) key padding mask (True = may attend) pass attn_mask{index}, "
+            f"of shape {shape}")
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  causal_alignment="upper_left", need_weights=False,
@@ -161,7 +173,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask = C.broadcast_view(mask, target)
         except ValueError:
             raise ValueError(f"attn_mask of shape {C.shape_str(attn_mask.shape)} cannot be "
-                             f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}") from None
+                             f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}"
+                             f"{_padding_mask_hint(attn_mask.shape, target)}") from None
 
     out_shape = batch + (L, Ev)
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}

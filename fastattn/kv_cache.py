@@ -147,7 +147,8 @@ class KVCache:
                                          ("value", value, Dv, "value_dim")):
             C.require_array(a, name)
             if a.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {a.dtype}; this KVCache holds {self.dtype}")
+                raise TypeError(f"{name} has dtype {a.dtype}; this KVCache holds {self.dtype}"
+                                f"{C.unsupported_float_hint(a.dtype, name)}")
             if a.ndim != 4 or a.shape[:2] != (B, Hkv) or a.shape[3] != last:
                 raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
                                  f"(batch_size, num_kv_heads, L, {last_name}) = "
@@ -210,7 +211,8 @@ class KVCache:
         """
         C.require_array(query, "query")
         if query.dtype != self.dtype:
-            raise TypeError(f"query has dtype {query.dtype}; this KVCache holds {self.dtype}")
+            raise TypeError(f"query has dtype {query.dtype}; this KVCache holds {self.dtype}"
+                            f"{C.unsupported_float_hint(query.dtype, 'query')}")
         if query.ndim != 4 or query.shape[0] != self.batch_size or query.shape[3] != self.head_dim:
             raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
                              f"(batch_size, Hq, L, head_dim) = ({self.batch_size}, Hq, L, "

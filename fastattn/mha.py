@@ -365,7 +365,7 @@ class MultiHeadAttention:
             C.require_array(a, name)
             if a.dtype != self.dtype:
                 raise TypeError(f"{name} has dtype {a.dtype}; this MultiHeadAttention has "
-                                f"{self.dtype} weights")
+                                f"{self.dtype} weights{C.unsupported_float_hint(a.dtype, name)}")
         if query.ndim not in (2, 3):
             layout = "(N, L, E)" if self.batch_first else "(L, N, E)"
             raise ValueError(f"query must be {layout} or unbatched (L, E), got shape "

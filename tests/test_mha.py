@@ -390,3 +390,43 @@ def test_unbatched_key_padding_mask_error_names_its_shape(rng):
     with pytest.raises(ValueError, match=r"key_padding_mask has shape \(1, 5\); unbatched inputs "
                                          r"take \(S,\) = \(5,\)"):
         m(x, key_padding_mask=np.zeros((1, 5), bool))
+
+
+def test_finfo_min_masks_sum_without_a_warning(dtype, rng):
+    """Float key_padding_mask and attn_mask holding finfo.min (the "large
+    negative" some models pad with): no RuntimeWarning escapes from their
+    sum (an error under -W error); a key where both are finfo.min overflows
+    to -inf and is hidden, as in PyTorch, while finfo.min alone stays a
+    large negative score."""
+    import warnings
+
+    lo = np.finfo(dtype).min
+    kpm = np.array([[lo, lo, 0.0], [lo, lo, lo]], dtype)                   # (N, S)
+    am = np.array([[lo, lo, lo], [0.0, lo, 0.0], [0.0, 0.0, 0.0]], dtype)  # (L, S)
+    m = fastattn.MultiHeadAttention(8, 1, dtype=dtype, rng=0)
+    x = rng.standard_normal((2, 3, 8)).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, w = m(x, key_padding_mask=kpm, attn_mask=am, need_weights=True)
+    np.testing.assert_array_equal(w[0, 0], [0, 0, 1])  # keys 0, 1: finfo.min twice, -inf
+    np.testing.assert_array_equal(w[1, 0], [0, 0, 0])  # every key -inf: a hidden row
+    np.testing.assert_allclose(w[1, 1], [0.5, 0, 0.5])  # finfo.min once: equal scores
+    np.testing.assert_allclose(w[1, 2], [1 / 3] * 3)
+    assert np.all(np.isfinite(out))
+
+
+def test_minus_inf_hides_against_plus_inf_in_the_other_mask(rng):
+    """-inf in one mask hides the key whatever the other adds: +inf + -inf
+    is NaN in IEEE arithmetic, which would make the row NaN."""
+    import warnings
+
+    m = fastattn.MultiHeadAttention(8, 1, rng=0)
+    x = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    kpm = np.array([[0.0, -np.inf, 0.0]], np.float32)
+    am = np.array([[0.0, np.inf, 0.0]] * 3, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, w = m(x, key_padding_mask=kpm, attn_mask=am, need_weights=True)
+    ref_out, ref_w = m(x, key_padding_mask=np.array([[False, True, False]]), need_weights=True)
+    np.testing.assert_array_equal(w, ref_w)
+    np.testing.assert_array_equal(out, ref_out)
