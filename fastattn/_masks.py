@@ -23,8 +23,12 @@ def _require_mask(mask: NDArray[Any], name: str, bool_meaning: str) -> None:
 
 @overload
 def from_mha(mask: NDArray[Any], name: str, dtype: np.dtype[Any]) -> NDArray[Any]: ...
+
+
 @overload
 def from_mha(mask: None, name: str, dtype: np.dtype[Any]) -> None: ...
+
+
 def from_mha(mask: Optional[NDArray[Any]], name: str,
              dtype: np.dtype[Any]) -> Optional[NDArray[Any]]:
     """An nn.MultiheadAttention mask (bool True = ignore; floating added) as

@@ -96,8 +96,8 @@ class MultiHeadAttention:
                              f"({self.num_kv_heads})")
         self.head_dim = self.embed_dim // self.num_heads
         self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
-        self._params: dict[str, Array] = {name: np.zeros(shape, self.dtype)
-                        for name, shape in self._param_shapes(bias).items()}
+        self._params: dict[str, Array] = {
+            name: np.zeros(shape, self.dtype) for name, shape in self._param_shapes(bias).items()}
         self._init_weights(np.random.default_rng(rng))
 
     # ---- parameters -------------------------------------------------------
