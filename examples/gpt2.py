@@ -120,8 +120,9 @@ class GPT2:
         for i, mha in enumerate(self.attn):
             p = f"transformer.h.{i}."
             h = layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
-            x = x + mha(h, key_padding_mask=padding, is_causal=True,
-                        cache=caches[i] if caches else None)
+            a, _ = mha(h, key_padding_mask=padding, is_causal=True,
+                       cache=caches[i] if caches else None)
+            x = x + a
             h = layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
             h = gelu_new(conv1d(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"]))
             x = x + conv1d(h, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"])

@@ -126,7 +126,7 @@ class MiniLM:
         x = layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
         padding = attention_mask == 0  # nn.MultiheadAttention's convention: True = ignore
         for mha, p in self.layers:
-            a = mha(x, key_padding_mask=padding)
+            a, _ = mha(x, key_padding_mask=padding)
             x = layer_norm(x + a, w[p + "attention.output.LayerNorm.weight"],
                            w[p + "attention.output.LayerNorm.bias"], eps)
             h = linear(x, w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"])

@@ -1,25 +1,43 @@
 """Argument checks shared by the public functions.  Every failure is a
 TypeError or ValueError that names the argument, what was seen and what was
 expected."""
+from __future__ import annotations
+
 import math
 import numbers
 import operator
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from numpy.ma import MaskedArray
+from numpy.typing import DTypeLike, NDArray
+
+Shape = Tuple[int, ...]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def shape_str(shape):
+def shape_str(shape: Sequence[int]) -> str:
     """A shape as Python prints a tuple: (8,) for one axis."""
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def require_array(x, name):
+def _is_torch_tensor(x: object) -> bool:
+    """Whether x is a torch.Tensor (or a subclass such as Parameter), told by
+    its class's module and name: fastattn never imports torch."""
+    return any(c.__name__ == "Tensor" and c.__module__.partition(".")[0] == "torch"
+               for c in type(x).__mro__)
+
+
+def require_array(x: object, name: str) -> NDArray[Any]:
     if type(x) is np.ndarray:
         return x
     if not isinstance(x, np.ndarray):
+        if _is_torch_tensor(x):
+            kind = type(x)
+            raise TypeError(f"{name} must be a numpy.ndarray, got {kind.__module__}."
+                            f"{kind.__name__}; pass {name}.numpy() ({name}.detach().cpu()"
+                            ".numpy() for a tensor that requires grad or is not on the CPU)")
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if isinstance(x, MaskedArray):  # its mask would be silently ignored
         raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask fastattn does not read; "
@@ -27,18 +45,25 @@ def require_array(x, name):
     return x
 
 
-def require_ndim(x, name, min_ndim, layout):
+def require_ndim(x: NDArray[Any], name: str, min_ndim: int, layout: str) -> None:
     if x.ndim < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimensions {layout}, "
                          f"got shape {shape_str(x.shape)}")
 
 
-def common_float_dtype(**arrays):
+def unsupported_float_hint(dtype: np.dtype[Any], name: str) -> str:
+    """The fix for a half-precision array, to end a dtype error ('' otherwise)."""
+    if dtype.name in ("float16", "bfloat16"):
+        return f"; {dtype.name} is not supported yet: pass {name}.astype(np.float32)"
+    return ""
+
+
+def common_float_dtype(**arrays: NDArray[Any]) -> np.dtype[Any]:
     """The one dtype (float32 or float64, native byte order) of all arrays."""
     for name, a in arrays.items():
         if a.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {a.dtype}; expected float32 or float64 "
-                            "(native byte order)")
+                            f"(native byte order){unsupported_float_hint(a.dtype, name)}")
     dtypes = {a.dtype for a in arrays.values()}
     if len(dtypes) > 1:
         seen = ", ".join(f"{n} {a.dtype}" for n, a in arrays.items())
@@ -46,7 +71,7 @@ def common_float_dtype(**arrays):
     return dtypes.pop()
 
 
-def check_float_dtype(dtype, name):
+def check_float_dtype(dtype: DTypeLike, name: str) -> np.dtype[Any]:
     """numpy.dtype(dtype) when it is float32 or float64, else a TypeError."""
     try:
         dt = np.dtype(dtype)
@@ -57,7 +82,7 @@ def check_float_dtype(dtype, name):
     return dt
 
 
-def kernel_view(a):
+def kernel_view(a: NDArray[Any]) -> NDArray[Any]:
     """a itself when the kernels can read it in place (aligned, every stride a
     whole number of elements), else an aligned contiguous copy."""
     flags = a.flags
@@ -66,12 +91,12 @@ def kernel_view(a):
     return np.array(a, order="C")  # a fresh array; ascontiguousarray keeps a misaligned one
 
 
-def broadcast_view(a, shape):
+def broadcast_view(a: NDArray[Any], shape: Shape) -> NDArray[Any]:
     """a seen with shape (stride 0 on broadcast axes), without a copy."""
     return a if a.shape == shape else np.broadcast_to(a, shape)
 
 
-def broadcast_shapes(named_shapes, what):
+def broadcast_shapes(named_shapes: Sequence[tuple[str, Shape]], what: str) -> Shape:
     """np.broadcast_shapes with an error that names the arguments."""
     first = named_shapes[0][1]
     if all(s == first for _, s in named_shapes):
@@ -93,24 +118,24 @@ def broadcast_shapes(named_shapes, what):
 _INDEX = np.iinfo(np.intp)
 
 
-def max_elements(dtype):
+def max_elements(dtype: np.dtype[Any]) -> int:
     """Most elements of dtype one array can hold: its byte size must fit a
     signed pointer-sized index (NumPy's limit on every array, views included)."""
     return _INDEX.max // dtype.itemsize
 
 
-def _counted_elements(shape):
+def _counted_elements(shape: Shape) -> int:
     """Elements NumPy counts against its limit: zero-size shapes count their
     other axes."""
     return math.prod(d for d in shape if d)
 
 
-def addressable(shape, itemsize):
+def addressable(shape: Shape, itemsize: int) -> bool:
     """Whether NumPy can make an array, real or a view, of this shape."""
     return _counted_elements(shape) <= _INDEX.max // itemsize
 
 
-def require_addressable(named_shapes, itemsize):
+def require_addressable(named_shapes: Sequence[tuple[str, Shape]], itemsize: int) -> None:
     """Refuse arrays, real or broadcast views, beyond max_elements: a clear
     error naming the array before any allocation or broadcast."""
     limit = _INDEX.max // itemsize
@@ -121,7 +146,7 @@ def require_addressable(named_shapes, itemsize):
                              f"{_INDEX.bits}-bit index addresses ({limit} of {itemsize} bytes)")
 
 
-def has_internal_overlap(a):
+def has_internal_overlap(a: NDArray[Any]) -> bool:
     """False when the elements of a provably occupy distinct memory: taken
     from the smallest stride up, each axis steps past all that the smaller
     ones span.  True for stride-0 and other self-overlapping views."""
@@ -136,19 +161,21 @@ def has_internal_overlap(a):
     return False
 
 
-def _overlap(a, b):
+def _overlap(a: NDArray[Any], b: NDArray[Any]) -> bool:
     """True when a and b may share an element: the cheap bounds test, then,
     for interleaved views within one buffer, NumPy's exact test (bounded;
     when it gives up the answer stays "may")."""
     if not np.may_share_memory(a, b):
         return False
     try:
-        return np.shares_memory(a, b, max_work=10_000)
+        # numpy's stub admits only max_work -1 or 0; the function takes any bound
+        return np.shares_memory(a, b, max_work=10_000)  # type: ignore[arg-type]
     except np.exceptions.TooHardError:
         return True
 
 
-def check_out(out, shape, dtype, inputs, name="out"):
+def check_out(out: NDArray[Any], shape: Shape, dtype: np.dtype[Any],
+              inputs: Mapping[str, Optional[NDArray[Any]]], name: str = "out") -> NDArray[Any]:
     """A caller's output array: right type, dtype, shape; writeable; kernel
     readable strides; no memory shared with an input."""
     require_array(out, name)
@@ -169,13 +196,13 @@ def check_out(out, shape, dtype, inputs, name="out"):
     return out
 
 
-def check_bool(x, name):
+def check_bool(x: object, name: str) -> bool:
     if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
     return bool(x)
 
 
-def check_real(x, name):
+def check_real(x: object, name: str) -> float:
     """A finite real number (not a bool)."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
@@ -185,7 +212,7 @@ def check_real(x, name):
     return x
 
 
-def check_index(x, name, minimum):
+def check_index(x: object, name: str, minimum: int) -> int:
     if isinstance(x, (bool, np.bool_)) or not hasattr(x, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
     x = operator.index(x)
@@ -194,7 +221,8 @@ def check_index(x, name, minimum):
     return x
 
 
-def mask_kind_and_array(mask, dtype, name):
+def mask_kind_and_array(mask: Optional[NDArray[Any]], dtype: np.dtype[Any],
+                        name: str) -> tuple[int, Optional[NDArray[Any]]]:
     """(kind, array) of a mask: bool masks stay bool (True = keep); floating
     masks are converted to dtype (added to the scores, -inf hides)."""
     from . import _core

@@ -4,46 +4,79 @@ The functional API (PyTorch's scaled_dot_product_attention): bool True = may
 attend.  nn.MultiheadAttention's masks: bool True = ignore.  Floating masks
 mean the same in both: added to the scaled scores, -inf hides.
 """
+from __future__ import annotations
+
+from typing import Any, Optional, overload
+
 import numpy as np
+from numpy.typing import NDArray
 
 from . import _checks as C
 
 
-def _require_mask(mask, name, bool_meaning):
+def _require_mask(mask: NDArray[Any], name: str, bool_meaning: str) -> None:
     C.require_array(mask, name)
     if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
         raise TypeError(f"{name} has dtype {mask.dtype}; expected bool ({bool_meaning}) or a "
                         "floating dtype (added to the scores, -inf hides)")
 
 
-def from_mha(mask, name, dtype):
+@overload
+def from_mha(mask: NDArray[Any], name: str, dtype: np.dtype[Any]) -> NDArray[Any]: ...
+
+
+@overload
+def from_mha(mask: None, name: str, dtype: np.dtype[Any]) -> None: ...
+
+
+def from_mha(mask: Optional[NDArray[Any]], name: str,
+             dtype: np.dtype[Any]) -> Optional[NDArray[Any]]:
     """An nn.MultiheadAttention mask (bool True = ignore; floating added) as
     a functional-API mask: the negation of a bool mask, a float mask in dtype."""
     if mask is None:
         return None
     _require_mask(mask, name, "True = ignore, nn.MultiheadAttention's convention")
-    return ~mask if mask.dtype == np.bool_ else mask.astype(dtype, copy=False)
-
-
-def _additive(mask, dtype):
     if mask.dtype == np.bool_:
-        return np.where(mask, dtype.type(0), dtype.type(-np.inf))
-    return mask.astype(dtype, copy=False)
+        return ~mask
+    with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
+        return mask.astype(dtype, copy=False)
 
 
-def both(a, a_name, b, b_name, dtype):
+def _additive(mask: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
+    if mask.dtype == np.bool_:
+        additive: NDArray[Any] = np.where(mask, dtype.type(0), dtype.type(-np.inf))
+        return additive
+    with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
+        return mask.astype(dtype, copy=False)
+
+
+def _sum(a: NDArray[Any], b: NDArray[Any]) -> NDArray[Any]:
+    """a + b, two additive masks, as one that hides what either hides.  Two
+    large negatives (finfo.min + finfo.min, as some models pad) overflow to
+    -inf: hidden, as PyTorch's nn.MultiheadAttention gets from the same
+    sum, and without NumPy's overflow warning.  -inf in either hides the
+    key even against +inf in the other (whose IEEE sum is NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total: NDArray[Any] = a + b
+    np.copyto(total, -np.inf, where=(a == -np.inf) | (b == -np.inf))
+    return total
+
+
+def both(a: Optional[NDArray[Any]], a_name: str, b: Optional[NDArray[Any]], b_name: str,
+         dtype: np.dtype[Any]) -> Optional[NDArray[Any]]:
     """One functional-API mask that hides what a or b hides (either may be
     None): two bool masks give their AND; otherwise the sum of the additive
-    forms (bool False -> -inf) in dtype.  The result has the broadcast shape
-    of the two."""
+    forms (bool False -> -inf) in dtype, -inf where either is -inf or the
+    sum overflows.  The result has the broadcast shape of the two."""
     if a is None or b is None:
         return b if a is None else a
     _require_mask(a, a_name, "True = may attend")
     _require_mask(b, b_name, "True = may attend")
     try:
         if a.dtype == np.bool_ and b.dtype == np.bool_:
-            return np.logical_and(a, b)
-        return _additive(a, dtype) + _additive(b, dtype)
+            anded: NDArray[np.bool_] = np.logical_and(a, b)
+            return anded
+        return _sum(_additive(a, dtype), _additive(b, dtype))
     except ValueError:
         raise ValueError(f"{a_name} of shape {C.shape_str(a.shape)} and {b_name} of shape "
                          f"{C.shape_str(b.shape)} do not broadcast") from None

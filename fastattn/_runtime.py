@@ -4,8 +4,12 @@ The C kernels hold no state; these settings are read by the Python layer at
 each call and passed down, so changing them from one thread never disturbs a
 call already running in another.
 """
+from __future__ import annotations
+
 import operator
 import os
+import warnings
+from typing import Optional
 
 from . import _core
 
@@ -13,7 +17,7 @@ _PATHS = {"portable": _core.ISA_PORTABLE, "avx2": _core.ISA_AVX2, "avx512": _cor
 SIMD_ENV = "FASTATTN_SIMD"
 
 
-def available_simd_paths():
+def available_simd_paths() -> list[str]:
     """The instruction-set paths this CPU and build can run, best last."""
     paths = ["portable"]
     if _core.cpu_has_avx2_fma():
@@ -23,33 +27,48 @@ def available_simd_paths():
     return paths
 
 
-def _path_from_env():
-    wanted = os.environ.get(SIMD_ENV, "auto").strip().lower() or "auto"
+def _choose_path(wanted: str, available: list[str]) -> tuple[str, Optional[str]]:
+    """The path for FASTATTN_SIMD=wanted on a CPU that runs available (best
+    last), and the warning to give, or None.  An unknown name or a path the
+    CPU lacks falls back to the widest available path: an environment
+    variable must not stop the import (``fastattn info`` included)."""
+    wanted = wanted.strip().lower() or "auto"
+    widest = available[-1]
     if wanted == "auto":
-        return available_simd_paths()[-1]
-    if wanted not in _PATHS:
-        raise ValueError(f"{SIMD_ENV}={wanted!r}: expected 'auto', 'portable', 'avx2' or 'avx512'")
-    if wanted not in available_simd_paths():
-        raise RuntimeError(f"{SIMD_ENV}={wanted!r} but this CPU or build cannot run that path")
-    return wanted
+        return widest, None
+    if wanted in available:
+        return wanted, None
+    why = ("is not a SIMD path" if wanted not in _PATHS
+           else "is a path this CPU or build cannot run")
+    return widest, (f"{SIMD_ENV}={wanted!r} {why}; accepted: 'auto', 'portable', 'avx2', "
+                    f"'avx512' (this CPU runs {', '.join(available)}); using {widest!r}")
+
+
+def _path_from_env() -> str:
+    path, warning = _choose_path(os.environ.get(SIMD_ENV, "auto"), available_simd_paths())
+    if warning is not None:
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
+    return path
 
 
 _simd_path = _path_from_env()
-_num_threads = None  # None: OpenMP's default (OMP_NUM_THREADS, else the CPU count)
+_num_threads: Optional[int] = None  # None: OpenMP's default (OMP_NUM_THREADS, else the CPU count)
 # OpenMP ends the whole process when it cannot create a thread it was asked
 # for, so a request is bounded: well past any useful count on this machine.
 MAX_THREADS = max(1024, os.cpu_count() or 1)
 
 
-def simd_path():
+def simd_path() -> str:
     """Name of the instruction-set path in use: 'avx512', 'avx2' or 'portable'.
 
     Chosen at import from the CPU's features (the widest it has), or forced
-    with the environment variable FASTATTN_SIMD=portable|avx2|avx512|auto."""
+    with the environment variable FASTATTN_SIMD=portable|avx2|avx512|auto.
+    A value that is not a path, or a path this CPU cannot run, gives one
+    RuntimeWarning at import and the widest path instead."""
     return _simd_path
 
 
-def set_simd_path(name):
+def set_simd_path(name: str) -> None:
     """Switch the instruction-set path ('portable', 'avx2', 'avx512' or 'auto').
 
     Raises ValueError for an unknown name and RuntimeError for a path this
@@ -67,16 +86,16 @@ def set_simd_path(name):
     _simd_path = name
 
 
-def isa():
+def isa() -> int:
     return _PATHS[_simd_path]
 
 
-def openmp_enabled():
+def openmp_enabled() -> bool:
     """True when the extension was compiled with OpenMP."""
     return _core.have_openmp()
 
 
-def _check_threads(n, name):
+def _check_threads(n: object, name: str) -> int:
     if isinstance(n, bool) or not hasattr(n, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(n).__name__}")
     n = operator.index(n)
@@ -88,7 +107,7 @@ def _check_threads(n, name):
     return n
 
 
-def set_num_threads(n):
+def set_num_threads(n: Optional[int]) -> None:
     """Set the number of threads the kernels use (1 <= n <= MAX_THREADS,
     which is max(1024, CPU count)), or None for OpenMP's default
     (OMP_NUM_THREADS when set, else the number of CPUs).  Without OpenMP in
@@ -101,7 +120,7 @@ def set_num_threads(n):
     _num_threads = None if n is None else _check_threads(n, "n")
 
 
-def get_num_threads():
+def get_num_threads() -> int:
     """The number of threads a call uses when it is not given num_threads:
     the count set by set_num_threads, else OpenMP's default capped at
     MAX_THREADS (so that OMP_NUM_THREADS=100000 cannot abort the process)."""
@@ -111,7 +130,7 @@ def get_num_threads():
     return n if n is not None else min(_core.omp_max_threads(), MAX_THREADS)
 
 
-def resolve_threads(num_threads):
+def resolve_threads(num_threads: Optional[int]) -> int:
     """Thread count for one call: the argument if given, else the global one."""
     if num_threads is None:
         return get_num_threads()

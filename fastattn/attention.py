@@ -1,19 +1,70 @@
 """scaled_dot_product_attention: the functional attention API."""
+from __future__ import annotations
+
 import math
+from typing import Literal, Optional, Union, overload
 
 import numpy as np
 
 from . import _checks as C
 from . import _core, _runtime
+from ._typing import Float, MaskArray, NDArray
+
+Alignment = Literal["upper_left", "lower_right"]
 
 _ALIGNMENTS = {"upper_left", "lower_right"}
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, *,
-                                 causal_alignment="upper_left", need_weights=False,
-                                 out=None, num_threads=None):
+def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
+    """For a (B, S) mask that fails to broadcast to target (B, ..., L, S):
+    the index that makes it a key padding mask, which is likely what was
+    meant ('' for other shapes)."""
+    if len(mask_shape) != 2 or len(target) < 3 or mask_shape != (target[0], target[-1]):
+        return ""
+    index = "[:, " + "None, " * (len(target) - 2) + ":]"
+    shape = C.shape_str((target[0],) + (1,) * (len(target) - 2) + (target[-1],))
+    return (f"; for a (B, S) key padding mask (True = may attend) pass attn_mask{index}, "
+            f"of shape {shape}")
+
+
+@overload
+def scaled_dot_product_attention(
+        query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+        attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
+        scale: Optional[float] = None, enable_gqa: bool = False, *,
+        causal_alignment: Alignment = "upper_left", need_weights: Literal[False] = False,
+        out: Optional[NDArray[Float]] = None,
+        num_threads: Optional[int] = None) -> NDArray[Float]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+        attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
+        scale: Optional[float] = None, enable_gqa: bool = False, *,
+        causal_alignment: Alignment = "upper_left", need_weights: Literal[True],
+        out: Optional[NDArray[Float]] = None,
+        num_threads: Optional[int] = None) -> tuple[NDArray[Float], NDArray[Float]]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+        attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
+        scale: Optional[float] = None, enable_gqa: bool = False, *,
+        causal_alignment: Alignment = "upper_left", need_weights: bool,
+        out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]: ...
+
+
+def scaled_dot_product_attention(
+        query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+        attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
+        scale: Optional[float] = None, enable_gqa: bool = False, *,
+        causal_alignment: Alignment = "upper_left", need_weights: bool = False,
+        out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """Scaled dot-product attention, ``softmax(query @ key^T * scale + mask) @ value``.
 
     The arguments up to ``enable_gqa`` have the names, order and meaning of
@@ -160,8 +211,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         try:
             mask = C.broadcast_view(mask, target)
         except ValueError:
-            raise ValueError(f"attn_mask of shape {C.shape_str(attn_mask.shape)} cannot be "
-                             f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}") from None
+            raise ValueError(f"attn_mask of shape {C.shape_str(mask.shape)} cannot be "
+                             f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}"
+                             f"{_padding_mask_hint(mask.shape, target)}") from None
 
     out_shape = batch + (L, Ev)
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
@@ -178,4 +230,4 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if out.size or (weights is not None and weights.size):  # else nothing to compute
         _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal,
                         offset, scale, nthreads)
-    return (out, weights) if weights_wanted else out
+    return out if weights is None else (out, weights)

@@ -1,15 +1,19 @@
 """KVCache: preallocated keys and values of the positions seen so far, for
 generating one step at a time."""
+from __future__ import annotations
+
 import math
+from typing import Any, Literal, Optional, Union, cast, overload
 
 import numpy as np
 
 from . import _checks as C
 from . import _masks
+from ._typing import DTypeLike, Float, MaskArray, NDArray, Scalar
 from .attention import scaled_dot_product_attention
 
 
-def _read_only(a):
+def _read_only(a: NDArray[Scalar]) -> NDArray[Scalar]:
     a.flags.writeable = False
     return a
 
@@ -50,8 +54,8 @@ class KVCache:
     allocated.
     """
 
-    def __init__(self, batch_size, num_kv_heads, capacity, head_dim, *, value_dim=None,
-                 dtype=np.float32):
+    def __init__(self, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int, *,
+                 value_dim: Optional[int] = None, dtype: DTypeLike = np.float32) -> None:
         batch_size = C.check_index(batch_size, "batch_size", 1)
         num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
         capacity = C.check_index(capacity, "capacity", 1)
@@ -67,9 +71,9 @@ class KVCache:
             raise ValueError(f"KVCache of {sizes} would need buffers larger than any address "
                              f"space; lower capacity")
         try:  # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
-            self._key = np.zeros(shapes[0], dtype)
-            self._value = np.zeros(shapes[1], dtype)
-            self._real = np.zeros(shapes[2], bool)  # True = a real token, may be attended
+            self._key: NDArray[np.floating[Any]] = np.zeros(shapes[0], dtype)
+            self._value: NDArray[np.floating[Any]] = np.zeros(shapes[1], dtype)
+            self._real: NDArray[np.bool_] = np.zeros(shapes[2], bool)  # True = a real token, may be attended
         except MemoryError:
             raise MemoryError(f"KVCache of {sizes} needs {nbytes / 2**30:.1f} GiB, which could "
                               f"not be allocated; lower capacity") from None
@@ -77,52 +81,71 @@ class KVCache:
         self._padded = False
 
     # ---- sizes -------------------------------------------------------------
-    batch_size = property(lambda self: self._key.shape[0])
-    num_kv_heads = property(lambda self: self._key.shape[1])
-    capacity = property(lambda self: self._key.shape[2])
-    head_dim = property(lambda self: self._key.shape[3])
-    value_dim = property(lambda self: self._value.shape[3])
-    dtype = property(lambda self: self._key.dtype)
+    @property
+    def batch_size(self) -> int:
+        return int(self._key.shape[0])
 
     @property
-    def length(self):
+    def num_kv_heads(self) -> int:
+        return int(self._key.shape[1])
+
+    @property
+    def capacity(self) -> int:
+        return int(self._key.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self._key.shape[3])
+
+    @property
+    def value_dim(self) -> int:
+        return int(self._value.shape[3])
+
+    @property
+    def dtype(self) -> np.dtype[np.floating[Any]]:
+        return self._key.dtype
+
+    @property
+    def length(self) -> int:
         """Positions filled so far (padding included), the S of attention."""
         return self._length
 
     @property
-    def lengths(self):
+    def lengths(self) -> NDArray[np.int64]:
         """Real (non-padding) tokens held per sequence, int64 (batch_size,)."""
-        return np.count_nonzero(self._real[:, :self._length], axis=1).astype(np.int64)
+        counts: NDArray[np.intp] = np.count_nonzero(self._real[:, :self._length], axis=1)
+        return counts.astype(np.int64)
 
     @property
-    def key(self):
+    def key(self) -> NDArray[np.floating[Any]]:
         """Read-only view of the keys held, (batch_size, num_kv_heads, length, head_dim)."""
         return _read_only(self._key[:, :, :self._length])
 
     @property
-    def value(self):
+    def value(self) -> NDArray[np.floating[Any]]:
         """Read-only view of the values held, (batch_size, num_kv_heads, length, value_dim)."""
         return _read_only(self._value[:, :, :self._length])
 
     @property
-    def attn_mask(self):
+    def attn_mask(self) -> Optional[NDArray[np.bool_]]:
         """Read-only bool view (batch_size, 1, 1, length), True = a real token
         that may be attended (the functional API's convention), or None when
         no padding was ever appended."""
         return _read_only(self._real[:, None, None, :self._length]) if self._padded else None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"capacity={self.capacity}, head_dim={self.head_dim}, "
                 f"value_dim={self.value_dim}, dtype={self.dtype.name}, length={self.length})")
 
-    def reset(self):
+    def reset(self) -> None:
         """Forget every position (the buffers are kept for the next sequence)."""
         self._length = 0
         self._real[:] = False
         self._padded = False
 
-    def append(self, key, value, key_padding_mask=None):
+    def append(self, key: NDArray[np.floating[Any]], value: NDArray[np.floating[Any]],
+               key_padding_mask: Optional[NDArray[np.bool_]] = None) -> None:
         """Write L new positions after the ones held, in place.
 
         Parameters
@@ -147,7 +170,8 @@ class KVCache:
                                          ("value", value, Dv, "value_dim")):
             C.require_array(a, name)
             if a.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {a.dtype}; this KVCache holds {self.dtype}")
+                raise TypeError(f"{name} has dtype {a.dtype}; this KVCache holds {self.dtype}"
+                                f"{C.unsupported_float_hint(a.dtype, name)}")
             if a.ndim != 4 or a.shape[:2] != (B, Hkv) or a.shape[3] != last:
                 raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
                                  f"(batch_size, num_kv_heads, L, {last_name}) = "
@@ -179,8 +203,28 @@ class KVCache:
             self._padded = self._padded or bool(key_padding_mask.any())
         self._length = n + L
 
-    def attend(self, query, *, attn_mask=None, is_causal=True, scale=None, need_weights=False,
-               out=None, num_threads=None):
+    @overload
+    def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
+               is_causal: bool = True, scale: Optional[float] = None,
+               need_weights: Literal[False] = False, out: Optional[NDArray[Float]] = None,
+               num_threads: Optional[int] = None) -> NDArray[Float]: ...
+
+    @overload
+    def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
+               is_causal: bool = True, scale: Optional[float] = None,
+               need_weights: Literal[True], out: Optional[NDArray[Float]] = None,
+               num_threads: Optional[int] = None) -> tuple[NDArray[Float], NDArray[Float]]: ...
+
+    @overload
+    def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
+               is_causal: bool = True, scale: Optional[float] = None, need_weights: bool,
+               out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+               ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]: ...
+
+    def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
+               is_causal: bool = True, scale: Optional[float] = None, need_weights: bool = False,
+               out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+               ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
         """Attention of query over every position held (padding hidden).
 
         Parameters
@@ -210,7 +254,8 @@ class KVCache:
         """
         C.require_array(query, "query")
         if query.dtype != self.dtype:
-            raise TypeError(f"query has dtype {query.dtype}; this KVCache holds {self.dtype}")
+            raise TypeError(f"query has dtype {query.dtype}; this KVCache holds {self.dtype}"
+                            f"{C.unsupported_float_hint(query.dtype, 'query')}")
         if query.ndim != 4 or query.shape[0] != self.batch_size or query.shape[3] != self.head_dim:
             raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
                              f"(batch_size, Hq, L, head_dim) = ({self.batch_size}, Hq, L, "
@@ -224,8 +269,10 @@ class KVCache:
                              "positions held; append their keys and values first")
         mask = _masks.both(attn_mask, "attn_mask", self.attn_mask, "the cache's padding",
                            self.dtype)
+        # the buffers have query's dtype (checked above)
+        key = cast("NDArray[Float]", self._key[:, :, :self._length])
+        value = cast("NDArray[Float]", self._value[:, :, :self._length])
         return scaled_dot_product_attention(
-            query, self._key[:, :, :self._length], self._value[:, :, :self._length],
-            attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
+            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
             causal_alignment="lower_right", need_weights=need_weights, out=out,
             num_threads=num_threads)

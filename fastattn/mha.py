@@ -1,12 +1,22 @@
 """MultiHeadAttention: the whole attention layer (projections, heads,
 attention, output projection) with PyTorch nn.MultiheadAttention's weights."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union, cast
+
 import numpy as np
 
 from . import _checks as C
 from . import _masks, _runtime
+from ._typing import DTypeLike, MaskArray, NDArray
 from .attention import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .ops import split_heads
+
+Array = NDArray[np.floating[Any]]  # float32 or float64: the module's dtype
+# What numpy.random.default_rng takes as a seed.
+RNGLike = Union[np.random.Generator, np.random.BitGenerator, np.random.SeedSequence, int,
+                Sequence[int], None]
 
 
 class MultiHeadAttention:
@@ -65,8 +75,10 @@ class MultiHeadAttention:
     num_heads not a multiple of num_kv_heads.
     """
 
-    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, num_kv_heads=None,
-                 bias=True, batch_first=True, dtype=np.float32, rng=None):
+    def __init__(self, embed_dim: int, num_heads: int, *, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                 bias: bool = True, batch_first: bool = True, dtype: DTypeLike = np.float32,
+                 rng: RNGLike = None) -> None:
         self.embed_dim = C.check_index(embed_dim, "embed_dim", 1)
         self.num_heads = C.check_index(num_heads, "num_heads", 1)
         self.kdim = self.embed_dim if kdim is None else C.check_index(kdim, "kdim", 1)
@@ -84,20 +96,20 @@ class MultiHeadAttention:
                              f"({self.num_kv_heads})")
         self.head_dim = self.embed_dim // self.num_heads
         self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
-        self._params = {name: np.zeros(shape, self.dtype)
-                        for name, shape in self._param_shapes(bias).items()}
+        self._params: dict[str, Array] = {
+            name: np.zeros(shape, self.dtype) for name, shape in self._param_shapes(bias).items()}
         self._init_weights(np.random.default_rng(rng))
 
     # ---- parameters -------------------------------------------------------
     @property
-    def kv_dim(self):
+    def kv_dim(self) -> int:
         """Rows of the key and value projections, num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
 
-    def _param_shapes(self, bias):
+    def _param_shapes(self, bias: bool) -> dict[str, C.Shape]:
         E, kv = self.embed_dim, self.kv_dim
         if self._qkv_same_embed_dim:
-            shapes = {"in_proj_weight": (E + 2 * kv, E)}
+            shapes: dict[str, C.Shape] = {"in_proj_weight": (E + 2 * kv, E)}
         else:
             shapes = {"q_proj_weight": (E, E), "k_proj_weight": (kv, self.kdim),
                       "v_proj_weight": (kv, self.vdim)}
@@ -108,13 +120,13 @@ class MultiHeadAttention:
             shapes["out_proj.bias"] = (E,)
         return shapes
 
-    def _init_weights(self, rng):
+    def _init_weights(self, rng: np.random.Generator) -> None:
         E, kv = self.embed_dim, self.kv_dim
 
-        def uniform(shape, bound):
+        def uniform(shape: C.Shape, bound: float) -> Array:
             return rng.uniform(-bound, bound, shape).astype(self.dtype)
 
-        def xavier(rows, cols):  # fan_in = cols, fan_out = rows
+        def xavier(rows: int, cols: int) -> Array:  # fan_in = cols, fan_out = rows
             return uniform((rows, cols), np.sqrt(6.0 / (rows + cols)))
 
         p = self._params
@@ -126,19 +138,39 @@ class MultiHeadAttention:
             p["v_proj_weight"][...] = xavier(kv, self.vdim)
         p["out_proj.weight"][...] = uniform((E, E), 1.0 / np.sqrt(E))
 
-    in_proj_weight = property(lambda self: self._params.get("in_proj_weight"))
-    q_proj_weight = property(lambda self: self._params.get("q_proj_weight"))
-    k_proj_weight = property(lambda self: self._params.get("k_proj_weight"))
-    v_proj_weight = property(lambda self: self._params.get("v_proj_weight"))
-    in_proj_bias = property(lambda self: self._params.get("in_proj_bias"))
-    out_proj_weight = property(lambda self: self._params.get("out_proj.weight"))
-    out_proj_bias = property(lambda self: self._params.get("out_proj.bias"))
+    @property
+    def in_proj_weight(self) -> Optional[Array]:
+        return self._params.get("in_proj_weight")
 
-    def state_dict(self):
+    @property
+    def q_proj_weight(self) -> Optional[Array]:
+        return self._params.get("q_proj_weight")
+
+    @property
+    def k_proj_weight(self) -> Optional[Array]:
+        return self._params.get("k_proj_weight")
+
+    @property
+    def v_proj_weight(self) -> Optional[Array]:
+        return self._params.get("v_proj_weight")
+
+    @property
+    def in_proj_bias(self) -> Optional[Array]:
+        return self._params.get("in_proj_bias")
+
+    @property
+    def out_proj_weight(self) -> Array:
+        return self._params["out_proj.weight"]
+
+    @property
+    def out_proj_bias(self) -> Optional[Array]:
+        return self._params.get("out_proj.bias")
+
+    def state_dict(self) -> dict[str, Array]:
         """The weights by their PyTorch names (the arrays themselves, not copies)."""
         return dict(self._params)
 
-    def load_state_dict(self, state_dict, strict=True):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load weights by the names of ``torch.nn.MultiheadAttention.state_dict()``.
 
         Parameters
@@ -186,7 +218,7 @@ class MultiHeadAttention:
         self._params.update(new)
 
     @classmethod
-    def from_torch(cls, module):
+    def from_torch(cls, module: Any) -> MultiHeadAttention:
         """A MultiHeadAttention with the sizes, layout and weights of a
         ``torch.nn.MultiheadAttention`` (needs torch only to read the module).
         Its dropout is not carried over: fastattn computes inference.
@@ -207,7 +239,7 @@ class MultiHeadAttention:
         mha.load_state_dict(state)
         return mha
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         extra = "" if self._qkv_same_embed_dim else f", kdim={self.kdim}, vdim={self.vdim}"
         if self.num_kv_heads != self.num_heads:
             extra += f", num_kv_heads={self.num_kv_heads}"
@@ -215,16 +247,18 @@ class MultiHeadAttention:
                 f"{extra}, bias={self.in_proj_bias is not None}, "
                 f"batch_first={self.batch_first}, dtype={self.dtype.name})")
 
-    def new_cache(self, batch_size, capacity):
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty KVCache sized for this layer: (batch_size, num_kv_heads,
         capacity, head_dim) in the layer's dtype.  Raises the errors of
         KVCache for a bad batch_size or capacity."""
         return KVCache(batch_size, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype)
 
     # ---- forward ----------------------------------------------------------
-    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=False,
-                attn_mask=None, average_attn_weights=True, is_causal=None, *, cache=None,
-                num_threads=None):
+    def forward(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None,
+                key_padding_mask: Optional[MaskArray] = None, need_weights: bool = False,
+                attn_mask: Optional[MaskArray] = None, average_attn_weights: bool = True,
+                is_causal: Optional[bool] = None, *, cache: Optional[KVCache] = None,
+                num_threads: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
         """Attention of query over key/value, with the projections.
 
         The arguments up to is_causal have the names and order of
@@ -257,8 +291,8 @@ class MultiHeadAttention:
             causal; here no mask is needed, and with one a key is visible
             when both allow it.
         need_weights : bool
-            Also return the attention weights (default False; PyTorch's
-            default is True).
+            Compute and return the attention weights (default False, which
+            skips them; PyTorch's default is True).
         average_attn_weights : bool
             Weights averaged over the heads, (N, L, S), else per head
             (N, num_heads, L, S); unbatched without N.
@@ -280,12 +314,16 @@ class MultiHeadAttention:
 
         Returns
         -------
+        (output, weights), always a pair, as PyTorch returns it
+        (``y, _ = mha(x)``):
         output : ndarray shaped like query, the module's dtype
-        weights : ndarray, only when need_weights=True
+        weights : ndarray or None
+            None unless need_weights=True; then (N, L, S) averaged over the
+            heads, or (N, num_heads, L, S); unbatched without N.
 
-        Unlike PyTorch (which returns ``(output, weights or None)`` and gives
-        NaN), a query row with no visible key has zero attention output, so
-        its output row is out_proj.bias (zeros without bias), never NaN.
+        Unlike PyTorch (which gives NaN), a query row with no visible key
+        has zero attention output, so its output row is out_proj.bias (zeros
+        without bias), never NaN.
 
         Raises
         ------
@@ -300,8 +338,8 @@ class MultiHeadAttention:
         _runtime.resolve_threads(num_threads)  # checked before a cache is written
         self._check_inputs(query, key, value)
         batched = query.ndim == 3
-        self_attention = key is None
-        if self_attention:
+        self_attention = key is None  # and value too (checked)
+        if key is None or value is None:
             key = value = query
         if not batched:  # a batch of one, batch first (PyTorch ignores batch_first here)
             query, key, value = query[None], key[None], value[None]
@@ -332,7 +370,7 @@ class MultiHeadAttention:
         concat = np.empty(query.shape[:-1] + (self.embed_dim,), self.dtype)
         out_h = self._heads(concat, self.num_heads, seq_first)  # attention writes here
         if cache is not None:
-            cache.append(k_h, v_h, key_padding_mask=kpm)
+            cache.append(k_h, v_h, key_padding_mask=cast("Optional[NDArray[np.bool_]]", kpm))
             result = cache.attend(q_h, attn_mask=mask, is_causal=is_causal,
                                   need_weights=need_weights, out=out_h, num_threads=num_threads)
         else:
@@ -344,24 +382,27 @@ class MultiHeadAttention:
                 is_causal=is_causal, enable_gqa=True, need_weights=need_weights, out=out_h,
                 num_threads=num_threads)
         output = _linear(concat, self.out_proj_weight, self.out_proj_bias)
-        if not need_weights:
-            return output if batched else output[0]
-        weights = result[1].mean(axis=1) if average else result[1]
-        return (output, weights) if batched else (output[0], weights[0])
+        weights = result[1] if isinstance(result, tuple) else None  # need_weights
+        if weights is not None and average:
+            weights = weights.mean(axis=1)
+        if not batched:
+            return output[0], None if weights is None else weights[0]
+        return output, weights
 
     __call__ = forward
 
     # ---- forward's pieces ---------------------------------------------------
-    def _check_inputs(self, query, key, value):
+    def _check_inputs(self, query: Array, key: Optional[Array], value: Optional[Array]) -> None:
         if (key is None) != (value is None):
             raise ValueError("pass both key and value (cross-attention) or neither "
                              "(self-attention)")
-        arrays = {"query": query} if key is None else {"query": query, "key": key, "value": value}
+        arrays: dict[str, Array] = ({"query": query} if key is None or value is None
+                                    else {"query": query, "key": key, "value": value})
         for name, a in arrays.items():
             C.require_array(a, name)
             if a.dtype != self.dtype:
                 raise TypeError(f"{name} has dtype {a.dtype}; this MultiHeadAttention has "
-                                f"{self.dtype} weights")
+                                f"{self.dtype} weights{C.unsupported_float_hint(a.dtype, name)}")
         if query.ndim not in (2, 3):
             layout = "(N, L, E)" if self.batch_first else "(L, N, E)"
             raise ValueError(f"query must be {layout} or unbatched (L, E), got shape "
@@ -380,7 +421,7 @@ class MultiHeadAttention:
             raise ValueError(f"self-attention needs kdim == vdim == embed_dim; this module has "
                              f"kdim={self.kdim}, vdim={self.vdim}: pass key and value")
 
-    def _check_cache(self, cache, N):
+    def _check_cache(self, cache: KVCache, N: int) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a fastattn.KVCache, got {type(cache).__name__}")
         want = (N, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
@@ -390,7 +431,8 @@ class MultiHeadAttention:
                              f"num_kv_heads={self.num_kv_heads}, head_dim=value_dim="
                              f"{self.head_dim}, dtype={self.dtype.name}")
 
-    def _check_key_padding_mask(self, kpm, N, S, with_cache):
+    def _check_key_padding_mask(self, kpm: Optional[MaskArray], N: int, S: int,
+                                with_cache: bool) -> Optional[MaskArray]:
         if kpm is None:
             return None
         C.require_array(kpm, "key_padding_mask")
@@ -402,7 +444,8 @@ class MultiHeadAttention:
                             "bool (True = padding)")
         return kpm
 
-    def _attn_mask(self, mask, N, L, S):
+    def _attn_mask(self, mask: Optional[MaskArray], N: int, L: int,
+                   S: int) -> Optional[NDArray[Any]]:
         """attn_mask (L, S) or (N * num_heads, L, S), True = ignore, as a
         functional-API mask broadcastable to (N, num_heads, L, S)."""
         if mask is None:
@@ -418,15 +461,17 @@ class MultiHeadAttention:
                              f"({L}, {S}) or (N * num_heads, L, S) = ({N * H}, {L}, {S})")
         return _masks.from_mha(mask, "attn_mask", self.dtype)
 
-    def _project(self, query, key, value, self_attention):
+    def _project(self, query: Array, key: Array, value: Array,
+                 self_attention: bool) -> tuple[Array, Array, Array]:
         """The input projections, (..., embed_dim) and twice (..., kv_dim),
         each a product with NumPy's BLAS (one when query = key = value)."""
         E, kv, b = self.embed_dim, self.kv_dim, self.in_proj_bias
         bq, bk, bv = (None,) * 3 if b is None else (b[:E], b[E:E + kv], b[E + kv:])
+        p = self._params
         if not self._qkv_same_embed_dim:
-            return (_linear(query, self.q_proj_weight, bq), _linear(key, self.k_proj_weight, bk),
-                    _linear(value, self.v_proj_weight, bv))
-        w = self.in_proj_weight
+            return (_linear(query, p["q_proj_weight"], bq), _linear(key, p["k_proj_weight"], bk),
+                    _linear(value, p["v_proj_weight"], bv))
+        w = p["in_proj_weight"]
         if self_attention:
             qkv = _linear(query, w, b)
             return qkv[..., :E], qkv[..., E:E + kv], qkv[..., E + kv:]
@@ -437,13 +482,13 @@ class MultiHeadAttention:
         return q, _linear(key, w[E:E + kv], bk), _linear(value, w[E + kv:], bv)
 
     @staticmethod
-    def _heads(x, num_heads, seq_first):
+    def _heads(x: Array, num_heads: int, seq_first: bool) -> Array:
         """(N, L, H*D) or (L, N, H*D) viewed as (N, H, L, D), no copy."""
         h = split_heads(x, num_heads)  # (A0, H, A1, D)
         return h.transpose(2, 1, 0, 3) if seq_first else h
 
 
-def _linear(x, weight, bias):
+def _linear(x: Array, weight: Array, bias: Optional[Array]) -> Array:
     """x @ weight^T + bias over the last axis, as one BLAS product."""
     y = x.reshape(-1, x.shape[-1]) @ weight.T
     if bias is not None:

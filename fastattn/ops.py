@@ -1,14 +1,19 @@
 """The building blocks of attention as public functions: the blocked matrix
 product, the guarded softmax and the head layout."""
+from __future__ import annotations
+
 import math
+from typing import Optional
 
 import numpy as np
 
 from . import _checks as C
 from . import _core, _runtime
+from ._typing import Float, MaskArray, NDArray, Scalar
 
 
-def matmul(a, b, *, out=None, num_threads=None):
+def matmul(a: NDArray[Float], b: NDArray[Float], *, out: Optional[NDArray[Float]] = None,
+           num_threads: Optional[int] = None) -> NDArray[Float]:
     """Batched matrix product ``a @ b`` with fastattn's blocked kernel.
 
     Parameters
@@ -59,7 +64,9 @@ def matmul(a, b, *, out=None, num_threads=None):
     return out
 
 
-def softmax(x, axis=-1, *, mask=None, out=None, num_threads=None):
+def softmax(x: NDArray[Float], axis: int = -1, *, mask: Optional[MaskArray] = None,
+            out: Optional[NDArray[Float]] = None,
+            num_threads: Optional[int] = None) -> NDArray[Float]:
     """Softmax along one axis with the maximum subtracted first.
 
     Parameters
@@ -97,7 +104,7 @@ def softmax(x, axis=-1, *, mask=None, out=None, num_threads=None):
         try:
             m = np.broadcast_to(m, x.shape)
         except ValueError:
-            raise ValueError(f"mask of shape {C.shape_str(mask.shape)} cannot be broadcast "
+            raise ValueError(f"mask of shape {C.shape_str(m.shape)} cannot be broadcast "
                              f"to x's shape {C.shape_str(x.shape)}") from None
     nthreads = _runtime.resolve_threads(num_threads)
     if out is None:
@@ -112,7 +119,7 @@ def softmax(x, axis=-1, *, mask=None, out=None, num_threads=None):
     return out
 
 
-def split_heads(x, num_heads):
+def split_heads(x: NDArray[Scalar], num_heads: int) -> NDArray[Scalar]:
     """View (..., L, H*D) as (..., H, L, D): head h is features h*D..(h+1)*D-1.
 
     No copy: the result shares x's memory, so writing into it (for example
@@ -136,7 +143,7 @@ def split_heads(x, num_heads):
     return np.swapaxes(heads, -3, -2)
 
 
-def merge_heads(x, *, num_threads=None):
+def merge_heads(x: NDArray[Float], *, num_threads: Optional[int] = None) -> NDArray[Float]:
     """(..., H, L, D) -> (..., L, H*D), heads side by side (the concat of
     multi-head attention, Vaswani et al. 2017, sec. 3.2.2).
 

@@ -5,12 +5,20 @@ score and scale, mask, softmax along the key axis, weighted sum), in
 whatever dtype it is given (the tests give float64).  It materialises every
 intermediate and is meant to be read, not to be fast.
 """
+from __future__ import annotations
+
 import math
+from typing import Any, Optional, Union
 
 import numpy as np
+from numpy.typing import NDArray
+
+Array = NDArray[np.floating[Any]]
+Mask = Union[NDArray[np.bool_], NDArray[np.floating[Any]]]
+Result = Union[Array, tuple[Array, Array]]  # the output, and the weights when asked for
 
 
-def softmax(x, axis=-1, mask=None):
+def softmax(x: Array, axis: int = -1, mask: Optional[Mask] = None) -> Array:
     """Softmax along axis; mask: bool (True = keep) or floating (added).
 
     Hidden entries (-inf, or masked out) get weight 0; a row with nothing
@@ -26,25 +34,28 @@ def softmax(x, axis=-1, mask=None):
     return e / np.where(m == -np.inf, 1, s)            # all hidden: 0 / 1, not 0 / 0
 
 
-def causal_mask(L, S, alignment="upper_left"):
+def causal_mask(L: int, S: int, alignment: str = "upper_left") -> NDArray[np.bool_]:
     """Bool (L, S), True = visible: key j <= query i (+ S - L for lower_right)."""
     offset = S - L if alignment == "lower_right" else 0
     return np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
 
 
-def weighted_sum(weights, value):
+def weighted_sum(weights: Array, value: Array) -> Array:
     """weights @ value, except that a weight of exactly 0 never reads its
     value row (so inf or NaN at a hidden key does not leak)."""
     if np.all(np.isfinite(value)):
         return weights @ value
     w = weights[..., :, :, None]
     with np.errstate(invalid="ignore"):  # 0 * inf, discarded by the where
-        return np.where(w != 0, w * value[..., None, :, :], 0).sum(axis=-2)
+        total: Array = np.where(w != 0, w * value[..., None, :, :], 0).sum(axis=-2)
+    return total
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal=False,
-                                 scale=None, enable_gqa=False, causal_alignment="upper_left",
-                                 need_weights=False):
+def scaled_dot_product_attention(query: Array, key: Array, value: Array,
+                                 attn_mask: Optional[Mask] = None, *, is_causal: bool = False,
+                                 scale: Optional[float] = None, enable_gqa: bool = False,
+                                 causal_alignment: str = "upper_left",
+                                 need_weights: bool = False) -> Result:
     """softmax(query @ key^T * scale + mask) @ value, step by step.
 
     fastattn.scaled_dot_product_attention's arguments, keyword-only after
@@ -76,27 +87,30 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
     return (out, weights) if need_weights else out
 
 
-def self_attention(x, w_q, w_k, w_v, **kwargs):
+def self_attention(x: Array, w_q: Array, w_k: Array, w_v: Array, **kwargs: Any) -> Result:
     """Step 1 too: Q = X W_Q, K = X W_K, V = X W_V, then attention."""
     return scaled_dot_product_attention(x @ w_q, x @ w_k, x @ w_v, **kwargs)
 
 
-def split_heads(x, num_heads):
+def split_heads(x: Array, num_heads: int) -> Array:
     """(..., L, H*D) -> (..., H, L, D)"""
     D = x.shape[-1] // num_heads  # explicit: reshape cannot infer -1 for an empty x
     return np.swapaxes(x.reshape(x.shape[:-1] + (num_heads, D)), -3, -2)
 
 
-def merge_heads(x):
+def merge_heads(x: Array) -> Array:
     """(..., H, L, D) -> (..., L, H*D)"""
     x = np.swapaxes(x, -3, -2)
     return x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))
 
 
-def multi_head_attention(query, key, value, num_heads, q_proj_weight, k_proj_weight,
-                         v_proj_weight, out_proj_weight, in_proj_bias=None, out_proj_bias=None,
-                         key_padding_mask=None, attn_mask=None, is_causal=False,
-                         need_weights=False, average_attn_weights=True):
+def multi_head_attention(query: Array, key: Array, value: Array, num_heads: int,
+                         q_proj_weight: Array, k_proj_weight: Array, v_proj_weight: Array,
+                         out_proj_weight: Array, in_proj_bias: Optional[Array] = None,
+                         out_proj_bias: Optional[Array] = None,
+                         key_padding_mask: Optional[Mask] = None,
+                         attn_mask: Optional[Mask] = None, is_causal: bool = False,
+                         need_weights: bool = False, average_attn_weights: bool = True) -> Result:
     """nn.MultiheadAttention's forward on batch-first (N, L, E) inputs, step
     by step: project, split heads, attention, merge heads, output projection.
 

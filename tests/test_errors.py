@@ -8,6 +8,11 @@ from numpy.lib.stride_tricks import as_strided
 import fastattn
 from fastattn import _core
 
+try:
+    import torch
+except ImportError:  # the rows that pass torch tensors are left out
+    torch = None
+
 f32 = np.zeros((2, 3, 4, 8), np.float32)
 f64 = np.zeros((2, 3, 4, 8), np.float64)
 sdpa = fastattn.scaled_dot_product_attention
@@ -55,6 +60,9 @@ def cache_overflow_keeps_state():
 
 
 HUGE = 2**40  # a broadcast batch axis: stride 0, no memory behind it
+mha = fastattn.MultiHeadAttention(8, 2, rng=0)
+cache = fastattn.KVCache(2, 2, 8, 4)
+kv16 = z(2, 2, 3, 4, dtype=np.float16)
 
 
 def row(category, fn, args, kwargs, exc, msg):
@@ -82,7 +90,12 @@ HOSTILE = [
     row("dtype", sdpa, (f32, f32.astype(np.uint8), f32), {}, TypeError, "key has dtype uint8"),
     row("dtype", sdpa, (f32.astype(bool),) * 3, {}, TypeError, "query has dtype bool"),
     row("dtype", sdpa, (f32.astype(np.complex64),) * 3, {}, TypeError, "query has dtype complex64"),
-    row("dtype", sdpa, (f32.astype(np.float16),) * 3, {}, TypeError, "query has dtype float16"),
+    row("dtype", sdpa, (f32.astype(np.float16),) * 3, {}, TypeError,
+        "query has dtype float16; expected float32 or float64 (native byte order); float16 is not "
+        "supported yet: pass query.astype(np.float32)"),
+    row("dtype", sdpa, (f32, f32.astype(np.float16), f32), {}, TypeError,
+        "key has dtype float16; expected float32 or float64 (native byte order); float16 is not "
+        "supported yet: pass key.astype(np.float32)"),
     row("dtype", sdpa, (f32.astype(np.longdouble),) * 3, {}, TypeError, "query has dtype float128"),
     row("dtype", sdpa, (f32.astype(object),) * 3, {}, TypeError, "query has dtype object"),
     row("dtype", sdpa, (f32.astype(">f4"),) * 3, {}, TypeError, "query has dtype >f4"),
@@ -92,7 +105,20 @@ HOSTILE = [
     row("dtype", fastattn.softmax, (f32.astype(np.int64),), {}, TypeError, "x has dtype int64"),
     row("dtype", fastattn.softmax, (f32.astype(np.complex128),), {}, TypeError, "x has dtype complex128"),
     row("dtype", fastattn.merge_heads, (f32.astype(np.int16),), {}, TypeError, "x has dtype int16"),
-    row("dtype", fastattn.merge_heads, (f32.astype(np.float16),), {}, TypeError, "x has dtype float16"),
+    row("dtype", fastattn.merge_heads, (f32.astype(np.float16),), {}, TypeError,
+        "x has dtype float16; expected float32 or float64 (native byte order); float16 is not "
+        "supported yet: pass x.astype(np.float32)"),
+    row("dtype", fastattn.matmul, (z(3, 4), z(4, 5, dtype=np.float16)), {}, TypeError,
+        "float16 is not supported yet: pass b.astype(np.float32)"),
+    row("dtype", mha, (z(2, 3, 8, dtype=np.float16),), {}, TypeError,
+        "query has dtype float16; this MultiHeadAttention has float32 weights; float16 is not "
+        "supported yet: pass query.astype(np.float32)"),
+    row("dtype", mha, (z(2, 3, 8), z(2, 5, 8), z(2, 5, 8, dtype=np.float16)), {}, TypeError,
+        "value has dtype float16; this MultiHeadAttention has float32 weights; float16 is not "
+        "supported yet: pass value.astype(np.float32)"),
+    row("dtype", cache.append, (kv16, kv16), {}, TypeError,
+        "key has dtype float16; this KVCache holds float32; float16 is not supported yet: "
+        "pass key.astype(np.float32)"),
     # -- dimensions and shapes ------------------------------------------------------------
     row("shape", sdpa, (z(3),) * 3, {}, ValueError, "query must have at least 2 dimensions"),
     row("shape", sdpa, (np.zeros((), np.float32),) * 3, {}, ValueError, "query must have at least 2 dimensions"),
@@ -142,6 +168,12 @@ HOSTILE = [
         "attn_mask is a numpy.ma.MaskedArray"),
     row("mask", sdpa, (f32, f32[:, :, :3], f32[:, :, :3]), {"attn_mask": np.ones((3, 4), bool)},
         ValueError, "attn_mask of shape (3, 4) cannot be broadcast to (..., Hq, L, S) = (2, 3, 4, 3)"),
+    row("mask", sdpa, (f32, f32[:, :, :3], f32[:, :, :3]), {"attn_mask": np.ones((2, 3), bool)},
+        ValueError, "attn_mask of shape (2, 3) cannot be broadcast to (..., Hq, L, S) = "
+        "(2, 3, 4, 3); for a (B, S) key padding mask (True = may attend) pass "
+        "attn_mask[:, None, None, :], of shape (2, 1, 1, 3)"),
+    row("mask", sdpa, (z(2, 4, 8), z(2, 3, 8), z(2, 3, 8)), {"attn_mask": np.ones((2, 3), bool)},
+        ValueError, "pass attn_mask[:, None, :], of shape (2, 1, 3)"),
     row("mask", sdpa, (f32, f32, f32), {"attn_mask": np.ones((2, 3, 4, 5), bool)}, ValueError,
         "attn_mask of shape (2, 3, 4, 5) cannot be broadcast"),
     row("mask", sdpa, (f32, f32, f32), {"attn_mask": np.ones((5, 2, 3, 4, 4), bool)}, ValueError,
@@ -232,6 +264,40 @@ HOSTILE = [
     row("cache", cache_overflow_keeps_state, (), {}, ValueError, "KVCache capacity exceeded"),
 ]
 
+if torch is not None:  # a torch tensor where an ndarray is expected: the message says .numpy()
+    t32 = torch.zeros(2, 3, 4, 8)
+    HOSTILE += [
+        row("torch", sdpa, (t32, f32, f32), {}, TypeError,
+            "query must be a numpy.ndarray, got torch.Tensor; pass query.numpy() "
+            "(query.detach().cpu().numpy() for a tensor that requires grad or is not on the CPU)"),
+        row("torch", sdpa, (f32, f32, t32), {}, TypeError,
+            "value must be a numpy.ndarray, got torch.Tensor; pass value.numpy()"),
+        row("torch", sdpa, (f32, f32, f32), {"attn_mask": torch.ones(4, 4, dtype=torch.bool)},
+            TypeError, "attn_mask must be a numpy.ndarray, got torch.Tensor; pass attn_mask.numpy()"),
+        row("torch", fastattn.matmul, (z(3, 4), torch.zeros(4, 5)), {}, TypeError,
+            "b must be a numpy.ndarray, got torch.Tensor; pass b.numpy()"),
+        row("torch", fastattn.softmax, (torch.nn.Parameter(torch.zeros(3)),), {}, TypeError,
+            "x must be a numpy.ndarray, got torch.nn.parameter.Parameter; pass x.numpy() "
+            "(x.detach().cpu().numpy()"),
+        row("torch", fastattn.softmax, (f32,), {"mask": torch.ones(8, dtype=torch.bool)}, TypeError,
+            "mask must be a numpy.ndarray, got torch.Tensor; pass mask.numpy()"),
+        row("torch", fastattn.split_heads, (torch.zeros(4, 8), 2), {}, TypeError,
+            "x must be a numpy.ndarray, got torch.Tensor; pass x.numpy()"),
+        row("torch", fastattn.merge_heads, (t32,), {}, TypeError,
+            "x must be a numpy.ndarray, got torch.Tensor; pass x.numpy()"),
+        row("torch", mha, (torch.zeros(2, 3, 8),), {}, TypeError,
+            "query must be a numpy.ndarray, got torch.Tensor; pass query.numpy()"),
+        row("torch", mha, (z(2, 3, 8), torch.zeros(2, 5, 8), z(2, 5, 8)), {}, TypeError,
+            "key must be a numpy.ndarray, got torch.Tensor; pass key.numpy()"),
+        row("torch", mha, (z(2, 3, 8),), {"key_padding_mask": torch.zeros(2, 3, dtype=torch.bool)},
+            TypeError, "key_padding_mask must be a numpy.ndarray, got torch.Tensor; "
+            "pass key_padding_mask.numpy()"),
+        row("torch", mha, (z(2, 3, 8),), {"attn_mask": torch.zeros(3, 3, dtype=torch.bool)},
+            TypeError, "attn_mask must be a numpy.ndarray, got torch.Tensor; pass attn_mask.numpy()"),
+        row("torch", cache.attend, (torch.zeros(2, 2, 1, 4),), {}, TypeError,
+            "query must be a numpy.ndarray, got torch.Tensor; pass query.numpy()"),
+    ]
+
 
 def owner(a):
     """The array that owns a's memory (views of views, broadcasts)."""
@@ -256,6 +322,26 @@ def test_hostile_table_covers_every_function():
     fns = {p.values[0] for p in HOSTILE}
     assert {sdpa, fastattn.matmul, fastattn.softmax, fastattn.split_heads, fastattn.merge_heads,
             fastattn.set_num_threads, fastattn.set_simd_path} <= fns
+
+
+def test_torch_tensor_is_told_by_name_without_importing_torch():
+    """The .numpy() hint needs no torch: a class named Tensor from a module
+    named torch.* is enough, and an unrelated Tensor class gets no hint."""
+    import types
+
+    fake_torch = types.new_class("Tensor")
+    fake_torch.__module__ = "torch"
+    other = types.new_class("Tensor")
+    other.__module__ = "tensorflow"
+    sub = types.new_class("Parameter", (fake_torch,))
+    sub.__module__ = "torch.nn.parameter"
+    with pytest.raises(TypeError, match=r"got torch.Tensor; pass query.numpy\(\)"):
+        sdpa(fake_torch(), f32, f32)
+    with pytest.raises(TypeError, match=r"got torch.nn.parameter.Parameter; pass query.numpy"):
+        sdpa(sub(), f32, f32)
+    with pytest.raises(TypeError) as info:
+        sdpa(other(), f32, f32)
+    assert str(info.value) == "query must be a numpy.ndarray, got Tensor"
 
 
 def test_zero_size_output_with_huge_batch_returns_at_once():

@@ -156,10 +156,10 @@ def test_mha_steps_equal_full_pass(simd, dtype, rng):
     x = rng.standard_normal((B, P + new, E)).astype(dtype)
     pad = np.zeros((B, P + new), bool)
     pad[1, :2] = pad[2, :5] = True
-    full = m(x, key_padding_mask=pad, is_causal=True)
+    full, _ = m(x, key_padding_mask=pad, is_causal=True)
     atol = STEP_ATOL[dtype] * max(1.0, float(np.abs(full).max()))  # relative to the outputs
     cache = m.new_cache(B, P + new)
-    first = m(x[:, :P], key_padding_mask=pad[:, :P], is_causal=True, cache=cache)
+    first, _ = m(x[:, :P], key_padding_mask=pad[:, :P], is_causal=True, cache=cache)
     real = ~pad[:, :P, None]
     np.testing.assert_allclose(np.where(real, first, 0), np.where(real, full[:, :P], 0),
                                rtol=0, atol=atol)

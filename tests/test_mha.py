@@ -86,8 +86,8 @@ def run(m, q, k, v, **kw):
     if m.batch_first:
         return m(q, k, v, **kw)
     t = (lambda a: None if a is None else a.swapaxes(0, 1))
-    res = m(t(q), t(k), t(v), **kw)
-    return (t(res[0]), res[1]) if isinstance(res, tuple) else t(res)
+    out, w = m(t(q), t(k), t(v), **kw)
+    return t(out), w
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -96,7 +96,8 @@ def test_matches_reference(simd, dtype, rng, case):
     before = [None if a is None else a.copy() for a in (q, k, v)]
     out, w = run(m, q, k, v, need_weights=True, **kw)
     _, w_heads = run(m, q, k, v, need_weights=True, average_attn_weights=False, **kw)
-    plain = run(m, q, k, v, **kw)
+    plain, none = run(m, q, k, v, **kw)
+    assert none is None
     k_, v_ = (q, q) if k is None else (k, v)
     r_out, r_w = reference_of(m, q, k_, v_, need_weights=True, **kw)
     _, r_wh = reference_of(m, q, k_, v_, need_weights=True, average_attn_weights=False, **kw)
@@ -119,7 +120,8 @@ def test_all_padding_gives_output_bias(dtype, rng):
     np.testing.assert_array_equal(out[2], np.broadcast_to(m.out_proj_bias, (L, E)))
     assert np.all(w[2] == 0)
     m0 = fastattn.MultiHeadAttention(E, H, bias=False, dtype=dtype, rng=rng)
-    assert np.all(m0(q, key_padding_mask=kw["key_padding_mask"])[2] == 0)
+    out0, _ = m0(q, key_padding_mask=kw["key_padding_mask"])
+    assert np.all(out0[2] == 0)
 
 
 def test_unbatched_equals_batch_of_one(dtype, rng):
@@ -334,7 +336,7 @@ def test_loading_needs_no_torch():
         "sd = {'in_proj_weight': np.tile(np.eye(8), (3, 1)), 'out_proj.weight': np.eye(8)}\n"
         "m.load_state_dict(sd)\n"
         "x = np.ones((1, 3, 8), np.float32)\n"
-        "assert np.allclose(m(x), 1)  # identity projections, equal values\n"
+        "assert np.allclose(m(x)[0], 1)  # identity projections, equal values\n"
         "print('ok')\n")
     with tempfile.TemporaryDirectory() as cwd:  # outside the source tree: the installed package
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -347,9 +349,9 @@ def test_cache_step_is_causal_by_default(rng):
     one it does not, as in PyTorch."""
     m = fastattn.MultiHeadAttention(16, 2, rng=0)
     x = rng.standard_normal((2, 5, 16)).astype(np.float32)
-    stepped = m(x, cache=m.new_cache(2, 8))
-    np.testing.assert_allclose(stepped, m(x, is_causal=True), rtol=1e-6, atol=1e-6)
-    assert not np.allclose(m(x), m(x, is_causal=True))
+    stepped, _ = m(x, cache=m.new_cache(2, 8))
+    np.testing.assert_allclose(stepped, m(x, is_causal=True)[0], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(m(x)[0], m(x, is_causal=True)[0])
 
 
 def test_pytorch_argument_order(rng):
@@ -366,9 +368,65 @@ def test_pytorch_argument_order(rng):
     assert w.shape == (2, 2, 5, 5)
 
 
+@pytest.mark.parametrize("shape", [(2, 5, 16), (5, 16)], ids=["batch-of-2", "unbatched"])
+def test_returns_a_pair_as_pytorch_does(rng, shape):
+    """(output, None) without need_weights, as torch.nn.MultiheadAttention
+    returns it: ``y, _ = mha(x)`` must not unpack a batch of 2 (the output
+    alone used to be returned, and its two batch rows unpacked silently)."""
+    m = fastattn.MultiHeadAttention(16, 2, rng=0)
+    x = rng.standard_normal(shape).astype(np.float32)
+    result = m(x)
+    assert isinstance(result, tuple) and len(result) == 2
+    y, w = result
+    assert y.shape == shape and w is None
+    y2, w2 = m(x, x, x, None, True)  # positional need_weights, PyTorch's order
+    np.testing.assert_array_equal(y, y2)
+    assert w2.shape == shape[:-2] + (5, 5)
+
+
 def test_unbatched_key_padding_mask_error_names_its_shape(rng):
     m = fastattn.MultiHeadAttention(16, 2, rng=0)
     x = rng.standard_normal((5, 16)).astype(np.float32)
     with pytest.raises(ValueError, match=r"key_padding_mask has shape \(1, 5\); unbatched inputs "
                                          r"take \(S,\) = \(5,\)"):
         m(x, key_padding_mask=np.zeros((1, 5), bool))
+
+
+def test_finfo_min_masks_sum_without_a_warning(dtype, rng):
+    """Float key_padding_mask and attn_mask holding finfo.min (the "large
+    negative" some models pad with): no RuntimeWarning escapes from their
+    sum (an error under -W error); a key where both are finfo.min overflows
+    to -inf and is hidden, as in PyTorch, while finfo.min alone stays a
+    large negative score."""
+    import warnings
+
+    lo = np.finfo(dtype).min
+    kpm = np.array([[lo, lo, 0.0], [lo, lo, lo]], dtype)                   # (N, S)
+    am = np.array([[lo, lo, lo], [0.0, lo, 0.0], [0.0, 0.0, 0.0]], dtype)  # (L, S)
+    m = fastattn.MultiHeadAttention(8, 1, dtype=dtype, rng=0)
+    x = rng.standard_normal((2, 3, 8)).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, w = m(x, key_padding_mask=kpm, attn_mask=am, need_weights=True)
+    np.testing.assert_array_equal(w[0, 0], [0, 0, 1])  # keys 0, 1: finfo.min twice, -inf
+    np.testing.assert_array_equal(w[1, 0], [0, 0, 0])  # every key -inf: a hidden row
+    np.testing.assert_allclose(w[1, 1], [0.5, 0, 0.5])  # finfo.min once: equal scores
+    np.testing.assert_allclose(w[1, 2], [1 / 3] * 3)
+    assert np.all(np.isfinite(out))
+
+
+def test_minus_inf_hides_against_plus_inf_in_the_other_mask(rng):
+    """-inf in one mask hides the key whatever the other adds: +inf + -inf
+    is NaN in IEEE arithmetic, which would make the row NaN."""
+    import warnings
+
+    m = fastattn.MultiHeadAttention(8, 1, rng=0)
+    x = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    kpm = np.array([[0.0, -np.inf, 0.0]], np.float32)
+    am = np.array([[0.0, np.inf, 0.0]] * 3, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, w = m(x, key_padding_mask=kpm, attn_mask=am, need_weights=True)
+    ref_out, ref_w = m(x, key_padding_mask=np.array([[False, True, False]]), need_weights=True)
+    np.testing.assert_array_equal(w, ref_w)
+    np.testing.assert_array_equal(out, ref_out)

@@ -134,7 +134,7 @@ def test_gqa_equals_torch_with_repeated_heads(dtype, rng):
     x = rng.standard_normal((N, L, E)).astype(dtype)
     causal = np.triu(np.ones((L, L), bool), 1)
     pad = np.arange(L)[None, :] >= np.array([L, 6, 1])[:, None]
-    out = m(x, key_padding_mask=pad, attn_mask=causal)
+    out, _ = m(x, key_padding_mask=pad, attn_mask=causal)
     t_out, _ = theirs(t, x, x, x, {"key_padding_mask": pad, "attn_mask": causal}, True)
     np.testing.assert_allclose(out, t_out, rtol=0, atol=ATOL[dtype])
 
@@ -147,7 +147,7 @@ def test_state_dict_loads_into_torch(rng):
     k = rng.standard_normal((N, S, 10)).astype(np.float32)
     v = rng.standard_normal((N, S, 14)).astype(np.float32)
     t_out, _ = theirs(t, q, k, v, {}, True)
-    np.testing.assert_allclose(m(q, k, v), t_out, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(m(q, k, v)[0], t_out, rtol=0, atol=1e-5)
 
 
 def test_from_torch_rejects_bias_kv():
@@ -168,3 +168,28 @@ def test_unbatched_matches_torch(dtype, rng):
     assert out.shape == (L, E) and w.shape == (H, L, S)
     np.testing.assert_allclose(out, t_out, rtol=0, atol=ATOL[dtype])
     np.testing.assert_allclose(w, t_w, rtol=0, atol=ATOL[dtype])
+
+
+def test_finfo_min_masks_match_torch(dtype, rng):
+    """Float masks of finfo.min in both key_padding_mask and attn_mask: the
+    sum overflows to -inf in PyTorch too, so such keys are hidden there as
+    here (rows with every key hidden: NaN there, the output bias here)."""
+    import warnings
+
+    lo = np.finfo(dtype).min
+    t = torch_module({}, dtype, seed=5)
+    m = fastattn.MultiHeadAttention.from_torch(t)
+    x = rng.standard_normal((N, L, E)).astype(dtype)
+    kpm = np.where(rng.random((N, L)) < 0.4, lo, 0).astype(dtype)
+    kpm[0] = lo  # sequence 0: query 0 sees only -inf (a dead row); others -inf or finfo.min
+    am = np.where(rng.random((L, L)) < 0.4, lo, 0).astype(dtype)
+    am[0] = lo
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, w = m(x, key_padding_mask=kpm, attn_mask=am, need_weights=True)
+    t_out, t_w = theirs(t, x, x, x, {"key_padding_mask": kpm, "attn_mask": am}, True)
+    dead = np.isnan(t_out).any(axis=-1)
+    assert dead[0, 0] and not dead.all()  # both kinds of rows are seen
+    np.testing.assert_allclose(out[~dead], t_out[~dead], rtol=0, atol=ATOL[dtype])
+    np.testing.assert_allclose(w[~dead], t_w[~dead], rtol=0, atol=ATOL[dtype])
+    np.testing.assert_array_equal(out[dead], np.broadcast_to(m.out_proj_bias, out[dead].shape))

@@ -1,0 +1,87 @@
+"""FASTATTN_SIMD at import: a bad value warns and falls back, never stops
+the import (``fastattn info`` must still run to show what the CPU has)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+import fastattn
+from fastattn import _runtime
+
+# Imports fastattn recording every warning, and prints what it saw.
+IMPORT = """
+import json, warnings
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    import fastattn
+print(json.dumps({"path": fastattn.simd_path(), "available": fastattn.available_simd_paths(),
+                  "warnings": [(w.category.__name__, str(w.message)) for w in seen]}))
+"""
+
+
+def import_with(value):
+    with tempfile.TemporaryDirectory() as cwd:  # outside the source tree: the installed package
+        r = subprocess.run([sys.executable, "-c", IMPORT], capture_output=True, text=True,
+                           timeout=120, cwd=cwd, env=dict(os.environ, FASTATTN_SIMD=value))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("value", ["avx3", "sse9", "AVX-512", "none"])
+def test_unknown_simd_env_warns_once_and_takes_the_widest(value):
+    seen = import_with(value)
+    assert seen["path"] == seen["available"][-1]
+    assert len(seen["warnings"]) == 1, seen["warnings"]
+    category, message = seen["warnings"][0]
+    assert category == "RuntimeWarning"
+    assert f"FASTATTN_SIMD={value.lower()!r} is not a SIMD path" in message
+    assert "accepted: 'auto', 'portable', 'avx2', 'avx512'" in message
+    assert f"using {seen['path']!r}" in message
+
+
+def test_unavailable_simd_env_warns_once_and_takes_the_widest():
+    missing = [p for p in ("avx2", "avx512") if p not in fastattn.available_simd_paths()]
+    if not missing:
+        pytest.skip("this CPU runs every path (test_choose_path covers the case)")
+    seen = import_with(missing[0])
+    assert seen["path"] == seen["available"][-1]
+    assert [c for c, _ in seen["warnings"]] == ["RuntimeWarning"]
+    assert "a path this CPU or build cannot run" in seen["warnings"][0][1]
+
+
+@pytest.mark.parametrize("value", ["portable", " Portable ", "auto", ""])
+def test_valid_simd_env_is_silent(value):
+    seen = import_with(value)
+    assert seen["warnings"] == []
+    assert seen["path"] == ("portable" if "ortable" in value else seen["available"][-1])
+
+
+@pytest.mark.parametrize("wanted,available,path,warned", [
+    ("avx512", ["portable", "avx2"], "avx2", "'avx512' is a path this CPU or build cannot run"),
+    ("avx2", ["portable"], "portable", "'avx2' is a path this CPU or build cannot run"),
+    ("avx2", ["portable", "avx2", "avx512"], "avx2", None),
+    ("AUTO", ["portable", "avx2"], "avx2", None),
+    ("avx", ["portable", "avx2"], "avx2", "'avx' is not a SIMD path"),
+])
+def test_choose_path(wanted, available, path, warned):
+    """The choice for a CPU with the given paths, whatever this one has."""
+    chosen, warning = _runtime._choose_path(wanted, available)
+    assert chosen == path
+    if warned is None:
+        assert warning is None
+    else:
+        assert warned in warning and f"this CPU runs {', '.join(available)}" in warning
+        assert f"using {path!r}" in warning
+
+
+def test_set_simd_path_still_raises():
+    """The explicit call keeps its errors: the caller asked for that path."""
+    with pytest.raises(ValueError, match="unknown SIMD path 'avx3'"):
+        fastattn.set_simd_path("avx3")
+    for p in ("avx2", "avx512"):
+        if p not in fastattn.available_simd_paths():
+            with pytest.raises(RuntimeError, match=f"SIMD path '{p}' is not available"):
+                fastattn.set_simd_path(p)
