@@ -6,7 +6,7 @@ dtypes float32/float64 (bool for masks), element strides, shapes that agree.
 The loops release the GIL and split the work into independent pieces (see
 csrc/fastattn.h), spread over OpenMP threads when the build has OpenMP.
 """
-from cython.parallel cimport parallel, prange
+from cython.parallel cimport parallel, prange, threadid
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
@@ -20,13 +20,23 @@ cdef extern from *:
     #include <omp.h>
     static int fa_have_openmp(void) { return 1; }
     static int fa_omp_max_threads(void) { return omp_get_max_threads(); }
+    static double fa_clock(void) { return omp_get_wtime(); }
     #else
+    #include <time.h>
     static int fa_have_openmp(void) { return 0; }
     static int fa_omp_max_threads(void) { return 1; }
+    /* serial build: the one thread's processor time is its wall time */
+    static double fa_clock(void) { return (double)clock() / CLOCKS_PER_SEC; }
     #endif
+    /* flag is read by every thread while the calling thread may set it */
+    typedef struct { double next_check; volatile int flag; } fa_stop;
     """
     int fa_have_openmp() nogil
     int fa_omp_max_threads() nogil
+    double fa_clock() nogil
+    ctypedef struct fa_stop:
+        double next_check
+        int flag
 
 cdef extern from "fastattn.h" nogil:
     ctypedef Py_ssize_t fa_idx
@@ -182,6 +192,45 @@ cdef inline fa_idx nd_offset(const Batch *b, const fa_idx *strides, fa_idx flat,
     return off
 
 
+# Ctrl-C during a long call.  Python runs its signal handlers only with the
+# GIL, which the loops release; so the calling thread (thread 0 of each
+# parallel loop), between two of its tasks, takes the GIL every
+# SIGNAL_CHECK seconds to run them.  When one raises (KeyboardInterrupt),
+# every thread skips the tasks left, the loop ends, and the exception
+# propagates.  Calls shorter than SIGNAL_CHECK never take the GIL.
+DEF SIGNAL_CHECK = 0.02
+
+cdef extern from "Python.h":
+    # declared here without cpython.exc's `except -1`: its exception is kept
+    # set across the rest of the loop, then raised by stop_raise
+    int run_signal_handlers "PyErr_CheckSignals"()
+
+
+cdef inline void stop_init(fa_stop *s) noexcept nogil:
+    s.next_check = fa_clock() + SIGNAL_CHECK
+    s.flag = 0
+
+
+cdef int signal_raised() noexcept with gil:
+    """Python's signal handlers, run now: -1 when one raised, with its
+    exception left set for stop_raise."""
+    return run_signal_handlers()
+
+
+cdef inline bint stopped(fa_stop *s) noexcept nogil:
+    """Whether the remaining tasks of this call are to be skipped."""
+    if threadid() == 0 and s.flag == 0 and fa_clock() >= s.next_check:
+        if signal_raised() != 0:
+            s.flag = 1
+        s.next_check = fa_clock() + SIGNAL_CHECK
+    return s.flag != 0
+
+
+cdef int stop_raise(const fa_stop *s) except -1:
+    """Raises the exception of the signal handler that stopped a loop."""
+    return -1 if s.flag else 0
+
+
 cdef int raise_on(int err, str what) except -1:
     """The error a parallel loop flagged: 1 = a thread's scratch allocation
     failed, 2 = a kernel rejected its arguments (a bug of this module)."""
@@ -315,6 +364,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef int err = 0
     cdef int *errp = &err
     cdef int rc
+    cdef fa_stop stop
     if ntasks == 0:
         return
     cdef fa_idx nsplit = fa_attn_splits(&a)
@@ -322,12 +372,13 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         split_attention(isa, &a, &b, &o, nsplit, work_bytes, nthreads)
         return
     nthreads = min(nthreads, ntasks)  # do not wake threads that would get no work
+    stop_init(&stop)
     with nogil, parallel(num_threads=nthreads):
         work = malloc(work_bytes)
         if work == NULL:
             errp[0] = 1
         for t in prange(ntasks, schedule="dynamic"):
-            if work == NULL:
+            if work == NULL or stopped(&stop):
                 continue
             item = t // nqb
             cur = task_rows(&o, &b, t, nqb, qb, a.L)
@@ -350,6 +401,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
             if rc != 0:
                 errp[0] = 2
         free(work)
+    stop_raise(&stop)
     raise_on(err, "attention")
 
 
@@ -371,16 +423,18 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
     cdef int err = 0
     cdef int *errp = &err
     cdef int rc
+    cdef fa_stop stop
     if states == NULL or (o.w != NULL and ml == NULL):
         free(states)
         free(ml)
         raise MemoryError("fastattn: cannot allocate the split-attention state")
+    stop_init(&stop)
     with nogil, parallel(num_threads=min(nthreads, ntasks)):
         work = malloc(work_bytes)
         if work == NULL:
             errp[0] = 1
         for t in prange(ntasks, schedule="dynamic"):
-            if work == NULL:
+            if work == NULL or stopped(&stop):
                 continue
             item = t // nsplit
             piece = t % nsplit
@@ -399,7 +453,7 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
             if rc != 0:
                 errp[0] = 2
         free(work)
-    if err == 0:
+    if err == 0 and stop.flag == 0:
         with nogil:
             for item in prange(b.count, schedule="static", num_threads=min(nthreads, b.count)):
                 mlrow = <void *>(ml + es * item * a.L * 2) if ml != NULL else NULL
@@ -413,7 +467,7 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
                                            <double *>o_at(o, b, item), <double *>mlrow, 0, a.L)
                 if rc != 0:
                     errp[0] = 2
-    if err == 0 and o.w != NULL:
+    if err == 0 and stop.flag == 0 and o.w != NULL:
         with nogil, parallel(num_threads=min(nthreads, b.count)):
             work = malloc(work_bytes)
             if work == NULL:
@@ -437,6 +491,7 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
             free(work)
     free(states)
     free(ml)
+    stop_raise(&stop)
     return raise_on(err, "split attention")
 
 
@@ -472,14 +527,16 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
     cdef void *mrow
     cdef int err = 0
     cdef int *errp = &err
+    cdef fa_stop stop
     if b.count == 0 or n == 0:
         return
+    stop_init(&stop)
     with nogil, parallel(num_threads=nthreads):
         work = malloc(work_bytes)
         if work == NULL:
             errp[0] = 1
         for r in prange(b.count, schedule="static"):
-            if work == NULL:
+            if work == NULL or stopped(&stop):
                 continue
             mrow = at(mp, msize, &b, ms, r, 1)
             if elsize == 4:
@@ -491,6 +548,7 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
                                    <fa_mask_kind>mask_kind, mrow, m_s,
                                    <double *>at(op, 8, &b, os, r, 1), o_s, work)
         free(work)
+    stop_raise(&stop)
     raise_on(err, "softmax")
 
 
@@ -524,15 +582,17 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
     cdef int err = 0
     cdef int *errp = &err
     cdef int rc
+    cdef fa_stop stop
     if ntasks == 0:
         return
     nthreads = min(nthreads, ntasks)
+    stop_init(&stop)
     with nogil, parallel(num_threads=nthreads):
         work = malloc(work_bytes)
         if work == NULL:
             errp[0] = 1
         for t in prange(ntasks, schedule="dynamic"):
-            if work == NULL:
+            if work == NULL or stopped(&stop):
                 continue
             item = t // (nmb * nnb)
             rest = t % (nmb * nnb)
@@ -553,6 +613,7 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
             if rc != 0:
                 errp[0] = 2
         free(work)
+    stop_raise(&stop)
     raise_on(err, "matmul")
 
 

@@ -140,9 +140,14 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept for the next sequence)."""
-        self._length = 0
-        self._real[:] = False
-        self._padded = False
+        self._truncate(0)
+
+    def _truncate(self, length: int) -> None:
+        """Forget the positions from length on: a step that failed after its
+        append (Ctrl-C during the attention) leaves the cache as before it."""
+        self._real[:, length:] = False
+        self._length = length
+        self._padded = not bool(self._real[:, :length].all())
 
     def append(self, key: NDArray[np.floating[Any]], value: NDArray[np.floating[Any]],
                key_padding_mask: Optional[NDArray[np.bool_]] = None) -> None:

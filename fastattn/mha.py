@@ -370,9 +370,15 @@ class MultiHeadAttention:
         concat = np.empty(query.shape[:-1] + (self.embed_dim,), self.dtype)
         out_h = self._heads(concat, self.num_heads, seq_first)  # attention writes here
         if cache is not None:
+            length = cache.length
             cache.append(k_h, v_h, key_padding_mask=cast("Optional[NDArray[np.bool_]]", kpm))
-            result = cache.attend(q_h, attn_mask=mask, is_causal=is_causal,
-                                  need_weights=need_weights, out=out_h, num_threads=num_threads)
+            try:
+                result = cache.attend(q_h, attn_mask=mask, is_causal=is_causal,
+                                      need_weights=need_weights, out=out_h,
+                                      num_threads=num_threads)
+            except BaseException:  # KeyboardInterrupt: the step did not happen
+                cache._truncate(length)
+                raise
         else:
             if kpm is not None:
                 kpm = _masks.from_mha(kpm, "key_padding_mask", self.dtype)[:, None, None, :]
