@@ -81,7 +81,7 @@ class BuildExt(build_ext):
                     self.compiler.compile([src], output_dir=tmp)
                 except (CCompilerError, ExecError, PlatformError) as exc:
                     # setuptools prints it as the build's last line, "error: ..."
-                    raise CompileError(f"{what} ({exc}); a compiler and the headers: "
+                    raise CompileError(f"{what} ({exc}); to install a compiler and the headers: "
                                        f"{INSTALL_COMPILER}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
