@@ -26,21 +26,22 @@ from fastattn import _core, _peak
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _missing_build_requirement():
-    """Why this interpreter cannot run setup.py (pyproject's build-system), or ''."""
+def _why_setup_py_cannot_run():
+    """'' when setup.py and pyproject's build requirements are at hand, else why not."""
+    if not (REPO / "setup.py").is_file():
+        return "the source tree (setup.py) is not beside the tests"
     try:
         import Cython  # noqa: F401
         import setuptools
     except ImportError as exc:
-        return str(exc)
+        return f"a build requirement is missing: {exc}"
     if int(setuptools.__version__.split(".")[0]) < 77:
-        return f"setuptools {setuptools.__version__} is older than 77"
+        return f"setuptools {setuptools.__version__} is older than the 77 pyproject.toml asks for"
     return ""
 
 
-needs_sources = pytest.mark.skipif(
-    not (REPO / "setup.py").is_file() or bool(_missing_build_requirement()),
-    reason=f"no source tree beside the tests, or {_missing_build_requirement() or 'none'}")
+NO_SETUP_PY = _why_setup_py_cannot_run()
+needs_sources = pytest.mark.skipif(bool(NO_SETUP_PY), reason=NO_SETUP_PY)
 needs_unix_cc = pytest.mark.skipif(sysconfig.get_config_var("CC") is None,
                                    reason="no Unix-style compiler (CC) in Python's build config")
 
