@@ -8,8 +8,11 @@ kernels under a strict NumPy API.
 """
 from importlib.metadata import PackageNotFoundError, version as _version
 
+from ._wait_policy import short_spin
+
 try:
-    from . import _core  # noqa: F401  (the compiled extension)
+    with short_spin():  # OpenMP's idle threads: see _wait_policy
+        from . import _core  # noqa: F401  (the compiled extension)
 except ImportError as e:  # pragma: no cover - depends on how Python was started
     raise ImportError(
         "fastattn's compiled extension cannot be imported. Python found fastattn at "

@@ -16,7 +16,7 @@ from conftest import assert_close
 
 import fastattn
 from fastattn import _peak, reference
-from fastattn.bench import RUNNERS, measure, report, runners, worker
+from fastattn.bench import RUNNERS, measure, report, runners, suite, worker
 from fastattn.bench import cli as bench_cli
 from fastattn.bench.cli import require
 from fastattn.bench.shapes import ALL_SHAPES, SHAPES, Shape
@@ -201,6 +201,28 @@ def test_report_notes_a_disturbed_run():
     assert ("Note: other processes used more than 0.1 cores during 1 of 2 timed cases "
             "(column other)") in text
     assert "Note: at 1 thread(s) other processes used 0.90 cores during the avx2 FMA peak" in text
+
+
+def test_report_with_busy_cores():
+    """--busy: the mean per call, and the busy cores it asked for are no disturbance."""
+    r = _made_up_run()
+    r["settings"]["busy"] = 1
+    for c in r["cases"]:
+        c["mean"], c["other_cores"] = 2 * c["median"], 1.02
+    r["cases"][1]["mean"] = 6.0  # PyTorch's calls wait now and then
+    r = report.derive(r)
+    assert r["cases"][0]["speedup_vs_torch"] == pytest.approx(3.0)
+    text = " ".join(report.format_table(r).split())
+    assert "mean of >= 5 calls" in text and "1 core(s) kept busy by other processes" in text
+    assert "2000.000 ms" in text and "Note: other processes" not in text
+    r["cases"][0]["other_cores"] = 1.5
+    assert "beyond the 1 of --busy during 1 of" in " ".join(report.format_table(r).split())
+
+
+def test_busy_cores_end_with_the_block():
+    with suite.BusyCores(2) as busy:
+        assert [p.poll() for p in busy.procs] == [None, None]
+    assert all(p.returncode is not None for p in busy.procs)
 
 
 def test_pct_peak_of_each_rows_simd_path():

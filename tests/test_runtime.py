@@ -1,7 +1,9 @@
-"""FASTATTN_SIMD at import: a bad value warns and falls back, never stops
-the import (``fastattn info`` must still run to show what the CPU has)."""
+"""What import sets up.  FASTATTN_SIMD: a bad value warns and falls back,
+never stops the import (``fastattn info`` must still run to show what the
+CPU has).  OpenMP's idle threads spin briefly unless the user chose."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -9,7 +11,7 @@ import tempfile
 import pytest
 
 import fastattn
-from fastattn import _runtime
+from fastattn import _runtime, _wait_policy
 
 # Imports fastattn recording every warning, and prints what it saw.
 IMPORT = """
@@ -85,3 +87,41 @@ def test_set_simd_path_still_raises():
         if p not in fastattn.available_simd_paths():
             with pytest.raises(RuntimeError, match=f"SIMD path '{p}' is not available"):
                 fastattn.set_simd_path(p)
+
+
+# OpenMP's idle threads (fastattn/_wait_policy.py): libgomp reads
+# GOMP_SPINCOUNT when the extension loads it; omp_display_env(1) prints
+# what it read.
+SPIN_CHILD = r"""
+import ctypes, ctypes.util, os, sys
+import fastattn
+print("GOMP_SPINCOUNT" in os.environ, flush=True)
+if fastattn.openmp_enabled():
+    ctypes.CDLL("libgomp.so.1").omp_display_env(1)
+"""
+
+
+def _spin_count(env):
+    r = subprocess.run([sys.executable, "-c", SPIN_CHILD], capture_output=True, text=True,
+                       env=env, cwd=tempfile.gettempdir(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False"] or "GOMP_SPINCOUNT" in env, r.stdout  # taken back
+    found = re.search(r"GOMP_SPINCOUNT = '(\d+)'", r.stderr)
+    if not fastattn.openmp_enabled() or found is None:
+        pytest.skip("no libgomp (a serial build, or another OpenMP runtime)")
+    return found.group(1)
+
+
+def test_short_spin_by_default():
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    assert _spin_count(env) == _wait_policy.SPIN_COUNT
+
+
+@pytest.mark.parametrize("setting", [{"GOMP_SPINCOUNT": "123"},
+                                     {"OMP_WAIT_POLICY": "ACTIVE"}])
+def test_a_users_wait_policy_stands(setting):
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    spin = _spin_count(dict(env, **setting))
+    assert spin != _wait_policy.SPIN_COUNT
+    if "GOMP_SPINCOUNT" in setting:
+        assert spin == "123"

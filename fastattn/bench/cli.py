@@ -110,6 +110,10 @@ def add_arguments(p):
     p.add_argument("--memory", action="store_true",
                    help=f"only measure peak memory, at {LONG_16384.name} ({LONG_16384.describe()}; "
                         "--shapes is ignored)")
+    p.add_argument("--busy", type=_at_least(int, 0), default=0, metavar="N",
+                   help="keep N cores busy with spinning processes while the cases run, "
+                        "as other programs do on a shared machine; the table then gives the "
+                        "mean time per call, which counts the calls that wait (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", metavar="FILE", type=output_file(),
                    help="write every measurement to FILE as JSON")
@@ -158,7 +162,7 @@ def main(args):
     result = run_suite(shapes, runners, args.threads, simd=args.simd, repeat=settings["repeat"],
                        min_time=settings["min_time"], warmup=args.warmup,
                        peak_seconds=settings["peak_seconds"], seed=args.seed,
-                       progress=not args.no_progress)
+                       busy=args.busy, progress=not args.no_progress)
     rep.derive(result)
     # the files first: a reader that stops early (fastattn bench | head) must not cost them
     written = []

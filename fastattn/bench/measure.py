@@ -16,6 +16,7 @@ from fastattn import _peak
 @dataclass
 class Timing:
     median: float    # seconds per call
+    mean: float      # the mean shows the calls that wait on a busy machine
     min: float
     max: float
     calls: int
@@ -37,7 +38,8 @@ def time_call(call, *, repeat=5, min_time=1.0, warmup=1, max_calls=100_000):
         call()
         times.append(perf_counter() - start)
         total += times[-1]
-    return Timing(statistics.median(times), min(times), max(times), len(times))
+    return Timing(statistics.median(times), statistics.fmean(times), min(times), max(times),
+                  len(times))
 
 
 def _status_kib(field):

@@ -9,6 +9,12 @@ MB = 1 << 20
 BUSY = 0.1  # cores used by other processes above which a measurement is disturbed
 
 
+def statistic(report):
+    """The time per call the table uses: the median, or the mean on a
+    machine kept busy (--busy), where the calls that wait are the point."""
+    return "mean" if report["settings"].get("busy") else "median"
+
+
 def derive(report):
     """Add to every measured case: gflops (compute shapes) or gbps (decode:
     key and value bytes over the time) or us (the tiny shape); pct_peak (of
@@ -16,15 +22,16 @@ def derive(report):
     case ran, for the others that of the CPU's widest path, or for decoding
     of the read bandwidth measured on the shape's own key and value);
     speedup_vs_<library> = the
-    median time of that library's faster runner / this one's (> 1: faster;
+    time (statistic()) of that library's faster runner / this one's (> 1: faster;
     libraries: runners.BASELINES); speedup_vs_best_peer, the smallest of
     those of runners.PEERS."""
     widest = report["machine"]["simd_paths"][-1]
-    cases = [c for c in report["cases"] if c.get("status") == "ok" and "median" in c]
-    times = {(c["shape"], c["threads"], c["runner"]): c["median"] for c in cases}
+    stat = statistic(report)
+    cases = [c for c in report["cases"] if c.get("status") == "ok" and stat in c]
+    times = {(c["shape"], c["threads"], c["runner"]): c[stat] for c in cases}
     for c in cases:
         shape, peaks = ALL_SHAPES[c["shape"]], report["peaks"].get(str(c["threads"]), {})
-        t = c["median"]
+        t = c[stat]
         if shape.kind == "compute":
             c["gflops"] = shape.flops / t / 1e9
             fma = peaks.get("fma", {}).get(c.get("simd", widest))
@@ -106,10 +113,12 @@ def format_disturbance(report):
             lines.append(f"Note: the FMA peak at {n} threads is "
                          f"{fma['gflops'] / one['gflops']:.2f} x the 1-thread one: other processes were using the cores, so the "
                          f"{n}-thread numbers are disturbed.")
+    kept = report["settings"].get("busy", 0)  # the cores --busy took on purpose
     timed = [c for c in report["cases"] if c.get("other_cores") is not None]
-    busy = [c for c in timed if c["other_cores"] > BUSY]
+    busy = [c for c in timed if c["other_cores"] - kept > BUSY]
     if busy:
-        lines.append(f"Note: other processes used more than {BUSY} cores during {len(busy)} of "
+        lines.append(f"Note: other processes used more than {BUSY} cores"
+                     f"{f' beyond the {kept} of --busy' if kept else ''} during {len(busy)} of "
                      f"{len(timed)} timed cases (column other): their times are slower than this "
                      "machine can do. For numbers to compare, run on an idle machine.")
     return lines
@@ -120,8 +129,11 @@ def format_table(report):
     other processes' load when there was any."""
     s = report["settings"]
     m = report["machine"]
-    lines = [f"fastattn bench: float32, median of >= {s['repeat']} calls and >= {s['min_time']} s "
-             f"per case after {s['warmup']} warm-up call(s), each case in a fresh process",
+    stat = statistic(report)
+    lines = [f"fastattn bench: float32, {stat} of >= {s['repeat']} calls and >= {s['min_time']} s "
+             f"per case after {s['warmup']} warm-up call(s), each case in a fresh process"
+             + (f", {s['busy']} core(s) kept busy by other processes (--busy)"
+                if s.get("busy") else ""),
              f"CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs; SIMD paths "
              f"{', '.join(m['simd_paths'])})",
              f"fastattn {m['fastattn']} (SIMD path{'s' * (len(s.get('simd', [])) > 1)} measured: "
@@ -145,12 +157,12 @@ def format_table(report):
             if c.get("status") != "ok":
                 lines.append(f"{name:<13} {label(c):<{width}} {c.get('status')}: {c.get('note')}")
                 continue
-            if "median" not in c:
+            if stat not in c:
                 time_s = speed = "-"
             elif shape.kind == "overhead":
                 time_s, speed = f"{c['us']:.1f} us", "(per call)"
             else:
-                time_s = f"{c['median'] * 1e3:.3f} ms"
+                time_s = f"{c[stat] * 1e3:.3f} ms"
                 speed = (f"{c['gbps']:.1f} GB/s" if "gbps" in c
                          else f"{c['gflops']:.1f} GFLOP/s" if "gflops" in c else "-")
             mem = c.get("peak_extra_bytes")
@@ -165,7 +177,7 @@ def format_table(report):
                 f"{_fmt(c.get('rms_err'), '8.1e'):>8} "
                 f"{_fmt(c.get('other_cores'), '5.2f'):>5}")
     lines += [""] + textwrap.wrap(
-              "time: median per call.  speed: 4·B·H·L·S·E FLOP (halved when causal) per "
+              f"time: {stat} per call.  speed: 4·B·H·L·S·E FLOP (halved when causal) per "
               "second, or for decode-4096 bytes of key+value per second.  xNumPy, xPyTorch, "
               "xORT: that library's time / this row's (> 1: this row is faster), ORT: the faster "
               "of its two key/value layouts, BSD = (B, S, H·E), BHSD = (B, H, S, E).  %peak: of "

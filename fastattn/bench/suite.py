@@ -48,6 +48,24 @@ def _progress(total, enabled):
                 disable=not enabled, dynamic_ncols=True)
 
 
+class BusyCores:
+    """n processes that spin for the duration of the with-block: a machine
+    where other programs keep n cores busy."""
+
+    def __init__(self, n):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                      for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 def _variants(runner_names, simd):
     """(runner, extra spec) for every row of a case: fastattn once per SIMD path."""
     for name in runner_names:
@@ -58,9 +76,11 @@ def _variants(runner_names, simd):
 
 
 def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_time=1.0,
-              warmup=1, peak_seconds=0.2, seed=0, progress=True):
+              warmup=1, peak_seconds=0.2, seed=0, busy=0, progress=True):
     """Measure every runner on every shape at every thread count, fastattn on
-    each SIMD path of simd (default: the one in use, fastattn.simd_path()).
+    each SIMD path of simd (default: the one in use, fastattn.simd_path()),
+    with busy cores kept busy by other processes while the cases run (the
+    machine's peaks are measured without them).
 
     Returns {"machine", "settings", "peaks": {threads: {...}}, "cases": [...]}:
     peaks[threads]["fma"] holds the FMA peak of every path of simd and of the
@@ -80,7 +100,7 @@ def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_ti
               "settings": {"shapes": list(shape_names), "runners": list(runner_names),
                            "simd": simd, "threads": list(threads), "repeat": repeat,
                            "min_time": min_time, "warmup": warmup, "seed": seed,
-                           "dtype": "float32"},
+                           "busy": busy, "dtype": "float32"},
               "peaks": {}, "cases": []}
     with _progress(steps, progress) as bar:
         for n in threads:
@@ -93,7 +113,7 @@ def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_ti
                 bar.set_postfix_str(f"read bandwidth, {n} thread(s)")
                 peaks["read"] = measure.read_bandwidth(n, min_time=peak_seconds)
                 bar.update()
-            for shape in shapes:
+            for shape in shapes:  # without the busy cores, like the other peaks
                 if shape.kind == "decode":
                     bar.set_postfix_str(f"read bandwidth on {shape.name}'s key and value")
                     _, k, v = shape.inputs(seed)
@@ -101,18 +121,23 @@ def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_ti
                                                                          min_time=peak_seconds)
                     del k, v
                     bar.update()
-                for name, extra in variants:
-                    bar.set_postfix_str(" ".join([shape.name, name, *extra.values(),
-                                                  f"{n} thread(s)"]))
-                    why = RUNNERS[name].missing()
-                    if why:
-                        case = {"runner": name, "shape": shape.name, "threads": n, **extra,
-                                "status": "skipped", "note": why}
-                    else:
-                        case = run_worker({"runner": name, "shape": shape.name, "threads": n,
-                                           "repeat": repeat, "min_time": min_time,
-                                           "warmup": warmup, "seed": seed, **extra})
-                    report["cases"].append(case)
-                    bar.update()
+            with BusyCores(busy):
+                for shape in shapes:
+                    for name, extra in variants:
+                        bar.set_postfix_str(" ".join([shape.name, name, *extra.values(),
+                                                      f"{n} thread(s)"]))
+                        report["cases"].append(_case(name, shape, n, extra, repeat=repeat,
+                                                     min_time=min_time, warmup=warmup,
+                                                     seed=seed))
+                        bar.update()
     report["settings"]["wall_seconds"] = round(time.time() - started, 1)
     return report
+
+
+def _case(name, shape, n, extra, **settings):
+    """One case's result: measured in a fresh process, or skipped with the reason."""
+    why = RUNNERS[name].missing()
+    if why:
+        return {"runner": name, "shape": shape.name, "threads": n, **extra,
+                "status": "skipped", "note": why}
+    return run_worker({"runner": name, "shape": shape.name, "threads": n, **settings, **extra})
