@@ -1,6 +1,8 @@
 /* Public entry points: check what the caller passes, then dispatch to the
  * instruction-set path it asked for (the portable one when the build has no
  * other). */
+#include <math.h>
+
 #include "fa_internal.h"
 
 int fa_cpu_has_avx2_fma(void)
@@ -111,24 +113,27 @@ static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_ne
     return a->L >= 0 && a->S >= 0 && attn_features_ok(a) && rows_ok(a, i0, i1, elsize) &&
            (next == NULL || rows_ok(a, next->i0, next->i1, elsize)) &&
            (a->mask_kind == FA_MASK_NONE || a->mask_kind == FA_MASK_BOOL ||
-            a->mask_kind == FA_MASK_ADD);
+            a->mask_kind == FA_MASK_ADD) &&
+           -1 <= a->window_left && a->window_left <= a->L + a->S && -1 <= a->window_right &&
+           a->window_right <= a->L + a->S && a->softcap >= 0 &&
+           a->sink == a->sink && a->sink < INFINITY;
 }
 
 int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                const float *v, const void *mask, float *out, float *w, fa_idx i0, fa_idx i1,
-                const fa_attn_next *next, void *work)
+                const float *v, const void *mask, float *out, float *w, float *lse,
+                fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
 {
     if (!attn_ok(a, i0, i1, next, 4)) return -1;
-    FA_DISPATCH(isa, attn, f32, (a, q, k, v, mask, out, w, i0, i1, next, work));
+    FA_DISPATCH(isa, attn, f32, (a, q, k, v, mask, out, w, lse, i0, i1, next, work));
     return 0;
 }
 
 int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                const double *v, const void *mask, double *out, double *w, fa_idx i0,
-                fa_idx i1, const fa_attn_next *next, void *work)
+                const double *v, const void *mask, double *out, double *w, double *lse,
+                fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
 {
     if (!attn_ok(a, i0, i1, next, 8)) return -1;
-    FA_DISPATCH(isa, attn, f64, (a, q, k, v, mask, out, w, i0, i1, next, work));
+    FA_DISPATCH(isa, attn, f64, (a, q, k, v, mask, out, w, lse, i0, i1, next, work));
     return 0;
 }
 

@@ -74,11 +74,11 @@ size_t FA_NAME(attn_work)(const fa_attn_args *a)
            FA_NAME(rows_work)(a) + FA_ALIGN;
 }
 
-/* st[r, j] = logit of query i0 + j and key s0 + r: the scaled score plus the
- * mask, -inf where hidden; bm[j] = the maximum of column j (NaN ignored).
- * Columns nq..ld-1 are padding.  Returns 0, with st untouched, when the mask
- * hides every key of the block from every query row (the block is then
- * skipped without reading K). */
+/* st[r, j] = logit of query i0 + j and key s0 + r: the score through the
+ * per-score stage (fa_scores_impl.h), a tile at a time; bm[j] = the maximum
+ * of column j (NaN ignored).  Columns nq..ld-1 are padding.  Returns 0, with
+ * st untouched, when the mask hides every key of the block from every query
+ * row (the block is then skipped without reading K). */
 static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
                                  const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
                                  fa_idx s0, fa_idx nk, T *st, T *bias, T *bm)
@@ -86,9 +86,10 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     const T ninf = -(T)INFINITY;
     const int per_key = a->mask_kind != FA_MASK_NONE && a->m_ls == 0;
     const int tile = a->mask_kind != FA_MASK_NONE && a->m_ls != 0;
-    /* the block crosses the causal diagonal: its last key is hidden from the
-     * first row (blocks wholly past the diagonal are never visited) */
-    const int diagonal = a->causal && s0 + nk - 1 > i0 + a->causal_offset;
+    /* the bounds hide some key of the block from some row: its first key
+     * from the last row, or its last key from the first (blocks wholly
+     * outside are never visited) */
+    const int edge = s0 < FA_NAME(key_lo)(a, i0 + nq - 1) || s0 + nk - 1 > FA_NAME(key_hi)(a, i0);
 
     if (tile) { /* the mask of the block, transposed like the query block */
         if (a->mask_kind == FA_MASK_BOOL) { /* as 0 / -inf rows in st, free until the scores */
@@ -119,7 +120,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     }
 
     for (fa_idx j = 0; j < ld; ++j) bm[j] = ninf;
-    const int plain = !per_key && !tile && !diagonal;
+    const int plain = !per_key && !tile && !edge && a->softcap == 0 && a->alibi_slope == 0;
     const fa_idx h = a->E >= 2 * FA_EC ? a->E / 2 : 0; /* features of the first half */
     for (fa_idx r = 0; r < nk; r += FA_MR) {
         const int mr = (int)(nk - r < FA_MR ? nk - r : FA_MR);
@@ -134,8 +135,11 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     }
     if (plain) return 1;
 
+    if (a->softcap > 0) FA_NAME(softcap)(a, nk * ld, st);
+    const T slope = -(T)a->alibi_slope;
     for (fa_idx r = 0; r < nk; ++r) {
         T *z = st + r * ld;
+        const fa_idx key = s0 + r;
         if (per_key) {
             const T b = bias[r];
             for (fa_idx j = 0; j < ld; ++j) z[j] = b == ninf ? ninf : z[j] + b;
@@ -144,10 +148,17 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
             /* -inf hides the key whatever the score, even a NaN one */
             for (fa_idx j = 0; j < ld; ++j) z[j] = b[j] == ninf ? ninf : z[j] + b[j];
         }
-        if (diagonal) { /* key s0 + r is hidden from queries i < s0 + r - offset */
-            fa_idx jlim = s0 + r - a->causal_offset - i0;
-            jlim = jlim > ld ? ld : jlim;
-            for (fa_idx j = 0; j < jlim; ++j) z[j] = ninf;
+        if (slope != 0) {
+            const fa_idx d0 = i0 + a->causal_offset - key; /* i' - key for column 0 */
+            for (fa_idx j = 0; j < ld; ++j) {
+                const fa_idx d = d0 + j;
+                z[j] = z[j] + slope * (T)(d < 0 ? -d : d);
+            }
+        }
+        if (edge) { /* the rows that see this key: key_lo(i) <= key <= key_hi(i) */
+            fa_idx j = 0;
+            for (; j < ld && key > FA_NAME(key_hi)(a, i0 + j); ++j) z[j] = ninf;
+            for (j = ld; j > 0 && key < FA_NAME(key_lo)(a, i0 + j - 1); --j) z[j - 1] = ninf;
         }
         for (fa_idx j = 0; j < ld; ++j) bm[j] = z[j] > bm[j] ? z[j] : bm[j];
     }
@@ -155,7 +166,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
 }
 
 void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
-                   const void *mask, T *out, T *w, fa_idx i0, fa_idx i1,
+                   const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
                    const fa_attn_next *next, void *work)
 {
     const fa_idx nq = i1 - i0, ld = (nq + FA_NR - 1) / FA_NR * FA_NR;
@@ -172,27 +183,27 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     T *bl = alpha + ld;         /* block sum */
     T *bm = bl + ld;            /* block maximum */
     T *rows_work = bm + ld;     /* the row kernel's scratch */
-    const fa_idx s_end = FA_NAME(key_end)(a, i1);
     const FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, k, next);
 
     if (nq <= 0) return;
     if (nq <= FA_ROWS_MAX) {
-        FA_NAME(attn_rows)(a, q, k, v, mask, out, w, i0, i1, qp);
+        FA_NAME(attn_rows)(a, q, k, v, mask, out, w, lse, i0, i1, qp);
         return;
     }
+    fa_idx s_begin, s_end;
+    FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
     /* the scale multiplies the scores, not the queries: one rounding fewer
      * when it is not a power of two */
     FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, 1, qp, ld, 1);
     for (fa_idx e = 0; e < E; ++e) /* padding columns */
         for (fa_idx j = nq; j < ld; ++j) qp[e * ld + j] = 0;
     for (fa_idx j = 0; j < ld; ++j) {
-        m[j] = ninf;
-        ms[j] = 0;
-        l[j] = 0;
+        FA_NAME(sink_start)(a, m + j, l + j);
+        ms[j] = m[j] == ninf ? 0 : m[j];
     }
     for (fa_idx t = 0; t < Ev * ld; ++t) ot[t] = 0;
 
-    for (fa_idx s0 = 0; s0 < s_end; s0 += FA_KB) {
+    for (fa_idx s0 = s_begin; s0 < s_end; s0 += FA_KB) {
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
         if (!FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm)) continue;
 
@@ -232,14 +243,18 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     /* Zero weights times a non-finite value of a hidden key give NaN in the
      * products above: recompute any row that is not finite with the guarded
      * row kernel (it gives the same NaN or inf when they are genuine). */
-    for (fa_idx j = 0; j < nq; ++j)
-        if (bl[j] != 0) FA_NAME(attn_rows)(a, q, k, v, mask, out, NULL, i0 + j, i0 + j + 1, rows_work);
+    for (fa_idx j = 0; j < nq; ++j) {
+        if (bl[j] != 0)
+            FA_NAME(attn_rows)(a, q, k, v, mask, out, NULL, lse, i0 + j, i0 + j + 1, rows_work);
+        else if (lse)
+            lse[(i0 + j) * a->lse_s] = FA_NAME(lse)(m[j], l[j]);
+    }
 
     if (w == NULL) return;
     /* The weights, from the final m and l: exp(z - m) / l. */
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_KB) {
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
-        const int visible = s0 < s_end &&
+        const int visible = s0 < s_end && s0 + nk > s_begin &&
                             FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm);
         if (visible) FA_NAME(exp_block)(nk, ld, st, ms, bl); /* exp(z - m); bl is unused here */
         for (fa_idx j = 0; j < nq; ++j) {

@@ -47,7 +47,7 @@
                                             T *out, fa_idx os, void *work);               \
     size_t FA_CAT4(fa, attn_work, SFX, ISA)(const fa_attn_args *a);                       \
     void FA_CAT4(fa, attn, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,       \
-                                     const T *v, const void *mask, T *out, T *w,          \
+                                     const T *v, const void *mask, T *out, T *w, T *lse,  \
                                      fa_idx i0, fa_idx i1, const fa_attn_next *next,      \
                                      void *work);                                         \
     void FA_CAT4(fa, attn_part, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,  \

@@ -27,6 +27,7 @@ static FA_ALWAYS_INLINE void FA_NAME(prefetch_row)(const T *x, fa_idx n, fa_idx 
 
 #include "fa_gemm_impl.h"
 #include "fa_softmax_impl.h"
+#include "fa_scores_impl.h"
 #include "fa_attn_impl.h"
 
 void FA_NAME(exp_array)(fa_idx n, const T *x, T *y) { FA_NAME(vexp)(n, x, y); }

@@ -188,6 +188,12 @@ static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l, T *bad)
         }
 }
 
+/* y[j] = tanh(x[j]), with the C library's tanh */
+static void FA_NAME(vtanh)(fa_idx n, const T *x, T *y)
+{
+    for (fa_idx j = 0; j < n; ++j) y[j] = (T)tanh((double)x[j]);
+}
+
 /* sum over c of x[c] * y[c] (both contiguous), in eight interleaved partial sums */
 static T FA_NAME(dot)(fa_idx n, const T *x, const T *y)
 {

@@ -9,6 +9,7 @@
  * includes first, with T, FA_NR (= 2 * VLEN), FA_NAME and FA_IS_F32 defined. */
 #include FA_SIMD
 #include "fa_exp_consts.h"
+#include "fa_tanh_consts.h"
 
 #define FA_UKR_ROW(r)                                                     \
     if (mr > r) {                                                         \
@@ -153,6 +154,37 @@ static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
         for (fa_idx t = 0; t < n - j; ++t) buf[t] = x[j + t];
         VSTORE(buf, FA_NAME(vexp1)(VLOAD(buf)));
         for (fa_idx t = 0; t < n - j; ++t) y[j + t] = buf[t];
+    }
+}
+
+/* y[j] = tanh(x[j]) (fa_tanh_consts.h); NaN stays NaN, +-inf gives +-1. */
+static void FA_NAME(vtanh)(fa_idx n, const T *x, T *y)
+{
+#if FA_IS_F32
+    static const T c[FA_TANHF_NC] = FA_TANHF_C;
+    const int nc = FA_TANHF_NC;
+#else
+    static const T c[FA_TANH_NC] = FA_TANH_C;
+    const int nc = FA_TANH_NC;
+#endif
+    const V one = VSET1(1), two = VSET1(2), small = VSET1((T)FA_TANH_SMALL2);
+    for (fa_idx j = 0; j < n; j += VLEN) {
+        T buf[VLEN] = {0};
+        const int full = j + VLEN <= n;
+        if (!full)
+            for (fa_idx t = 0; t < n - j; ++t) buf[t] = x[j + t];
+        const V xv = full ? VLOAD(x + j) : VLOAD(buf), t2 = VMUL(xv, xv);
+        V p = VSET1(c[0]);
+        for (int i = 1; i < nc; ++i) p = VFMA(p, t2, VSET1(c[i]));
+        const V e = FA_NAME(vexp1)(VMUL(two, xv));
+        const V big = VSUB(one, VDIV(two, VADD(e, one)));
+        const V r = VBLEND(big, VMUL(xv, p), VLT(t2, small));
+        if (full) {
+            VSTORE(y + j, r);
+        } else {
+            VSTORE(buf, r);
+            for (fa_idx t = 0; t < n - j; ++t) y[j + t] = buf[t];
+        }
     }
 }
 
@@ -305,6 +337,7 @@ static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx 
 #undef VROUND
 #undef VTRUNC
 #undef VEQ
+#undef VLT
 #undef VBLEND
 #undef VCVTI
 #undef VI_SET1

@@ -6,7 +6,8 @@
  * is exactly zero, so that a non-finite value at a hidden key never reaches
  * the output.
  *
- * Needs T, FA_NAME and the primitives vexp, sum, dot, gemv_t, prefetch_row. */
+ * Needs T, FA_NAME, the per-score stage (fa_scores_impl.h) and the
+ * primitives vexp, sum, dot, gemv_t, prefetch_row. */
 
 #define FA_RB 256       /* keys per block */
 /* How far ahead the key rows are prefetched: with rows of a few hundred
@@ -92,26 +93,6 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const T *v, fa_idx nq, f
     }
 }
 
-/* One past the last key any of the rows before i1 may see. */
-static fa_idx FA_NAME(key_end)(const fa_attn_args *a, fa_idx i1)
-{
-    if (!a->causal) return a->S;
-    const fa_idx end = i1 + a->causal_offset;
-    return end < 0 ? 0 : end > a->S ? a->S : end;
-}
-
-/* What the mask adds to the logit of query i and key j: 0, the additive mask
- * value, or -inf when the key is hidden from the query. */
-static T FA_NAME(mask_bias)(const fa_attn_args *a, const void *mask, fa_idx i, fa_idx j)
-{
-    const T ninf = -(T)INFINITY;
-    if (a->causal && j > i + a->causal_offset) return ninf;
-    if (a->mask_kind == FA_MASK_BOOL)
-        return ((const unsigned char *)mask)[i * a->m_ls + j * a->m_ss] ? 0 : ninf;
-    if (a->mask_kind == FA_MASK_ADD) return ((const T *)mask)[i * a->m_ls + j * a->m_ss];
-    return 0;
-}
-
 /* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;
  * w.qs holds the query rows. */
 static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
@@ -119,7 +100,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                                  fa_idx nk)
 {
     T *s = w->s;
-    const T ninf = -(T)INFINITY, scale = (T)a->scale;
+    const T scale = (T)a->scale;
     const fa_idx row_bytes = a->E * (fa_idx)sizeof(T); /* 0 when E = 0: nothing to fetch */
     const fa_idx ahead = row_bytes == 0                   ? 0
                          : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
@@ -128,10 +109,13 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
         if (a->k_es == 1 && s0 + r + ahead < a->S) /* a contiguous key row, further on */
             FA_NAME(prefetch_row)(k + (s0 + r + ahead) * a->k_ss, a->E, 1);
         const T *krow = FA_NAME(key_row)(a, k, s0 + r, w->gather);
-        for (fa_idx t = 0; t < nq; ++t) {
-            const T b = FA_NAME(mask_bias)(a, mask, i0 + t, s0 + r);
-            s[t * FA_RB + r] = b == ninf ? ninf : scale * FA_NAME(dot)(a->E, w->qs + t * FA_EP(a), krow) + b;
-        }
+        for (fa_idx t = 0; t < nq; ++t)
+            s[t * FA_RB + r] = scale * FA_NAME(dot)(a->E, w->qs + t * FA_EP(a), krow);
+    }
+    for (fa_idx t = 0; t < nq; ++t) { /* the rest of the per-score stage */
+        T *st = s + t * FA_RB;
+        if (a->softcap > 0) FA_NAME(softcap)(a, nk, st);
+        for (fa_idx r = 0; r < nk; ++r) st[r] = FA_NAME(modify)(a, mask, i0 + t, s0 + r, st[r]);
     }
 }
 
@@ -166,15 +150,16 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
     }
 }
 
-/* w.qs = the query rows; the state starts empty. */
+/* w.qs = the query rows; the state starts empty, or with the sink alone. */
 static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa_idx nq,
-                                const FA_NAME(rows_scratch) *w)
+                                const FA_NAME(rows_scratch) *w, int with_sink)
 {
     for (fa_idx t = 0; t < nq; ++t) {
         for (fa_idx e = 0; e < a->E; ++e) w->qs[t * FA_EP(a) + e] = q[(i0 + t) * a->q_ls + e * a->q_es];
         for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] = 0;
         w->m[t] = -(T)INFINITY;
         w->l[t] = 0;
+        if (with_sink) FA_NAME(sink_start)(a, w->m + t, w->l + t);
     }
 }
 
@@ -187,10 +172,12 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
     const T ninf = -(T)INFINITY;
     const T *m = ws->m, *l = ws->l;
     T *s = ws->s;
-    const fa_idx s_end = FA_NAME(key_end)(a, i0 + nq);
+    fa_idx s_begin, s_end;
+    FA_NAME(key_range)(a, i0, i0 + nq, &s_begin, &s_end);
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_RB) {
         const fa_idx nk = a->S - s0 < FA_RB ? a->S - s0 : FA_RB;
-        if (s0 < s_end) {
+        const int seen = s0 < s_end && s0 + nk > s_begin;
+        if (seen) {
             FA_NAME(rows_logits)(a, ws, k, mask, i0, nq, s0, nk);
             for (fa_idx t = 0; t < nq; ++t) {
                 const T ms = m[t] == ninf ? 0 : m[t];
@@ -200,7 +187,7 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
         }
         for (fa_idx t = 0; t < nq; ++t) {
             T *wrow = w + (i0 + t) * a->w_ls + s0 * a->w_ss;
-            const int zero = s0 >= s_end || l[t] == 0;
+            const int zero = !seen || l[t] == 0;
             const T fill = l[t] == l[t] ? 0 : l[t]; /* a NaN row is NaN in skipped blocks too */
             for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? fill : s[t * FA_RB + r] / l[t];
         }
@@ -208,19 +195,22 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
 }
 
 static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, const T *v,
-                               const void *mask, T *out, T *w, fa_idx i0, fa_idx i1, T *work)
+                               const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
+                               T *work)
 {
     const fa_idx nq = i1 - i0, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, work);
-    const fa_idx s_end = FA_NAME(key_end)(a, i1);
+    fa_idx s_begin, s_end;
+    FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
 
-    FA_NAME(rows_start)(a, q, i0, nq, &ws);
-    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, 0, s_end);
+    FA_NAME(rows_start)(a, q, i0, nq, &ws, 1);
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_begin, s_end);
     /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
     for (fa_idx t = 0; t < nq; ++t) {
         T *orow = out + (i0 + t) * a->o_ls;
         for (fa_idx c = 0; c < Ev; ++c)
             orow[c * a->o_es] = ws.l[t] == 0 ? 0 : ws.o[t * FA_EVP(a) + c] / ws.l[t];
+        if (lse) lse[(i0 + t) * a->lse_s] = FA_NAME(lse)(ws.m[t], ws.l[t]);
     }
 
     if (w != NULL) FA_NAME(rows_weights)(a, &ws, k, mask, i0, nq, w);
@@ -232,10 +222,13 @@ void FA_NAME(attn_part)(const fa_attn_args *a, const T *q, const T *k, const T *
                         const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                         T *state, void *work)
 {
-    const fa_idx nq = i1 - i0, Ev = a->Ev, end = FA_NAME(key_end)(a, i1);
+    const fa_idx nq = i1 - i0, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, (T *)FA_ALIGNED(work));
-    FA_NAME(rows_start)(a, q, i0, nq, &ws);
-    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_lo, s_hi < end ? s_hi : end);
+    fa_idx begin, end;
+    FA_NAME(key_range)(a, i0, i1, &begin, &end);
+    FA_NAME(rows_start)(a, q, i0, nq, &ws, s_lo == 0);
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_lo > begin ? s_lo : begin,
+                             s_hi < end ? s_hi : end);
     for (fa_idx t = 0; t < nq; ++t) {
         T *st = state + t * (Ev + 2);
         st[0] = ws.m[t];
@@ -286,7 +279,7 @@ void FA_NAME(attn_weights)(const fa_attn_args *a, const T *q, const T *k, const 
 {
     const fa_idx nq = i1 - i0;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, (T *)FA_ALIGNED(work));
-    FA_NAME(rows_start)(a, q, i0, nq, &ws);
+    FA_NAME(rows_start)(a, q, i0, nq, &ws, 0);
     for (fa_idx t = 0; t < nq; ++t) {
         ws.m[t] = ml[2 * t];
         ws.l[t] = ml[2 * t + 1];

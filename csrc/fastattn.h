@@ -62,11 +62,19 @@ typedef struct {
     fa_idx v_ss, v_es;           /* value (S, Ev) */
     fa_idx o_ls, o_es;           /* output (L, Ev) */
     fa_idx w_ls, w_ss;           /* weights (L, S), used when w != NULL */
+    fa_idx lse_s;                /* stride of lse (L), used when lse != NULL */
     fa_mask_kind mask_kind;
     fa_idx m_ls, m_ss;           /* mask (L, S) */
-    int causal;                  /* key j is hidden from query i when j > i + causal_offset */
+    /* The per-score stage, in this order (fa_scores_impl.h), for query i
+     * and key j, with i' = i + causal_offset: */
+    double scale;                /* multiplies Q K^T */
+    double softcap;              /* > 0: z = softcap * tanh(z / softcap); 0: none */
+    double alibi_slope;          /* adds -alibi_slope * |i' - j| (0: none) */
+    int causal;                  /* key j is hidden from query i when j > i' */
+    fa_idx window_left;          /* >= 0: hidden when j < i' - window_left; -1: unbounded */
+    fa_idx window_right;         /* >= 0: hidden when j > i' + window_right; -1: unbounded */
     fa_idx causal_offset;        /* 0: upper-left alignment, S - L: lower-right */
-    double scale;                /* multiplies Q K^T before the mask is added */
+    double sink;                 /* a logit joining every row's softmax with no value; -inf: none */
 } fa_attn_args;
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
@@ -89,16 +97,19 @@ fa_idx fa_attn_query_block(int elsize);
 /* Bytes of scratch one call of fa_attn_* needs for these arguments. */
 size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize);
 /* Output rows i0..i1-1 (i1 - i0 <= query block) of
- *   softmax(scale * Q K^T + mask) V
+ *   softmax(modified scores) V
+ * (the scores scale * Q K^T through the per-score stage of fa_attn_args)
  * computed block by block with an online softmax, never forming the L x S
  * matrix.  When w is not NULL the normalised weights of these rows are
- * written there too.  A key with zero weight never contributes its value
- * row, so a non-finite value at a hidden key cannot leak into the output. */
+ * written there too, and when lse is not NULL each row's log-sum-exp of
+ * its logits (the sink included; -inf for a row with nothing visible).  A
+ * key with zero weight never contributes its value row, so a non-finite
+ * value at a hidden key cannot leak into the output. */
 int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                 const float *v, const void *mask, float *out, float *w,
+                 const float *v, const void *mask, float *out, float *w, float *lse,
                  fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work);
 int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                 const double *v, const void *mask, double *out, double *w,
+                 const double *v, const void *mask, double *out, double *w, double *lse,
                  fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work);
 
 /* ---- Decoding split along the keys ------------------------------------- */
@@ -111,7 +122,8 @@ fa_idx fa_attn_splits(const fa_attn_args *a);
 /* Values of state one piece holds: (i1 - i0) * (Ev + 2). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
 /* The running maximum, sum and unnormalised output of rows i0..i1-1 over
- * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn_*). */
+ * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn_*); the piece with
+ * s_lo = 0 holds the sink. */
 int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
                      const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
                      fa_idx s_hi, float *state, void *work);

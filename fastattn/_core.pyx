@@ -7,6 +7,7 @@ The loops release the GIL and split the work into independent pieces (see
 csrc/fastattn.h), spread over OpenMP threads when the build has OpenMP.
 """
 from cython.parallel cimport parallel, prange, threadid
+from libc.math cimport INFINITY, log
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
@@ -53,12 +54,13 @@ cdef extern from "fastattn.h" nogil:
         fa_idx rs_a, cs_a, rs_b, cs_b, rs_c, cs_c
     ctypedef struct fa_attn_args:
         fa_idx L, S, E, Ev
-        fa_idx q_ls, q_es, k_ss, k_es, v_ss, v_es, o_ls, o_es, w_ls, w_ss
+        fa_idx q_ls, q_es, k_ss, k_es, v_ss, v_es, o_ls, o_es, w_ls, w_ss, lse_s
         fa_mask_kind mask_kind
         fa_idx m_ls, m_ss
+        double scale, softcap, alibi_slope
         int causal
-        fa_idx causal_offset
-        double scale
+        fa_idx window_left, window_right, causal_offset
+        double sink
 
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
@@ -82,10 +84,10 @@ cdef extern from "fastattn.h" nogil:
         const void *k
         fa_idx i0, i1
     int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                    const float *v, const void *mask, float *out, float *w,
+                    const float *v, const void *mask, float *out, float *w, float *lse,
                     fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
     int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                    const double *v, const void *mask, double *out, double *w,
+                    const double *v, const void *mask, double *out, double *w, double *lse,
                     fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
     fa_idx fa_attn_splits(const fa_attn_args *a)
     fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
@@ -250,12 +252,18 @@ cdef struct Operands:
     char *m
     char *o
     char *w
+    char *lse      # (..., L): each row's log-sum-exp
+    char *slope    # float64 per item: ALiBi slopes
+    char *sink     # float64 per item: sink logits
     fa_idx qs[MAXDIM]
     fa_idx ks[MAXDIM]
     fa_idx vs[MAXDIM]
     fa_idx ms[MAXDIM]
     fa_idx os[MAXDIM]
     fa_idx ws[MAXDIM]
+    fa_idx lses[MAXDIM]
+    fa_idx slopes[MAXDIM]
+    fa_idx sinks[MAXDIM]
     int elsize   # of q, k, v, out and weights
     int msize    # of the mask
     fa_idx group  # query heads per key/value head
@@ -293,6 +301,22 @@ cdef inline void *w_at(const Operands *o, const Batch *b, fa_idx item) noexcept 
     return at(o.w, o.elsize, b, o.ws, item, 1)
 
 
+cdef inline void *lse_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
+    return at(o.lse, o.elsize, b, o.lses, item, 1)
+
+
+cdef inline fa_attn_args item_args(const fa_attn_args *a, const Operands *o, const Batch *b,
+                                   fa_idx item) noexcept nogil:
+    """The arguments of one (batch, head) item: a's, with its ALiBi slope
+    and sink."""
+    cdef fa_attn_args r = a[0]
+    if o.slope != NULL:
+        r.alibi_slope = (<double *>at(o.slope, 8, b, o.slopes, item, 1))[0]
+    if o.sink != NULL:
+        r.sink = (<double *>at(o.sink, 8, b, o.sinks, item, 1))[0]
+    return r
+
+
 # Task t of the attention loop: head by head, so that the threads share one
 # head's keys and values in cache; within a head the largest causal blocks
 # come first.
@@ -308,17 +332,19 @@ cdef inline fa_attn_next task_rows(const Operands *o, const Batch *b, fa_idx t, 
 
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
-              double scale, int nthreads):
+              double scale, int nthreads, fa_idx window_left=-1, fa_idx window_right=-1,
+              double softcap=0, object slopes=None, object sinks=None, object lse=None):
     """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
 
     All arrays have the same number of dimensions; the axes before the last
     two are batch axes, equal to out's except that k and v have out's last
-    batch axis divided by group."""
+    batch axis divided by group.  slopes and sinks (float64) have out's
+    batch shape, lse (out's dtype) its batch shape and L."""
     cdef int nd = q.ndim - 2
     cdef Batch b
     cdef Operands o
     cdef fa_attn_args a
-    cdef cnp.ndarray m_arr, w_arr
+    cdef cnp.ndarray m_arr, w_arr, x_arr
     memset(&o, 0, sizeof(o))
     memset(&a, 0, sizeof(a))
     fill_batch(&b, out, nd)
@@ -352,6 +378,20 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     a.causal = causal
     a.causal_offset = causal_offset
     a.scale = scale
+    a.window_left, a.window_right, a.softcap, a.sink = window_left, window_right, softcap, -INFINITY
+    if slopes is not None:
+        x_arr = slopes
+        o.slope = <char *>cnp.PyArray_DATA(x_arr)
+        fill_strides(o.slopes, x_arr, nd)
+    if sinks is not None:
+        x_arr = sinks
+        o.sink = <char *>cnp.PyArray_DATA(x_arr)
+        fill_strides(o.sinks, x_arr, nd)
+    if lse is not None:
+        x_arr = lse
+        o.lse = <char *>cnp.PyArray_DATA(x_arr)
+        fill_strides(o.lses, x_arr, nd)
+        a.lse_s = estride(x_arr, nd)
 
     cdef fa_idx qb = fa_attn_query_block(o.elsize)
     cdef fa_idx nqb = (a.L + qb - 1) // qb
@@ -359,6 +399,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef size_t work_bytes = fa_attn_work_bytes(&a, o.elsize)
     cdef fa_idx t, item
     cdef fa_attn_next cur, nxt
+    cdef fa_attn_args ai
     cdef const fa_attn_next *hint
     cdef void *work
     cdef int err = 0
@@ -388,21 +429,33 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
             if t + nthreads < ntasks:
                 nxt = task_rows(&o, &b, t + nthreads, nqb, qb, a.L)
                 hint = &nxt
+            ai = item_args(&a, &o, &b, item)
             if o.elsize == 4:
-                rc = fa_attn_f32(<fa_isa>isa, &a, <float *>cur.q, <float *>cur.k,
+                rc = fa_attn_f32(<fa_isa>isa, &ai, <float *>cur.q, <float *>cur.k,
                                  <float *>v_at(&o, &b, item), m_at(&o, &b, item),
                                  <float *>o_at(&o, &b, item), <float *>w_at(&o, &b, item),
-                                 cur.i0, cur.i1, hint, work)
+                                 <float *>lse_at(&o, &b, item), cur.i0, cur.i1, hint, work)
             else:
-                rc = fa_attn_f64(<fa_isa>isa, &a, <double *>cur.q, <double *>cur.k,
+                rc = fa_attn_f64(<fa_isa>isa, &ai, <double *>cur.q, <double *>cur.k,
                                  <double *>v_at(&o, &b, item), m_at(&o, &b, item),
                                  <double *>o_at(&o, &b, item), <double *>w_at(&o, &b, item),
-                                 cur.i0, cur.i1, hint, work)
+                                 <double *>lse_at(&o, &b, item), cur.i0, cur.i1, hint, work)
             if rc != 0:
                 errp[0] = 2
         free(work)
     stop_raise(&stop)
     raise_on(err, "attention")
+
+
+cdef inline void row_lse(int es, void *ml, fa_idx i, void *lse, fa_idx lse_s) noexcept nogil:
+    """lse[i] from row i's merged maximum and sum in ml (fa_scores_impl.h's lse)."""
+    cdef double m, l
+    if es == 4:
+        m, l = (<float *>ml)[2 * i], (<float *>ml)[2 * i + 1]
+        (<float *>lse)[i * lse_s] = -INFINITY if l == 0 else <float>m + <float>log(l)
+    else:
+        m, l = (<double *>ml)[2 * i], (<double *>ml)[2 * i + 1]
+        (<double *>lse)[i * lse_s] = -INFINITY if l == 0 else m + log(l)
 
 
 cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const Operands *o,
@@ -417,14 +470,17 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
     cdef fa_idx ntasks = b.count * nsplit
     cdef fa_idx t, item, piece, s_lo, s_hi
     cdef char *states = <char *>malloc(ntasks * slen * es)
-    cdef char *ml = <char *>malloc(b.count * a.L * 2 * es) if o.w != NULL else NULL
+    cdef bint want_ml = o.w != NULL or o.lse != NULL
+    cdef char *ml = <char *>malloc(b.count * a.L * 2 * es) if want_ml else NULL
     cdef void *work
     cdef void *mlrow
     cdef int err = 0
     cdef int *errp = &err
     cdef int rc
     cdef fa_stop stop
-    if states == NULL or (o.w != NULL and ml == NULL):
+    cdef fa_attn_args ai
+    cdef fa_idx i
+    if states == NULL or (want_ml and ml == NULL):
         free(states)
         free(ml)
         raise MemoryError("fastattn: cannot allocate the split-attention state")
@@ -440,13 +496,14 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
             piece = t % nsplit
             s_lo = piece * chunk
             s_hi = s_lo + chunk if s_lo + chunk < a.S else a.S
+            ai = item_args(a, o, b, item)
             if es == 4:
-                rc = fa_attn_part_f32(<fa_isa>isa, a, <float *>q_at(o, b, item),
+                rc = fa_attn_part_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
                                       <float *>k_at(o, b, item), <float *>v_at(o, b, item),
                                       m_at(o, b, item), 0, a.L, s_lo, s_hi,
                                       <float *>(states + es * t * slen), work)
             else:
-                rc = fa_attn_part_f64(<fa_isa>isa, a, <double *>q_at(o, b, item),
+                rc = fa_attn_part_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
                                       <double *>k_at(o, b, item), <double *>v_at(o, b, item),
                                       m_at(o, b, item), 0, a.L, s_lo, s_hi,
                                       <double *>(states + es * t * slen), work)
@@ -467,6 +524,9 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
                                            <double *>o_at(o, b, item), <double *>mlrow, 0, a.L)
                 if rc != 0:
                     errp[0] = 2
+                if o.lse != NULL:
+                    for i in range(a.L):
+                        row_lse(es, mlrow, i, lse_at(o, b, item), a.lse_s)
     if err == 0 and stop.flag == 0 and o.w != NULL:
         with nogil, parallel(num_threads=min(nthreads, b.count)):
             work = malloc(work_bytes)
@@ -476,13 +536,14 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
                 if work == NULL:
                     continue
                 mlrow = <void *>(ml + es * item * a.L * 2)
+                ai = item_args(a, o, b, item)
                 if es == 4:
-                    rc = fa_attn_weights_f32(<fa_isa>isa, a, <float *>q_at(o, b, item),
+                    rc = fa_attn_weights_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
                                              <float *>k_at(o, b, item), m_at(o, b, item),
                                              <float *>mlrow, <float *>w_at(o, b, item), 0, a.L,
                                              work)
                 else:
-                    rc = fa_attn_weights_f64(<fa_isa>isa, a, <double *>q_at(o, b, item),
+                    rc = fa_attn_weights_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
                                              <double *>k_at(o, b, item), m_at(o, b, item),
                                              <double *>mlrow, <double *>w_at(o, b, item), 0, a.L,
                                              work)

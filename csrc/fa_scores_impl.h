@@ -1,0 +1,91 @@
+/* The per-score stage of the attention kernels, for element type T: what
+ * happens to a score between Q K^T and the online softmax.  Each modifier
+ * is defined here once; the block kernel (fa_attn_impl.h: a keys x queries
+ * tile) and the row kernel (fa_rows_impl.h: a few query rows) apply them in
+ * this order to the score z of query i and key j, with i' = i + offset
+ * (the causal alignment: 0 upper-left, S - L lower-right):
+ *
+ *   1. scale    z = scale * q_i . k_j          (Vaswani et al. 2017)
+ *   2. softcap  z = c * tanh(z / c)            (Gemma 2: before masks and biases)
+ *   3. mask     z = z + M[i, j]; -inf where a boolean mask is false
+ *   4. ALiBi    z = z - slope * |i' - j|       (Press et al. 2022, FlashAttention's form)
+ *   5. bounds   z = -inf unless i' - left <= j <= i' + right
+ *               (sliding window, Beltagy et al. 2020; causal: right = 0)
+ *   6. sink     a logit of the head joins every row's softmax denominator
+ *               as a key with no value (gpt-oss): the running maximum starts
+ *               at it and the running sum at 1 (sink_start).
+ *
+ * A -inf from the mask or the bounds hides the key whatever the score, a
+ * NaN one included.  Key blocks outside the bounds of a whole block of
+ * queries are never read (key_range), so a window costs O(L x window).
+ *
+ * Needs T, FA_NAME and the primitive vtanh. */
+
+/* The first and last key query i may see by the bounds alone (inclusive;
+ * possibly outside 0..S-1, which callers clamp). */
+static fa_idx FA_NAME(key_lo)(const fa_attn_args *a, fa_idx i)
+{
+    return a->window_left < 0 ? 0 : i + a->causal_offset - a->window_left;
+}
+
+static fa_idx FA_NAME(key_hi)(const fa_attn_args *a, fa_idx i)
+{
+    const fa_idx right = a->causal ? 0 : a->window_right;
+    return right < 0 ? a->S - 1 : i + a->causal_offset + right;
+}
+
+/* Keys begin..end-1: every key that one of the queries i0..i1-1 (i1 > i0)
+ * may see; empty (begin == end) when none. */
+static void FA_NAME(key_range)(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx *begin,
+                               fa_idx *end)
+{
+    const fa_idx lo = FA_NAME(key_lo)(a, i0), hi = FA_NAME(key_hi)(a, i1 - 1) + 1;
+    *begin = lo < 0 ? 0 : lo > a->S ? a->S : lo;
+    *end = hi < *begin ? *begin : hi > a->S ? a->S : hi;
+}
+
+/* Step 2 on n contiguous scores. */
+static void FA_NAME(softcap)(const fa_attn_args *a, fa_idx n, T *z)
+{
+    const T c = (T)a->softcap;
+    for (fa_idx j = 0; j < n; ++j) z[j] /= c;
+    FA_NAME(vtanh)(n, z, z);
+    for (fa_idx j = 0; j < n; ++j) z[j] *= c;
+}
+
+/* Step 4's bias of query i and key j. */
+static T FA_NAME(alibi)(const fa_attn_args *a, fa_idx i, fa_idx j)
+{
+    const fa_idx d = i + a->causal_offset - j;
+    return -(T)a->alibi_slope * (T)(d < 0 ? -d : d);
+}
+
+/* Steps 3 to 5 for one score z (after steps 1 and 2) of query i and key j:
+ * the row kernel's form; the block kernel does the same a tile at a time. */
+static T FA_NAME(modify)(const fa_attn_args *a, const void *mask, fa_idx i, fa_idx j, T z)
+{
+    const T ninf = -(T)INFINITY;
+    if (a->mask_kind == FA_MASK_BOOL && !((const unsigned char *)mask)[i * a->m_ls + j * a->m_ss])
+        return ninf;
+    if (a->mask_kind == FA_MASK_ADD) {
+        const T b = ((const T *)mask)[i * a->m_ls + j * a->m_ss];
+        if (b == ninf) return ninf;
+        z = z + b;
+    }
+    if (a->alibi_slope != 0) z = z + FA_NAME(alibi)(a, i, j);
+    return j < FA_NAME(key_lo)(a, i) || j > FA_NAME(key_hi)(a, i) ? ninf : z;
+}
+
+/* Step 6: the running maximum m and sum l of a row before any key. */
+static void FA_NAME(sink_start)(const fa_attn_args *a, T *m, T *l)
+{
+    *m = (T)a->sink;
+    *l = *m == -(T)INFINITY ? 0 : 1;
+}
+
+/* A row's log-sum-exp from its maximum m and sum l: -inf when nothing was
+ * visible (l = 0), NaN when a visible logit was. */
+static T FA_NAME(lse)(T m, T l)
+{
+    return l == 0 ? -(T)INFINITY : m + (T)log((double)l);
+}
