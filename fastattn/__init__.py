@@ -23,10 +23,11 @@ except ImportError as e:  # pragma: no cover - depends on how Python was started
 from . import reference
 from ._runtime import (available_simd_paths, get_num_threads, openmp_enabled,
                        set_num_threads, set_simd_path, simd_path)
-from .attention import scaled_dot_product_attention
+from .attention import merge_attention, scaled_dot_product_attention
 from .kv_cache import KVCache
 from .mha import MultiHeadAttention
 from .ops import matmul, merge_heads, softmax, split_heads
+from .varlen import varlen_attention
 
 try:
     __version__ = _version("fastattn")
@@ -34,7 +35,8 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
     __version__ = "0+unknown"
 
 __all__ = [
-    "scaled_dot_product_attention", "MultiHeadAttention", "KVCache", "matmul", "softmax",
+    "scaled_dot_product_attention", "merge_attention", "varlen_attention",
+    "MultiHeadAttention", "KVCache", "matmul", "softmax",
     "split_heads", "merge_heads",
     "reference", "simd_path", "set_simd_path", "available_simd_paths", "openmp_enabled",
     "get_num_threads", "set_num_threads", "__version__",

@@ -556,6 +556,114 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
     return raise_on(err, "split attention")
 
 
+def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
+           const cnp.int64_t[::1] cu_q, const cnp.int64_t[::1] cu_k, fa_idx group, bint causal,
+           bint lower_right, double scale, int nthreads, fa_idx window_left,
+           fa_idx window_right, double softcap, object slopes, object sinks):
+    """Packed sequences: q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k,
+    Hkv, Ev), out (total_q, Hq, Ev), lse None or (Hq, total_q); sequence b
+    holds rows cu_q[b]..cu_q[b+1]-1 and keys cu_k[b]..cu_k[b+1]-1 (checked
+    by the caller).  slopes (B, Hq) and sinks (Hq,) float64 or None.  One
+    task per (sequence, head, block of query rows), of its actual length."""
+    cdef fa_idx nseq = cu_q.shape[0] - 1, Hq = out.shape[1], es = cnp.PyArray_ITEMSIZE(q)
+    cdef fa_idx qb = fa_attn_query_block(<int>es)
+    cdef fa_attn_args a
+    memset(&a, 0, sizeof(a))
+    a.E, a.Ev = q.shape[2], v.shape[2]
+    a.q_ls, a.q_es = estride(q, 0), estride(q, 2)
+    a.k_ss, a.k_es = estride(k, 0), estride(k, 2)
+    a.v_ss, a.v_es = estride(v, 0), estride(v, 2)
+    a.o_ls, a.o_es = estride(out, 0), estride(out, 2)
+    a.mask_kind = FA_MASK_NONE
+    a.scale, a.softcap, a.causal = scale, softcap, causal
+    a.window_left, a.window_right, a.sink = window_left, window_right, -INFINITY
+    cdef fa_idx qh = estride(q, 1), kh = estride(k, 1), vh = estride(v, 1), oh = estride(out, 1)
+    cdef char *qp = <char *>cnp.PyArray_DATA(q)
+    cdef char *kp = <char *>cnp.PyArray_DATA(k)
+    cdef char *vp = <char *>cnp.PyArray_DATA(v)
+    cdef char *op = <char *>cnp.PyArray_DATA(out)
+    cdef char *lp = NULL
+    cdef fa_idx lh = 0
+    cdef cnp.ndarray x_arr
+    cdef const double *slope = NULL
+    cdef const double *sink = NULL
+    if lse is not None:
+        x_arr = lse
+        lp = <char *>cnp.PyArray_DATA(x_arr)
+        lh, a.lse_s = estride(x_arr, 0), estride(x_arr, 1)
+    if slopes is not None:
+        x_arr = slopes  # C-contiguous (B, Hq)
+        slope = <const double *>cnp.PyArray_DATA(x_arr)
+    if sinks is not None:
+        x_arr = sinks   # C-contiguous (Hq,)
+        sink = <const double *>cnp.PyArray_DATA(x_arr)
+    # the tasks: (sequence, head, first query row), longest sequences' heads
+    # interleaved as they come; within a head the largest causal blocks first
+    cdef fa_idx ntasks = 0, bi, h, nqb, t, i0
+    for bi in range(nseq):
+        ntasks += Hq * ((cu_q[bi + 1] - cu_q[bi] + qb - 1) // qb)
+    if ntasks == 0:
+        return
+    cdef fa_idx *tasks = <fa_idx *>malloc(3 * ntasks * sizeof(fa_idx))
+    if tasks == NULL:
+        raise MemoryError("fastattn: cannot allocate the task list")
+    t = 0
+    for bi in range(nseq):
+        nqb = (cu_q[bi + 1] - cu_q[bi] + qb - 1) // qb
+        for h in range(Hq):
+            for i0 in range(nqb - 1, -1, -1):
+                tasks[3 * t], tasks[3 * t + 1], tasks[3 * t + 2] = bi, h, i0 * qb
+                t += 1
+    cdef size_t work_bytes = fa_attn_work_bytes(&a, <int>es)
+    cdef fa_attn_args ai
+    cdef void *work
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef int rc
+    cdef fa_idx L, S, i1
+    cdef fa_stop stop
+    stop_init(&stop)
+    with nogil, parallel(num_threads=min(nthreads, ntasks)):
+        work = malloc(work_bytes)
+        if work == NULL:
+            errp[0] = 1
+        for t in prange(ntasks, schedule="dynamic"):
+            if work == NULL or stopped(&stop):
+                continue
+            bi, h, i0 = tasks[3 * t], tasks[3 * t + 1], tasks[3 * t + 2]
+            L, S = cu_q[bi + 1] - cu_q[bi], cu_k[bi + 1] - cu_k[bi]
+            i1 = i0 + qb if i0 + qb < L else L
+            ai = a
+            ai.L, ai.S = L, S
+            ai.causal_offset = S - L if lower_right else 0
+            if slope != NULL:
+                ai.alibi_slope = slope[bi * Hq + h]
+            if sink != NULL:
+                ai.sink = sink[h]
+            if es == 4:
+                rc = fa_attn_f32(<fa_isa>isa, &ai,
+                                 <float *>(qp + es * (cu_q[bi] * a.q_ls + h * qh)),
+                                 <float *>(kp + es * (cu_k[bi] * a.k_ss + (h // group) * kh)),
+                                 <float *>(vp + es * (cu_k[bi] * a.v_ss + (h // group) * vh)),
+                                 NULL, <float *>(op + es * (cu_q[bi] * a.o_ls + h * oh)), NULL,
+                                 <float *>(lp + es * (h * lh + cu_q[bi] * a.lse_s))
+                                 if lp != NULL else NULL, i0, i1, NULL, work)
+            else:
+                rc = fa_attn_f64(<fa_isa>isa, &ai,
+                                 <double *>(qp + es * (cu_q[bi] * a.q_ls + h * qh)),
+                                 <double *>(kp + es * (cu_k[bi] * a.k_ss + (h // group) * kh)),
+                                 <double *>(vp + es * (cu_k[bi] * a.v_ss + (h // group) * vh)),
+                                 NULL, <double *>(op + es * (cu_q[bi] * a.o_ls + h * oh)), NULL,
+                                 <double *>(lp + es * (h * lh + cu_q[bi] * a.lse_s))
+                                 if lp != NULL else NULL, i0, i1, NULL, work)
+            if rc != 0:
+                errp[0] = 2
+        free(work)
+    free(tasks)
+    stop_raise(&stop)
+    raise_on(err, "varlen attention")
+
+
 def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray out,
                  int nthreads):
     """Softmax along the last axis of x into out (same shape); mask, when

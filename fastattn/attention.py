@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional, Union, overload
+from typing import Any, Literal, Optional, Sequence, Union, overload
 
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime
+from . import _core, _runtime, _variants
 from ._typing import Float, MaskArray, NDArray
 
 Alignment = Literal["upper_left", "lower_right"]
+# the output; with the weights and/or the log-sum-exp when asked for
+Result = Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]],
+               tuple[NDArray[Float], NDArray[Float], NDArray[Float]]]
 
 _ALIGNMENTS = {"upper_left", "lower_right"}
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
@@ -34,7 +37,10 @@ def scaled_dot_product_attention(
         attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
         scale: Optional[float] = None, enable_gqa: bool = False, *,
         causal_alignment: Alignment = "upper_left", need_weights: Literal[False] = False,
-        out: Optional[NDArray[Float]] = None,
+        return_lse: Literal[False] = False,
+        window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
         num_threads: Optional[int] = None) -> NDArray[Float]: ...
 
 
@@ -44,7 +50,10 @@ def scaled_dot_product_attention(
         attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
         scale: Optional[float] = None, enable_gqa: bool = False, *,
         causal_alignment: Alignment = "upper_left", need_weights: Literal[True],
-        out: Optional[NDArray[Float]] = None,
+        return_lse: Literal[False] = False,
+        window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
         num_threads: Optional[int] = None) -> tuple[NDArray[Float], NDArray[Float]]: ...
 
 
@@ -53,9 +62,52 @@ def scaled_dot_product_attention(
         query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
         attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
         scale: Optional[float] = None, enable_gqa: bool = False, *,
+        causal_alignment: Alignment = "upper_left", need_weights: Literal[False] = False,
+        return_lse: Literal[True],
+        window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
+        num_threads: Optional[int] = None) -> tuple[NDArray[Float], NDArray[Float]]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+        attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
+        scale: Optional[float] = None, enable_gqa: bool = False, *,
+        causal_alignment: Alignment = "upper_left", need_weights: Literal[True],
+        return_lse: Literal[True],
+        window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
+        num_threads: Optional[int] = None) -> tuple[NDArray[Float], NDArray[Float], NDArray[Float]]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+        attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
+        scale: Optional[float] = None, enable_gqa: bool = False, *,
         causal_alignment: Alignment = "upper_left", need_weights: bool,
-        out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+        return_lse: Literal[False] = False,
+        window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
+        num_threads: Optional[int] = None
 ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+        attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
+        scale: Optional[float] = None, enable_gqa: bool = False, *,
+        causal_alignment: Alignment = "upper_left", need_weights: bool,
+        return_lse: bool,
+        window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
+        num_threads: Optional[int] = None) -> Result[Float]: ...
 
 
 def scaled_dot_product_attention(
@@ -63,8 +115,10 @@ def scaled_dot_product_attention(
         attn_mask: Optional[MaskArray] = None, dropout_p: float = 0.0, is_causal: bool = False,
         scale: Optional[float] = None, enable_gqa: bool = False, *,
         causal_alignment: Alignment = "upper_left", need_weights: bool = False,
-        out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
-) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
+        return_lse: bool = False, window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
+        num_threads: Optional[int] = None) -> Result[Float]:
     """Scaled dot-product attention, ``softmax(query @ key^T * scale + mask) @ value``.
 
     The arguments up to ``enable_gqa`` have the names, order and meaning of
@@ -108,8 +162,34 @@ def scaled_dot_product_attention(
         key/value head h // (Hq // Hkv).  Hq must be a multiple of Hkv.
         Without it, the head axes broadcast like the other leading axes.
     causal_alignment : {"upper_left", "lower_right"}
+        Where query i sits among the keys: i' = i (upper-left) or i + S - L
+        (lower-right), for is_causal, window_size and alibi_slopes alike.
     need_weights : bool
         Also return the attention weights, shape (..., Hq, L, S).
+    return_lse : bool
+        Also return each row's log-sum-exp of its logits (the sink
+        included), shape (..., Hq, L), query's dtype; -inf for a row with no
+        visible key (FlashAttention's ``softmax_lse``).  With it, attention
+        over disjoint key sets combines exactly: ``merge_attention``.
+    window_size : (left, right) or None
+        Sliding window (Mistral, Gemma; FlashAttention's ``window_size``):
+        query i sees key j only when i' - left <= j <= i' + right; -1 is
+        unbounded on that side.  Combines with is_causal (which sets right
+        to 0) and masks.  Key blocks outside every window of a block of
+        queries are never read: the cost is O(L x window).
+    alibi_slopes : ndarray or None, shape (Hq,) or (B, Hq)
+        ALiBi (Press et al. 2022; BLOOM, MPT): adds -slope * |i' - j| to the
+        scaled score of head h (FlashAttention's convention; with is_causal
+        it equals slope * (j - i')).  Any real dtype, read as float64.
+    softcap : float > 0 or None
+        Soft-capping (Gemma 2): scores become softcap * tanh(score /
+        softcap) after scaling and before the mask and ALiBi are added.
+    sinks : ndarray or None, shape (Hq,) or (B, Hq)
+        Attention sinks (gpt-oss; ONNX Runtime's ``head_sink``): one logit
+        per head that joins every row's softmax denominator and contributes
+        no value, so a row's weights sum to less than 1.  Real or -inf (no
+        sink); NaN and +inf are refused.  A row whose keys are all hidden
+        still gives zeros.
     out : ndarray or None, shape (..., Hq, L, Ev)
         Write the result here, through its strides; for example
         ``split_heads(merged, H)`` writes straight into a (B, L, H*Ev) buffer.
@@ -127,6 +207,9 @@ def scaled_dot_product_attention(
         value at a hidden key does not reach the output.
     weights : ndarray, shape (..., Hq, L, S)
         Only with ``need_weights=True``.
+    lse : ndarray, shape (..., Hq, L)
+        Only with ``return_lse=True``; last when both are asked for:
+        ``(out, weights, lse)``.
 
     Raises
     ------
@@ -140,7 +223,9 @@ def scaled_dot_product_attention(
         E or Ev above 2**20, broadcast shapes with more elements than a
         64-bit index addresses, dropout_p != 0, a non-finite scale, a bad
         ``out`` (wrong shape, read-only, overlapping an input or itself), an
-        unknown causal_alignment, num_threads outside 1..MAX_THREADS.
+        unknown causal_alignment, num_threads outside 1..MAX_THREADS, a
+        window side below -1, softcap <= 0 or not finite, alibi_slopes or
+        sinks of the wrong shape, alibi_slopes not finite, sinks NaN or +inf.
 
     The caller's arrays are never modified.
     """
@@ -168,6 +253,7 @@ def scaled_dot_product_attention(
     causal = C.check_bool(is_causal, "is_causal")
     gqa = C.check_bool(enable_gqa, "enable_gqa")
     weights_wanted = C.check_bool(need_weights, "need_weights")
+    lse_wanted = C.check_bool(return_lse, "return_lse")
     if causal_alignment not in _ALIGNMENTS:
         raise ValueError(f"causal_alignment must be 'upper_left' or 'lower_right', "
                          f"got {causal_alignment!r}")
@@ -215,6 +301,8 @@ def scaled_dot_product_attention(
                              f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}"
                              f"{_padding_mask_hint(mask.shape, target)}") from None
 
+    variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S)
+
     out_shape = batch + (L, Ev)
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
     if out is None:
@@ -222,12 +310,49 @@ def scaled_dot_product_attention(
     else:
         C.check_out(out, out_shape, dtype, inputs)
     weights = np.empty(batch + (L, S), dtype) if weights_wanted else None
+    lse = np.empty(batch + (L,), dtype) if lse_wanted else None
 
     q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
     k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, E))
     v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, Ev))
     offset = S - L if causal_alignment == "lower_right" else 0
-    if out.size or (weights is not None and weights.size):  # else nothing to compute
+    if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal,
-                        offset, scale, nthreads)
-    return out if weights is None else (out, weights)
+                        offset, scale, nthreads, *variants, lse)
+    results = (out,) + tuple(x for x in (weights, lse) if x is not None)
+    return results[0] if len(results) == 1 else results  # type: ignore[return-value]
+
+
+def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Float]]
+                    ) -> tuple[NDArray[Float], NDArray[Float]]:
+    """Attention over the union of disjoint key sets from the attention over
+    each set, exactly: the split-key merge of FlashAttention-2's decoding
+    (and of fastattn's own), for keys sharded across calls, processes or
+    machines.
+
+    Parameters
+    ----------
+    outputs : list of ndarrays, each of shape (..., L, Ev)
+        The outputs of ``scaled_dot_product_attention(..., return_lse=True)``
+        over each key set, the same queries and options.
+    lses : list of ndarrays, each of shape (..., L)
+        Their log-sum-exps.  float32 or float64, all of one dtype.
+
+    Returns
+    -------
+    out : ndarray, shape (..., L, Ev)
+        sum_p exp(lse_p - lse) * out_p: the attention over all the keys.
+    lse : ndarray, shape (..., L)
+        log sum_p exp(lse_p); -inf for a row that saw no key in any part
+        (its output is zeros).  A NaN in a part gives NaN.
+
+    With sinks, give them to one part only: each part's lse counts them.
+
+    Raises
+    ------
+    TypeError
+        Not lists of ndarrays, or dtypes other than one float32/float64.
+    ValueError
+        Empty lists, lists of different lengths, or shapes that differ.
+    """
+    return _variants.merge_attention(outputs, lses)

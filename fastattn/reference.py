@@ -8,14 +8,15 @@ intermediate and is meant to be read, not to be fast.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import numpy as np
 from numpy.typing import NDArray
 
 Array = NDArray[np.floating[Any]]
 Mask = Union[NDArray[np.bool_], NDArray[np.floating[Any]]]
-Result = Union[Array, tuple[Array, Array]]  # the output, and the weights when asked for
+# the output, and the weights and/or the log-sum-exp when asked for
+Result = Union[Array, tuple[Array, Array], tuple[Array, Array, Array]]
 
 
 def softmax(x: Array, axis: int = -1, mask: Optional[Mask] = None) -> Array:
@@ -51,25 +52,44 @@ def weighted_sum(weights: Array, value: Array) -> Array:
     return total
 
 
+def per_head(x: Array, batch_shape: tuple[int, ...]) -> Array:
+    """(Hq,) or (B, Hq) values, broadcast against (..., Hq, L, S) scores."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim == 2:  # (B, Hq): B is the first batch axis
+        x = x.reshape((x.shape[0],) + (1,) * (len(batch_shape) - 2) + (x.shape[1],))
+    return x[..., None, None]
+
+
 def scaled_dot_product_attention(query: Array, key: Array, value: Array,
                                  attn_mask: Optional[Mask] = None, *, is_causal: bool = False,
                                  scale: Optional[float] = None, enable_gqa: bool = False,
                                  causal_alignment: str = "upper_left",
-                                 need_weights: bool = False) -> Result:
-    """softmax(query @ key^T * scale + mask) @ value, step by step.
+                                 need_weights: bool = False, return_lse: bool = False,
+                                 window_size: Optional[tuple[int, int]] = None,
+                                 alibi_slopes: Optional[Array] = None,
+                                 softcap: Optional[float] = None,
+                                 sinks: Optional[Array] = None) -> Result:
+    """softmax(query @ key^T * scale + mask) @ value, step by step, with the
+    variants in the kernels' order (csrc/fa_scores_impl.h).
 
     fastattn.scaled_dot_product_attention's arguments, keyword-only after
     attn_mask: there is no dropout_p here, so PyTorch's positional order
-    would shift them."""
+    would shift them.  Returns out, then the weights and the log-sum-exp
+    when asked for."""
     E = query.shape[-1]
     if enable_gqa:
         group = query.shape[-3] // key.shape[-3]
         key = np.repeat(key, group, axis=-3)
         value = np.repeat(value, group, axis=-3)
     L, S = query.shape[-2], key.shape[-2]
+    # where each query sits among the keys: i' = i, or i + S - L (lower right)
+    i = np.arange(L)[:, None] + (S - L if causal_alignment == "lower_right" else 0)
+    j = np.arange(S)[None, :]
 
     scores = query @ np.swapaxes(key, -1, -2)                                  # step 2: Q K^T
     scores = scores * (scale if scale is not None else (1 / math.sqrt(E) if E else 1.0))
+    if softcap is not None:                                # soft-cap (Gemma 2)
+        scores = softcap * np.tanh(scores / softcap)
 
     visible = np.ones(scores.shape, dtype=bool)                                # step 3: mask
     # not in place: a mask may have batch axes that only value has
@@ -78,13 +98,31 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array,
     elif attn_mask is not None:
         visible = visible & (attn_mask != -np.inf)
         scores = scores + attn_mask
+    if alibi_slopes is not None:                           # ALiBi (Press et al. 2022)
+        scores = scores - per_head(alibi_slopes, scores.shape[:-2]) * np.abs(i - j)
     if is_causal:
-        visible = visible & causal_mask(L, S, causal_alignment)
+        visible = visible & (j <= i)
+    if window_size is not None:                            # sliding window
+        left, right = window_size
+        if left >= 0:
+            visible = visible & (j >= i - left)
+        if right >= 0:
+            visible = visible & (j <= i + right)
     scores = np.where(visible, scores, -np.inf)
 
+    if sinks is not None:                                  # one more key, with no value
+        sink = np.broadcast_to(per_head(sinks, scores.shape[:-2]), scores.shape[:-1] + (1,))
+        scores = np.concatenate([scores, sink], axis=-1)
     weights = softmax(scores, axis=-1)                                         # step 4
+    m = np.max(scores, axis=-1, initial=-np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):  # log(0) = -inf: nothing visible
+        lse = m + np.log(np.sum(np.exp(scores - np.where(m == -np.inf, 0, m)[..., None]),
+                                axis=-1))
+    if sinks is not None:
+        weights = weights[..., :-1]
     out = weighted_sum(weights, value)                                         # step 5
-    return (out, weights) if need_weights else out
+    extra = ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
+    return (out,) + extra if extra else out  # type: ignore[return-value]
 
 
 def self_attention(x: Array, w_q: Array, w_k: Array, w_v: Array, **kwargs: Any) -> Result:
@@ -135,9 +173,9 @@ def multi_head_attention(query: Array, key: Array, value: Array, num_heads: int,
               else attn_mask.reshape(N, num_heads, L, S)):
         if m is not None:
             additive = additive + (np.where(m, -np.inf, 0.0) if m.dtype == np.bool_ else m)
-    out, weights = scaled_dot_product_attention(q, k, v, attn_mask=additive, is_causal=is_causal,
-                                                enable_gqa=kv_heads != num_heads,
-                                                need_weights=True)
+    out, weights = cast(tuple[Array, Array], scaled_dot_product_attention(
+        q, k, v, attn_mask=additive, is_causal=is_causal, enable_gqa=kv_heads != num_heads,
+        need_weights=True))
     out = merge_heads(out) @ out_proj_weight.T                        # concat, W_O
     if out_proj_bias is not None:
         out = out + out_proj_bias

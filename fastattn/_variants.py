@@ -1,0 +1,102 @@
+"""Checks of the attention variants (sliding window, ALiBi, soft-cap, sinks)
+shared by scaled_dot_product_attention, varlen_attention and KVCache.attend:
+each returns what the kernels take (csrc/fa_scores_impl.h)."""
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from . import _checks as C
+from ._typing import NDArray
+
+
+class Variants(NamedTuple):
+    window_left: int           # -1: unbounded
+    window_right: int
+    softcap: float             # 0: none
+    slopes: Optional[NDArray[np.float64]]  # ALiBi slope per item, the batch shape (..., Hq)
+    sinks: Optional[NDArray[np.float64]]   # sink logit per item, the batch shape
+
+
+def window(window_size: object, L: int, S: int) -> tuple[int, int]:
+    """(left, right) as the kernels take them: each >= -1, and -1 for a side
+    that hides nothing at these lengths (so the kernels' arithmetic stays
+    far from overflow)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or
+            not all(isinstance(w, numbers.Integral) and not isinstance(w, (bool, np.bool_))
+                    for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size must hold ints >= -1 (-1: unbounded), got ({left}, {right})")
+    return tuple(-1 if w >= L + S else w for w in (left, right))  # type: ignore[return-value]
+
+
+def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.float64]:
+    """One float64 value per head: x of shape (Hq,) or (B, Hq), seen with the
+    batch shape (..., Hq) of the call (B its first axis)."""
+    a = np.asarray(C.require_array(x, name))
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"{name} has dtype {a.dtype}; expected a real dtype")
+    Hq = batch[-1] if batch else 1
+    if a.shape == (Hq,) or (len(batch) >= 2 and a.shape == (batch[0], Hq)):
+        values = a.astype(np.float64)
+    else:
+        expected = f"({Hq},)" + (f" or ({batch[0]}, {Hq})" if len(batch) >= 2 else "")
+        raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {expected} "
+                         f"(Hq, or batch and Hq) for a call of batch shape {C.shape_str(batch)}")
+    bad = ~np.isfinite(values) if finite else (np.isnan(values) | (values == np.inf))
+    if bad.any():
+        raise ValueError(f"{name} must be {'finite' if finite else 'real or -inf'}, "
+                         f"got {values[bad][0]}")
+    if values.ndim == 2:  # (B, Hq): B the first batch axis
+        values = values.reshape((batch[0],) + (1,) * (len(batch) - 2) + (Hq,))
+    return np.broadcast_to(values, batch)
+
+
+def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[Any]],
+          softcap: Optional[float], sinks: Optional[NDArray[Any]], batch: C.Shape, L: int,
+          S: int) -> Variants:
+    left, right = (-1, -1) if window_size is None else window(window_size, L, S)
+    cap = 0.0
+    if softcap is not None:
+        cap = C.check_real(softcap, "softcap")
+        if cap <= 0:
+            raise ValueError(f"softcap must be > 0 (None: no soft-cap), got {cap}")
+    slopes = None if alibi_slopes is None else per_head(alibi_slopes, "alibi_slopes", batch, True)
+    sink = None if sinks is None else per_head(sinks, "sinks", batch, False)
+    if slopes is not None and not slopes.any():
+        slopes = None  # all zero: no bias
+    return Variants(left, right, cap, slopes, sink)
+
+
+def merge_attention(outputs: Sequence[NDArray[Any]], lses: Sequence[NDArray[Any]]
+                    ) -> tuple[NDArray[Any], NDArray[Any]]:
+    """See fastattn.merge_attention."""
+    if not isinstance(outputs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError("outputs and lses must be lists (or tuples) of arrays")
+    if len(outputs) != len(lses) or not outputs:
+        raise ValueError(f"outputs and lses must be non-empty and of one length, got "
+                         f"{len(outputs)} and {len(lses)}")
+    outs = [C.require_array(o, f"outputs[{i}]") for i, o in enumerate(outputs)]
+    ls = [C.require_array(s, f"lses[{i}]") for i, s in enumerate(lses)]
+    dtype = C.common_float_dtype(**{f"outputs[{i}]": o for i, o in enumerate(outs)},
+                                 **{f"lses[{i}]": s for i, s in enumerate(ls)})
+    shape = outs[0].shape
+    for i, (o, s) in enumerate(zip(outs, ls)):
+        if o.ndim < 1 or o.shape != shape or s.shape != shape[:-1]:
+            raise ValueError(f"outputs[{i}] has shape {C.shape_str(o.shape)} and lses[{i}] "
+                             f"{C.shape_str(s.shape)}; expected {C.shape_str(shape)} and "
+                             f"{C.shape_str(shape[:-1])} (the rows of every part alike)")
+    lse = np.stack(ls)                                   # (P, ..., L)
+    with np.errstate(invalid="ignore"):                  # -inf - -inf: the where below
+        m = lse.max(axis=0)                              # NaN when a part's row is NaN
+        factor = np.exp(lse - np.where(m == -np.inf, 0, m))   # 0 for an empty part
+        total = factor.sum(axis=0)
+        parts = np.where(factor[..., None] == 0, 0, factor[..., None] * np.stack(outs))
+        out = parts.sum(axis=0) / np.where(total == 0, 1, total)[..., None]
+        merged = np.where(total == 0, -np.inf, m + np.log(np.where(total == 0, 1, total)))
+    return out.astype(dtype, copy=False), merged.astype(dtype, copy=False)
+

@@ -1,0 +1,128 @@
+"""varlen_attention: attention over packed sequences of different lengths."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from . import _checks as C
+from . import _core, _runtime, _variants
+from ._typing import Float, NDArray
+
+
+def _cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
+    a = C.require_array(x, name)
+    if a.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name} has dtype {a.dtype}; expected int32 or int64")
+    if a.ndim != 1 or a.shape[0] < 1:
+        raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected (B + 1,)")
+    c = np.ascontiguousarray(a, dtype=np.int64)
+    if c[0] != 0 or c[-1] != total or np.any(np.diff(c) < 0):
+        raise ValueError(f"{name} must start at 0, never decrease and end at the total "
+                         f"length {total}; got {c[:3].tolist()}...{c[-2:].tolist()} "
+                         f"({c.shape[0]} values)")
+    return c
+
+
+def varlen_attention(
+        query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+        cu_seqlens_q: NDArray[np.integer[Any]], cu_seqlens_k: NDArray[np.integer[Any]], *,
+        is_causal: bool = False, causal_alignment: str = "upper_left",
+        scale: Optional[float] = None, window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
+        out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
+    """Attention over B packed sequences, each attending to its own keys
+    only: FlashAttention's ``flash_attn_varlen_func`` contract.
+
+    No padding is stored or computed: the work is spread over threads by
+    the sequences' actual lengths.
+
+    Parameters
+    ----------
+    query : ndarray, shape (total_q, Hq, E)
+        The B sequences' query rows one after the other; float32 or float64.
+    key : ndarray, shape (total_k, Hkv, E)
+    value : ndarray, shape (total_k, Hkv, Ev)
+        Same dtype.  Hq must be a multiple of Hkv (grouped-query attention:
+        query head h reads key/value head h // (Hq // Hkv)).  Any strides.
+    cu_seqlens_q, cu_seqlens_k : ndarray of int32 or int64, shape (B + 1,)
+        Cumulative lengths: sequence b holds query rows cu_seqlens_q[b] to
+        cu_seqlens_q[b + 1] - 1 and keys cu_seqlens_k[b] to
+        cu_seqlens_k[b + 1] - 1.  Start at 0, never decrease, end at
+        total_q and total_k; empty sequences are allowed.
+    is_causal, causal_alignment, scale, window_size, alibi_slopes, softcap, sinks
+        As for ``scaled_dot_product_attention``, per sequence (its own L and
+        S set the alignment); alibi_slopes of shape (Hq,) or (B, Hq), sinks
+        (Hq,).
+    return_lse : bool
+        Also return the log-sum-exp of each row, shape (Hq, total_q), as
+        FlashAttention's varlen ``softmax_lse``.
+    out : ndarray or None, shape (total_q, Hq, Ev)
+        Written through its strides; must not overlap the inputs.
+    num_threads : int or None
+
+    Returns
+    -------
+    out : ndarray, shape (total_q, Hq, Ev), query's dtype
+        (out, lse) with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        Arrays that are not ndarrays, dtypes that are not one float32 or
+        float64, cu_seqlens not int32/int64, flags that are not bools.
+    ValueError
+        Shapes that do not agree, Hq not a multiple of Hkv, cu_seqlens not
+        starting at 0, decreasing, not ending at the total or of different
+        lengths for query and key, and the bad values of
+        ``scaled_dot_product_attention``'s options.
+    """
+    for name, a in (("query", query), ("key", key), ("value", value)):
+        C.require_array(a, name)
+        if a.ndim != 3:
+            raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected 3 axes "
+                             "(total, heads, features)")
+    dtype = C.common_float_dtype(query=query, key=key, value=value)
+    total_q, Hq, E = query.shape
+    total_k, Hkv, Ek = key.shape
+    if Ek != E or value.shape[:2] != (total_k, Hkv):
+        raise ValueError(f"query {C.shape_str(query.shape)}, key {C.shape_str(key.shape)} and "
+                         f"value {C.shape_str(value.shape)} do not agree: expected (total_q, "
+                         "Hq, E), (total_k, Hkv, E) and (total_k, Hkv, Ev)")
+    Ev = value.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
+    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold B + 1 values for the same "
+                         f"B, got {cu_q.shape[0]} and {cu_k.shape[0]}")
+    B = cu_q.shape[0] - 1
+    causal = C.check_bool(is_causal, "is_causal")
+    lse_wanted = C.check_bool(return_lse, "return_lse")
+    if causal_alignment not in ("upper_left", "lower_right"):
+        raise ValueError(f"causal_alignment must be 'upper_left' or 'lower_right', "
+                         f"got {causal_alignment!r}")
+    scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else C.check_real(scale, "scale")
+    nthreads = _runtime.resolve_threads(num_threads)
+    lengths = int(max(np.diff(cu_q).max(initial=0), 1)), int(max(np.diff(cu_k).max(initial=0), 1))
+    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths)
+    slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
+    sink = None if sinks is None else np.ascontiguousarray(
+        _variants.per_head(sinks, "sinks", (Hq,), finite=False))
+
+    out_shape = (total_q, Hq, Ev)
+    if out is None:
+        out = np.empty(out_shape, dtype)
+    else:
+        C.check_out(out, out_shape, dtype, {"query": query, "key": key, "value": value})
+    lse = np.empty((Hq, total_q), dtype) if lse_wanted else None
+    if B > 0 and total_q > 0 and Hq > 0:
+        _core.varlen(_runtime.isa(), C.kernel_view(query), C.kernel_view(key),
+                     C.kernel_view(value), out, lse, cu_q, cu_k, Hq // Hkv, causal,
+                     causal_alignment == "lower_right", scale, nthreads, variants.window_left,
+                     variants.window_right, variants.softcap, slopes, sink)
+    return out if lse is None else (out, lse)
