@@ -107,6 +107,9 @@ static int rows_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
     return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize);
 }
 
+/* far past any length, and far from overflowing i + offset -+ window */
+#define FA_MAX_WINDOW ((fa_idx)1 << 60)
+
 static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_next *next,
                    int elsize)
 {
@@ -114,8 +117,8 @@ static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_ne
            (next == NULL || rows_ok(a, next->i0, next->i1, elsize)) &&
            (a->mask_kind == FA_MASK_NONE || a->mask_kind == FA_MASK_BOOL ||
             a->mask_kind == FA_MASK_ADD) &&
-           -1 <= a->window_left && a->window_left <= a->L + a->S && -1 <= a->window_right &&
-           a->window_right <= a->L + a->S && a->softcap >= 0 &&
+           -1 <= a->window_left && a->window_left <= FA_MAX_WINDOW && -1 <= a->window_right &&
+           a->window_right <= FA_MAX_WINDOW && a->softcap >= 0 &&
            a->sink == a->sink && a->sink < INFINITY;
 }
 
