@@ -62,6 +62,13 @@ def targets(report, simd=None):
         out.append(("at least 3x NumPy on every shape with L >= 512",
                     verdict(min(c["speedup_vs_numpy"] for c in big) >= 3),
                     listing(big, "speedup_vs_numpy", ".1f", "x")))
+    full = {c["threads"]: c["median"] for c in timed if c["shape"] == "causal-8192"}
+    window = [(c, full[c["threads"]] / c["median"]) for c in timed
+              if c["shape"] == "window-8192" and c["threads"] in full]
+    if window:
+        out.append(("a window of 1024 at least 4x faster than full causal attention (L = 8192)",
+                    verdict(min(r for _, r in window) >= 4),
+                    ", ".join(f"{c['threads']} thread(s) {r:.1f}x" for c, r in window)))
     memory = [c for c in fa if ALL_SHAPES[c["shape"]].kind == "memory"
               and c.get("peak_extra_bytes") is not None]
     if memory:

@@ -22,15 +22,14 @@ pytest.importorskip("pytest_benchmark")
 @pytest.mark.parametrize("runner", list(RUNNERS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_attention(benchmark, attention_inputs, shape, runner, threads):
-    why = RUNNERS[runner].missing()
+    why = RUNNERS[runner].missing(shape)
     if why:
         pytest.skip(why)
     q, k, v = attention_inputs(shape.name)
     benchmark.group = f"{shape.name} ({shape.describe()}), {threads} thread{'s' * (threads > 1)}"
-    with RUNNERS[runner].setup(q, k, v, shape.causal, threads) as prepared:
+    with RUNNERS[runner].setup(q, k, v, shape, threads) as prepared:
         out = prepared.call()  # the warm-up call, and the one that is checked
-        err, rms = output_errors(prepared.to_bhle(out), q, k, v, shape.causal,
-                                 reference_rows(shape))
+        err, rms = output_errors(prepared.to_bhle(out), q, k, v, shape, reference_rows(shape))
         del out
         benchmark(prepared.call)
     benchmark.extra_info["max_abs_err"], benchmark.extra_info["rms_err"] = err, rms

@@ -37,8 +37,9 @@ def available(name):
 ], ids=["plain", "causal", "cross"])
 def test_runner_matches_reference(name, B, H, L, S, E, causal, threads):
     runner = available(name)
-    q, k, v = Shape("t", B, H, L, S, E, causal).inputs(seed=3)
-    with runner.setup(q, k, v, causal, threads) as prepared:
+    shape = Shape("t", B, H, L, S, E, causal)
+    q, k, v = shape.inputs(seed=3)
+    with runner.setup(q, k, v, shape, threads) as prepared:
         out = prepared.to_bhle(prepared.call())
         again = prepared.to_bhle(prepared.call())  # a second call (what is timed) is right too
     expected = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)),
@@ -47,11 +48,34 @@ def test_runner_matches_reference(name, B, H, L, S, E, causal, threads):
         assert_close(np.asarray(result), expected, np.float32, E + S, magnitude=4)
 
 
+@pytest.mark.parametrize("name", list(RUNNERS))
+@pytest.mark.parametrize("shape", [Shape("w", 1, 2, 150, 150, 8, causal=True, window=20),
+                                   Shape("p", 1, 2, 100, 100, 8, causal=True,
+                                         seqlens=(30, 1, 69)),
+                                   Shape("p", 1, 2, 100, 100, 8, seqlens=(50, 50))],
+                         ids=["window", "packed-causal", "packed"])
+def test_runner_of_a_variant_matches_reference(name, shape):
+    """A sliding window and packed sequences: fastattn with its options,
+    the others with the explicit mask; runners without masks are skipped."""
+    runner = available(name)
+    if runner.missing(shape):
+        pytest.skip(runner.missing(shape))
+    q, k, v = shape.inputs(seed=4)
+    with runner.setup(q, k, v, shape, 2) as prepared:
+        out = np.asarray(prepared.to_bhle(prepared.call()))
+    expected = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)),
+                                                      attn_mask=shape.mask())
+    assert_close(out, expected, np.float32, shape.E + shape.S, magnitude=4)
+    visible = shape.mask().sum()
+    assert shape.flops == 2 * shape.B * shape.H * visible * (shape.E + shape.Ev)
+
+
 def test_torch_runner_restores_threads():
     torch = available("torch") and __import__("torch")
     before = torch.get_num_threads()
-    q, k, v = Shape("t", 1, 1, 4, 4, 8).inputs()
-    with RUNNERS["torch"].setup(q, k, v, False, 1):
+    shape = Shape("t", 1, 1, 4, 4, 8)
+    q, k, v = shape.inputs()
+    with RUNNERS["torch"].setup(q, k, v, shape, 1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
 
@@ -75,13 +99,14 @@ def test_onnx_graph_is_multihead_attention():
 def test_reference_rows_and_error():
     assert list(runners.reference_rows(ALL_SHAPES["bert-base"])) == list(np.linspace(0, 127, 64).round())
     assert len(runners.reference_rows(ALL_SHAPES["tiny"])) == 4
-    q, k, v = Shape("t", 1, 2, 70, 70, 8, True).inputs()
+    shape = Shape("t", 1, 2, 70, 70, 8, True)
+    q, k, v = shape.inputs()
     out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True)
-    rows = runners.reference_rows(Shape("t", 1, 2, 70, 70, 8, True))
-    largest, rms = runners.output_errors(out, q, k, v, True, rows)
+    rows = runners.reference_rows(shape)
+    largest, rms = runners.output_errors(out, q, k, v, shape, rows)
     assert 0 < rms <= largest < 1e-5
     out[0, 1, rows[-1], 3] += 0.5  # a wrong entry in a checked row is seen
-    largest, rms = runners.output_errors(out, q, k, v, True, rows)
+    largest, rms = runners.output_errors(out, q, k, v, shape, rows)
     assert largest > 0.4
     assert rms == pytest.approx(0.5 / np.sqrt(out[..., rows, :].size), rel=1e-3)
 
@@ -93,7 +118,13 @@ def test_shape_work():
     assert d.kind == "decode" and d.kv_bytes == 2 * 32 * 4096 * 128 * 4 == 128 << 20
     assert ALL_SHAPES["long-16384"].scores_bytes == 8 * 16384 ** 2 * 4
     assert [s.name for s in SHAPES] == ["bert-base", "minilm-batch", "encoder-512",
-                                        "causal-2048", "decode-4096", "long-8192", "head-128"]
+                                        "causal-2048", "decode-4096", "long-8192", "head-128",
+                                        "window-8192", "causal-8192", "packed-16"]
+    w = ALL_SHAPES["window-8192"]  # row i sees min(i + 1, 1025) keys
+    assert w.flops == 4 * 4 * 64 * (1025 * 1026 // 2 + (8192 - 1025) * 1025)
+    p = ALL_SHAPES["packed-16"]
+    assert len(p.seqlens) == 16 and min(p.seqlens) == 32 and max(p.seqlens) == 1024
+    assert p.L == p.S == sum(p.seqlens)
 
 
 @pytest.mark.parametrize("isa", fastattn.available_simd_paths())

@@ -1,11 +1,13 @@
 """The implementations compared by the benchmark, each called the way its
 users call it, at a given thread count.
 
-A runner's ``setup(query, key, value, is_causal, num_threads)`` is a context
+A runner's ``setup(query, key, value, shape, num_threads)`` is a context
 manager: on entry it converts the inputs to the library's own layout and sets
 its thread count (both outside the timed call), and yields a ``Prepared``
 whose ``call()`` computes the attention once; on exit it restores the
-library's thread setting.  query/key/value are float32 (B, H, L|S, E|Ev).
+library's thread setting.  query/key/value are float32 (B, H, L|S, E|Ev);
+shape (shapes.Shape) says causal, window or packed sequences: a library
+without a window or packed sequences gets their explicit mask.
 """
 import contextlib
 import functools
@@ -33,35 +35,50 @@ class Runner:
     install: str                   # how to get them
     setup: Callable
     holds_scores: bool = False     # keeps the whole (B, H, L, S) score matrix
+    masks: bool = True             # can take an explicit mask (window, packed shapes)
 
-    def missing(self) -> Optional[str]:
-        """None when the runner can run here, else why not."""
+    def missing(self, shape=None) -> Optional[str]:
+        """None when the runner can run here (on shape), else why not."""
         absent = [m for m in self.requires if importlib.util.find_spec(m) is None]
         if absent:
             return f"{', '.join(absent)} not installed ({self.install})"
+        if shape is not None and shape.mask() is not None and not self.masks:
+            return "no sliding window, packed sequences or (L, S) mask in this runner"
         return None
 
 
 @contextlib.contextmanager
-def _fastattn(q, k, v, is_causal, num_threads):
+def _fastattn(q, k, v, shape, num_threads):
     import fastattn
 
+    if shape.seqlens:  # (1, H, T, E) seen as packed (T, H, E): no copy
+        cu = np.concatenate([[0], np.cumsum(shape.seqlens)]).astype(np.int64)
+        packed = [a[0].transpose(1, 0, 2) for a in (q, k, v)]
+        yield Prepared(lambda: fastattn.varlen_attention(*packed, cu, cu, is_causal=shape.causal,
+                                                         num_threads=num_threads),
+                       lambda out: out.transpose(1, 0, 2)[None])
+        return
+    window = (shape.window, 0) if shape.window >= 0 else None
+
     def call():
-        return fastattn.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
-                                                     num_threads=num_threads)
+        return fastattn.scaled_dot_product_attention(q, k, v, is_causal=shape.causal,
+                                                     window_size=window, num_threads=num_threads)
     yield Prepared(call, lambda out: out)
 
 
-def numpy_attention(query, key, value, is_causal=False):
+def numpy_attention(query, key, value, is_causal=False, mask=None):
     """softmax(query keyᵀ / sqrt(E)) value in NumPy, written as a user who
     knows NumPy writes it: one batched matmul per product (NumPy's BLAS), the
-    scale applied to the smaller query, the mask, max subtraction, exp and
-    normalisation done in place on the one (B, H, L, S) score matrix, the
-    division deferred to the (L, Ev) output.  It holds that whole matrix."""
+    scale applied to the smaller query, the mask (bool, True = may attend),
+    max subtraction, exp and normalisation done in place on the one (B, H,
+    L, S) score matrix, the division deferred to the (L, Ev) output.  It
+    holds that whole matrix."""
     L, E = query.shape[-2:]
     S = key.shape[-2]
     scores = np.matmul(query * query.dtype.type(1 / math.sqrt(E)), np.swapaxes(key, -1, -2))
-    if is_causal:
+    if mask is not None:
+        np.copyto(scores, -np.inf, where=~mask)
+    elif is_causal:
         np.copyto(scores, -np.inf, where=np.triu(np.ones((L, S), dtype=bool), 1))
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
@@ -72,24 +89,30 @@ def numpy_attention(query, key, value, is_causal=False):
 
 
 @contextlib.contextmanager
-def _numpy(q, k, v, is_causal, num_threads):
+def _numpy(q, k, v, shape, num_threads):
     from threadpoolctl import threadpool_limits
 
+    mask = shape.mask()
     with threadpool_limits(limits=num_threads, user_api="blas"):
-        yield Prepared(lambda: numpy_attention(q, k, v, is_causal), lambda out: out)
+        yield Prepared(lambda: numpy_attention(q, k, v, shape.causal, mask), lambda out: out)
 
 
 @contextlib.contextmanager
-def _torch(q, k, v, is_causal, num_threads):
+def _torch(q, k, v, shape, num_threads):
     import torch
     import torch.nn.functional as F
 
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))  # shares the memory
+    mask = shape.mask()  # PyTorch has no window or packed option: the explicit mask
+    options = ({"is_causal": shape.causal} if mask is None
+               else {"attn_mask": torch.from_numpy(mask)})
+
+    def call():
+        return F.scaled_dot_product_attention(tq, tk, tv, **options)
     try:
-        yield Prepared(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=is_causal),
-                       lambda out: out.numpy())
+        yield Prepared(call, lambda out: out.numpy())
     finally:
         torch.set_num_threads(before)
 
@@ -128,7 +151,7 @@ def _heads_last(x):
 
 
 @contextlib.contextmanager
-def _onnxruntime(q, k, v, is_causal, num_threads, kv_heads_first=False):
+def _onnxruntime(q, k, v, shape, num_threads, kv_heads_first=False):
     import onnxruntime as ort
 
     B, H, L, E = q.shape
@@ -137,7 +160,7 @@ def _onnxruntime(q, k, v, is_causal, num_threads, kv_heads_first=False):
     options.intra_op_num_threads = num_threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    model = mha_model(B, H, L, S, E, Ev, is_causal, kv_heads_first)
+    model = mha_model(B, H, L, S, E, Ev, shape.causal, kv_heads_first)
     session = ort.InferenceSession(model.SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     # I/O binding: inputs and output bound once, so a call is the kernel and
@@ -166,9 +189,9 @@ RUNNERS = {r.name: r for r in (
     Runner("numpy", "NumPy", "numpy", ("threadpoolctl",), "pip install threadpoolctl", _numpy,
            holds_scores=True),
     Runner("torch", "PyTorch", "torch", ("torch",), "pip install torch==2.13.0", _torch),
-    Runner("onnxruntime", "ORT BSD", "onnxruntime", *_ORT, _onnxruntime),
+    Runner("onnxruntime", "ORT BSD", "onnxruntime", *_ORT, _onnxruntime, masks=False),
     Runner("onnxruntime-bhsd", "ORT BHSD", "onnxruntime", *_ORT,
-           functools.partial(_onnxruntime, kv_heads_first=True), holds_scores=True),
+           functools.partial(_onnxruntime, kv_heads_first=True), holds_scores=True, masks=False),
 )}
 # What the speed-ups are relative to: per library, the faster of its runners
 # on each case.  PEERS: the libraries of the issue's "faster peer".
@@ -185,7 +208,7 @@ def reference_rows(shape):
     return np.unique(np.linspace(0, shape.L - 1, 64).round().astype(np.int64))
 
 
-def output_errors(out, q, k, v, is_causal, rows):
+def output_errors(out, q, k, v, shape, rows):
     """The largest and the root-mean-square |out - reference| over the given
     query rows, with fastattn.reference in float64 on the same float32
     inputs.  The largest is one rounding event among many; the RMS is the
@@ -193,8 +216,10 @@ def output_errors(out, q, k, v, is_causal, rows):
     from fastattn import reference
 
     q64, k64, v64 = (a.astype(np.float64) for a in (q[..., rows, :], k, v))
-    mask = None
-    if is_causal:  # upper-left: query i sees keys 0..i
+    mask = shape.mask()
+    if mask is not None:
+        mask = mask[rows]
+    elif shape.causal:  # upper-left: query i sees keys 0..i
         mask = np.arange(k.shape[-2])[None, :] <= rows[:, None]
     expected = reference.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask)
     err = np.abs(np.asarray(out)[..., rows, :] - expected)

@@ -1,5 +1,6 @@
 """The shapes of the benchmark, and what a call of each costs."""
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -11,7 +12,12 @@ class Shape:
 
     kind says how its speed is reported: "compute" in GFLOP/s, "decode"
     (one query row) in GB/s of key and value read, "overhead" (a tiny
-    problem) in microseconds per call, "memory" only by its peak memory."""
+    problem) in microseconds per call, "memory" only by its peak memory.
+
+    window >= 0: a causal sliding window, each query sees itself and the
+    window keys before it (window_size=(window, 0)).  seqlens: packed
+    sequences of these lengths, L = S = their sum, each attending to its
+    own positions only (causally when causal)."""
     name: str
     B: int
     H: int
@@ -20,6 +26,8 @@ class Shape:
     E: int
     causal: bool = False
     kind: str = "compute"
+    window: int = -1
+    seqlens: Tuple[int, ...] = ()
 
     @property
     def Ev(self):
@@ -28,9 +36,30 @@ class Shape:
     @property
     def flops(self):
         """2·L·S·E for Q Kᵀ plus 2·L·S·Ev for the weighted sum, per head
-        (4·B·H·L·S·E when E = Ev), halved when causal."""
-        full = 2 * self.B * self.H * self.L * self.S * (self.E + self.Ev)
-        return full // 2 if self.causal else full
+        (4·B·H·L·S·E when E = Ev), halved when causal; for a window or
+        packed sequences, over the (query, key) pairs that are visible."""
+        pairs = self.L * self.S
+        if self.window >= 0:  # row i sees min(i + 1, window + 1) keys
+            w = self.window + 1
+            pairs = w * (w + 1) // 2 + (self.L - w) * w if self.L > w else self.L * (self.L + 1) // 2
+        elif self.seqlens:
+            pairs = sum(n * (n + 1) // 2 if self.causal else n * n for n in self.seqlens)
+        elif self.causal:
+            pairs //= 2
+        return 2 * self.B * self.H * pairs * (self.E + self.Ev)
+
+    def mask(self) -> Optional[np.ndarray]:
+        """The (L, S) bool mask (True = may attend) of a window or of packed
+        sequences, as a library without those options is given it; None
+        where is_causal alone says it."""
+        i, j = np.arange(self.L)[:, None], np.arange(self.S)[None, :]
+        if self.window >= 0:
+            return (j <= i) & (j >= i - self.window)
+        if self.seqlens:
+            seq = np.repeat(np.arange(len(self.seqlens)), self.seqlens)
+            same = seq[:, None] == seq[None, :]
+            return same & (j <= i) if self.causal else same
+        return None
 
     @property
     def kv_bytes(self):
@@ -50,7 +79,10 @@ class Shape:
 
     def describe(self):
         return (f"B={self.B} H={self.H} L={self.L} S={self.S} E=Ev={self.E}"
-                + (" causal" if self.causal else ""))
+                + (" causal" if self.causal else "")
+                + (f" window {self.window}" if self.window >= 0 else "")
+                + (f" {len(self.seqlens)} packed sequences of {min(self.seqlens)}.."
+                   f"{max(self.seqlens)}" if self.seqlens else ""))
 
     def inputs(self, seed=0):
         """query, key, value: float32 standard normal, C-contiguous (B, H, ., E).
@@ -64,6 +96,8 @@ class Shape:
         return q, k, v
 
 
+# 16 sequences of 32..1024 tokens, as a server packs them
+PACKED = tuple(int(n) for n in np.linspace(32, 1024, 16).round())
 # The benchmark table.
 SHAPES = (
     Shape("bert-base", 1, 12, 128, 128, 64),
@@ -73,6 +107,10 @@ SHAPES = (
     Shape("decode-4096", 1, 32, 1, 4096, 128, kind="decode"),
     Shape("long-8192", 1, 4, 8192, 8192, 64),
     Shape("head-128", 1, 8, 1024, 1024, 128),
+    # the variants: a sliding window and its full causal case, packed sequences
+    Shape("window-8192", 1, 4, 8192, 8192, 64, causal=True, window=1024),
+    Shape("causal-8192", 1, 4, 8192, 8192, 64, causal=True),
+    Shape("packed-16", 1, 8, sum(PACKED), sum(PACKED), 64, causal=True, seqlens=PACKED),
 )
 # Call time where the work is negligible: what the Python side costs.
 TINY = Shape("tiny", 1, 1, 4, 4, 8, kind="overhead")

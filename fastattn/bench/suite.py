@@ -136,7 +136,7 @@ def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_ti
 
 def _case(name, shape, n, extra, **settings):
     """One case's result: measured in a fresh process, or skipped with the reason."""
-    why = RUNNERS[name].missing()
+    why = RUNNERS[name].missing(shape)
     if why:
         return {"runner": name, "shape": shape.name, "threads": n, **extra,
                 "status": "skipped", "note": why}

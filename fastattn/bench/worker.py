@@ -33,11 +33,11 @@ def run_case(spec):
     result = {"runner": runner.name, "shape": shape.name, "threads": spec["threads"]}
     if runner.name == "fastattn":
         result["simd"] = fastattn.simd_path()
-    why = runner.missing()
+    why = runner.missing(shape)
     if why:
         return dict(result, status="skipped", note=why)
     q, k, v = shape.inputs(spec.get("seed", 0))
-    with runner.setup(q, k, v, shape.causal, spec["threads"]) as prepared:
+    with runner.setup(q, k, v, shape, spec["threads"]) as prepared:
         with PeakRSS() as mem:
             out = prepared.call()
         out_bytes = 4 * shape.B * shape.H * shape.L * shape.Ev
@@ -46,7 +46,7 @@ def run_case(spec):
         else:
             result["peak_note"] = mem.why
         result["max_abs_err"], result["rms_err"] = output_errors(
-            prepared.to_bhle(out), q, k, v, shape.causal, reference_rows(shape))
+            prepared.to_bhle(out), q, k, v, shape, reference_rows(shape))
         del out
         if spec.get("repeat", 0) > 0:
             with OtherLoad() as load:
