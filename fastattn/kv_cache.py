@@ -211,24 +211,32 @@ class KVCache:
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None,
-               need_weights: Literal[False] = False, out: Optional[NDArray[Float]] = None,
+               need_weights: Literal[False] = False, window_size: Optional[tuple[int, int]] = None,
+               alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+               sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
                num_threads: Optional[int] = None) -> NDArray[Float]: ...
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None,
-               need_weights: Literal[True], out: Optional[NDArray[Float]] = None,
+               need_weights: Literal[True], window_size: Optional[tuple[int, int]] = None,
+               alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+               sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
                num_threads: Optional[int] = None) -> tuple[NDArray[Float], NDArray[Float]]: ...
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None, need_weights: bool,
-               out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+               window_size: Optional[tuple[int, int]] = None,
+               alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+               sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
                ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]: ...
 
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None, need_weights: bool = False,
-               out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+               window_size: Optional[tuple[int, int]] = None,
+               alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+               sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
                ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
         """Attention of query over every position held (padding hidden).
 
@@ -244,8 +252,10 @@ class KVCache:
         is_causal : bool
             Bottom-right causal alignment: query i sees positions
             0 .. length - L + i (default True).
-        scale, need_weights, out, num_threads
-            As in ``scaled_dot_product_attention``.
+        scale, need_weights, window_size, alibi_slopes, softcap, sinks, out, num_threads
+            As in ``scaled_dot_product_attention``; window_size and
+            alibi_slopes count positions with the same bottom-right
+            alignment (query i at position length - L + i).
 
         Returns
         -------
@@ -279,5 +289,6 @@ class KVCache:
         value = cast("NDArray[Float]", self._value[:, :, :self._length])
         return scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
-            causal_alignment="lower_right", need_weights=need_weights, out=out,
+            causal_alignment="lower_right", need_weights=need_weights, window_size=window_size,
+            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, out=out,
             num_threads=num_threads)

@@ -258,12 +258,15 @@ class MultiHeadAttention:
                 key_padding_mask: Optional[MaskArray] = None, need_weights: bool = False,
                 attn_mask: Optional[MaskArray] = None, average_attn_weights: bool = True,
                 is_causal: Optional[bool] = None, *, cache: Optional[KVCache] = None,
+                window_size: Optional[tuple[int, int]] = None,
+                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+                sinks: Optional[NDArray[Any]] = None,
                 num_threads: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
         """Attention of query over key/value, with the projections.
 
         The arguments up to is_causal have the names and order of
-        ``torch.nn.MultiheadAttention.forward``; cache and num_threads are
-        keyword-only.
+        ``torch.nn.MultiheadAttention.forward``; cache, the attention
+        variants and num_threads are keyword-only.
 
         Parameters
         ----------
@@ -305,6 +308,10 @@ class MultiHeadAttention:
             the new positions.  The cache must have the batch size,
             num_kv_heads, head_dim and dtype of this layer
             (``new_cache`` makes one).
+        window_size, alibi_slopes, softcap, sinks
+            The attention variants of ``scaled_dot_product_attention``
+            (sliding window, ALiBi, soft-cap, sinks), per head of this layer;
+            with a cache, positions count from the start of the cache.
         num_threads : int or None
             Threads of the attention kernel; the result is bitwise identical
             for any count.  NumPy's BLAS has its own threads, and OpenBLAS
@@ -363,6 +370,8 @@ class MultiHeadAttention:
         kpm = self._check_key_padding_mask(key_padding_mask, N, S_new, cache is not None)
         mask = self._attn_mask(attn_mask, N, L, S)
 
+        variants: dict[str, Any] = dict(window_size=window_size, alibi_slopes=alibi_slopes,
+                                        softcap=softcap, sinks=sinks)
         q, k, v = self._project(query, key, value, self_attention)
         q_h = self._heads(q, self.num_heads, seq_first)
         k_h = self._heads(k, self.num_kv_heads, seq_first)
@@ -375,7 +384,7 @@ class MultiHeadAttention:
             try:
                 result = cache.attend(q_h, attn_mask=mask, is_causal=is_causal,
                                       need_weights=need_weights, out=out_h,
-                                      num_threads=num_threads)
+                                      num_threads=num_threads, **variants)
             except BaseException:  # KeyboardInterrupt: the step did not happen
                 cache._truncate(length)
                 raise
@@ -386,7 +395,7 @@ class MultiHeadAttention:
                 q_h, k_h, v_h, attn_mask=_masks.both(mask, "attn_mask", kpm, "key_padding_mask",
                                                      self.dtype),
                 is_causal=is_causal, enable_gqa=True, need_weights=need_weights, out=out_h,
-                num_threads=num_threads)
+                num_threads=num_threads, **variants)
         output = _linear(concat, self.out_proj_weight, self.out_proj_bias)
         weights = result[1] if isinstance(result, tuple) else None  # need_weights
         if weights is not None and average:

@@ -223,3 +223,19 @@ def test_window_as_a_band_mask():
     assert not w[..., (j < i - 20) | (j > i)].any()
     _, lse_band = sdpa(q, q, q, attn_mask=(j >= i - 20) & (j <= i), return_lse=True)
     np.testing.assert_allclose(lse, lse_band, rtol=1e-6)
+
+
+def test_cache_steps_match_the_full_pass_with_variants():
+    """MultiHeadAttention and its KVCache take the variants: a prompt then
+    a token a step gives the rows of one causal pass with the same options
+    (the positions count from the cache's start, bottom-right aligned)."""
+    rng = np.random.default_rng(5)
+    mha = fastattn.MultiHeadAttention(32, 4, num_kv_heads=2, rng=rng)
+    x = rng.standard_normal((2, 12, 32)).astype(np.float32)
+    options = dict(window_size=(3, 0), alibi_slopes=rng.random(4), softcap=5.0,
+                   sinks=rng.standard_normal(4))
+    full, _ = mha(x, is_causal=True, **options)
+    cache = mha.new_cache(batch_size=2, capacity=16)
+    steps = [mha(x[:, :5], cache=cache, **options)[0]]
+    steps += [mha(x[:, t:t + 1], cache=cache, **options)[0] for t in range(5, 12)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-6)
