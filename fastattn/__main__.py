@@ -29,9 +29,12 @@ def main(argv=None):
             # stdout into a pipe is block buffered unless PYTHONUNBUFFERED is set: the
             # write that finds the pipe closed is often this last flush, not a print
             sys.stdout.flush()
+            sys.stderr.flush()  # the help and the progress bar go there
     except BrokenPipeError:  # the reader stopped early (fastattn demo | head): end quietly
-        # Python's recipe: stdout onto devnull, so that the flush at exit fails no more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # Python's recipe: the streams onto devnull, so that the flush at exit fails no more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            os.dup2(devnull, stream.fileno())
         return 1
 
 

@@ -76,6 +76,7 @@ def set_simd_path(name: str) -> None:
     global _simd_path
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
+    name = name.strip().lower()  # as FASTATTN_SIMD is read
     if name == "auto":
         name = available_simd_paths()[-1]
     if name not in _PATHS:
@@ -120,19 +121,42 @@ def set_num_threads(n: Optional[int]) -> None:
     _num_threads = None if n is None else _check_threads(n, "n")
 
 
+# libgomp's thread pool does not survive fork(): in a child forked after the
+# parent ran a parallel call, a team of 2 or more threads waits forever for
+# threads that do not exist there (multiprocessing's default start method on
+# Linux).  Such a child runs every call on its one thread.
+_team_started = False  # this process ran a call on more than one thread
+_forked_after_team = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_team
+    _forked_after_team = _forked_after_team or _team_started
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def get_num_threads() -> int:
     """The number of threads a call uses when it is not given num_threads:
     the count set by set_num_threads, else OpenMP's default capped at
-    MAX_THREADS (so that OMP_NUM_THREADS=100000 cannot abort the process)."""
-    if not _core.have_openmp():
+    MAX_THREADS (so that OMP_NUM_THREADS=100000 cannot abort the process).
+    1 without OpenMP, and in a process forked after its parent ran a call
+    on several threads (OpenMP's threads do not survive fork)."""
+    if not _core.have_openmp() or _forked_after_team:
         return 1
     n = _num_threads  # read once: another thread may reset it meanwhile
     return n if n is not None else min(_core.omp_max_threads(), MAX_THREADS)
 
 
 def resolve_threads(num_threads: Optional[int]) -> int:
-    """Thread count for one call: the argument if given, else the global one."""
-    if num_threads is None:
-        return get_num_threads()
-    n = _check_threads(num_threads, "num_threads")
-    return n if _core.have_openmp() else 1
+    """Thread count for one call: the argument if given, else the global one
+    (1 where get_num_threads says so, whatever the argument)."""
+    global _team_started
+    n = get_num_threads() if num_threads is None else _check_threads(num_threads, "num_threads")
+    if not _core.have_openmp() or _forked_after_team:
+        return 1
+    if n > 1:
+        _team_started = True
+    return n

@@ -54,6 +54,16 @@ def test_pipe_closed_early(args):
     assert err == ""
 
 
+def test_help_into_a_closed_pipe():
+    """Bare `fastattn 2>&1 | true`: the help goes to stderr, whose reader has
+    gone; the command ends with a plain status, whatever the buffering."""
+    with tempfile.TemporaryDirectory() as cwd:
+        p = subprocess.Popen([sys.executable, "-m", "fastattn"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, cwd=cwd, env=BUFFERED)
+        p.stdout.close()
+        assert p.wait(timeout=300) in (1, 2)
+
+
 def test_version():
     r = run("--version")
     assert r.returncode == 0, r.stderr

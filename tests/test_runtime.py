@@ -125,3 +125,12 @@ def test_a_users_wait_policy_stands(setting):
     assert spin != _wait_policy.SPIN_COUNT
     if "GOMP_SPINCOUNT" in setting:
         assert spin == "123"
+
+
+def test_set_simd_path_reads_names_as_the_environment_does():
+    before = fastattn.simd_path()
+    try:
+        fastattn.set_simd_path(" PORTABLE ")
+        assert fastattn.simd_path() == "portable"
+    finally:
+        fastattn.set_simd_path(before)

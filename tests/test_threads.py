@@ -174,3 +174,33 @@ def test_settings_changed_while_calls_run(rng):
         flipper.join()
         fastattn.set_num_threads(None)
         fastattn.set_simd_path(before)
+
+
+FORK_CHILD = r"""
+import multiprocessing as mp
+import numpy as np
+import fastattn
+q = np.random.default_rng(0).standard_normal((1, 8, 200, 32)).astype(np.float32)
+want = fastattn.scaled_dot_product_attention(q, q, q, num_threads=2)  # the parent's team
+
+def call(i):
+    return fastattn.scaled_dot_product_attention(q, q, q, num_threads=2), fastattn.get_num_threads()
+
+with mp.get_context("fork").Pool(2) as pool:
+    results = pool.map(call, range(4))
+assert all(np.array_equal(out, want) for out, _ in results)
+print([n for _, n in results])
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork()")
+def test_forked_children_run_on_one_thread():
+    """A child forked after the parent ran a team: OpenMP's threads are not
+    there, so a team would wait forever; fastattn runs it on one thread
+    (bitwise the same result).  The timeout only keeps a hang from stopping
+    the suite."""
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, "-c", FORK_CHILD], capture_output=True, text=True,
+                           timeout=120, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[0] == "[1, 1, 1, 1]"

@@ -3,6 +3,7 @@ table of times, speed-ups, % of this machine's peak, accuracy and memory per cas
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 
@@ -37,12 +38,16 @@ def _simd_paths(text):
 
 
 def _threads(text):
+    from fastattn._runtime import MAX_THREADS
+
     try:
         values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected thread counts >= 1 like 1,2, got {text!r}")
+    # OpenMP ends the process when it cannot create a thread it was asked for
+    if not values or any(not 1 <= v <= MAX_THREADS for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected thread counts from 1 to {MAX_THREADS} like 1,2, got {text!r}")
     return values
 
 
@@ -52,7 +57,7 @@ def _at_least(kind, low):
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or value < low:
+        if value is None or not math.isfinite(value) or value < low:
             raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {text!r}")
         return value
     return parse
@@ -71,12 +76,17 @@ def output_file(suffix=None):
         if suffix and not path.lower().endswith(suffix):
             raise argparse.ArgumentTypeError(
                 f"{path!r} does not end in {suffix}: give the file's whole name, like "
-                f"{path.rstrip('.')}{suffix}")
+                f"{path.rstrip('.') or 'out'}{suffix}")
         if not os.path.isdir(folder):
             raise argparse.ArgumentTypeError(f"cannot write {path}: no such directory {folder}")
-        if not os.access(folder, os.W_OK) or (os.path.exists(path)
-                                              and not os.access(path, os.W_OK)):
-            raise argparse.ArgumentTypeError(f"cannot write {path}: permission denied")
+        existed = os.path.exists(path)
+        try:  # really open it: permissions, read-only or special file systems (/proc)
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}") from None
+        if not existed:
+            os.remove(path)
         return path
     return parse
 
