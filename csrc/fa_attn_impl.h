@@ -79,6 +79,25 @@ size_t FA_NAME(attn_work)(const fa_attn_args *a)
  * of column j (NaN ignored).  Columns nq..ld-1 are padding.  Returns 0, with
  * st untouched, when the mask hides every key of the block from every query
  * row (the block is then skipped without reading K). */
+/* Keys lo..hi-1 of the block s0..s0+nk-1: those the bounds let one of the
+ * FA_NR queries j0..j0+FA_NR-1 see. */
+static void FA_NAME(tile_keys)(const fa_attn_args *a, fa_idx j0, fa_idx s0, fa_idx nk,
+                               fa_idx *lo, fa_idx *hi)
+{
+    const fa_idx first = FA_NAME(key_lo)(a, j0) - s0;
+    const fa_idx last = FA_NAME(key_hi)(a, j0 + FA_NR - 1) - s0 + 1;
+    *lo = first < 0 ? 0 : first > nk ? nk : first;
+    *hi = last < *lo ? *lo : last > nk ? nk : last;
+}
+
+/* Whether the bounds hide some key of the block s0..s0+nk-1 from some of
+ * the rows i0..i0+nq-1: its first key from the last row, or its last key
+ * from the first (blocks wholly outside are never visited). */
+static int FA_NAME(block_edge)(const fa_attn_args *a, fa_idx i0, fa_idx nq, fa_idx s0, fa_idx nk)
+{
+    return s0 < FA_NAME(key_lo)(a, i0 + nq - 1) || s0 + nk - 1 > FA_NAME(key_hi)(a, i0);
+}
+
 static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
                                  const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
                                  fa_idx s0, fa_idx nk, T *st, T *bias, T *bm)
@@ -86,10 +105,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     const T ninf = -(T)INFINITY;
     const int per_key = a->mask_kind != FA_MASK_NONE && a->m_ls == 0;
     const int tile = a->mask_kind != FA_MASK_NONE && a->m_ls != 0;
-    /* the bounds hide some key of the block from some row: its first key
-     * from the last row, or its last key from the first (blocks wholly
-     * outside are never visited) */
-    const int edge = s0 < FA_NAME(key_lo)(a, i0 + nq - 1) || s0 + nk - 1 > FA_NAME(key_hi)(a, i0);
+    const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
 
     if (tile) { /* the mask of the block, transposed like the query block */
         if (a->mask_kind == FA_MASK_BOOL) { /* as 0 / -inf rows in st, free until the scores */
@@ -127,6 +143,12 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
         const T *kr = k + (s0 + r) * a->k_ss;
         for (fa_idx p = 0; p < ld; p += FA_NR) {
             T *c = st + r * ld + p;
+            fa_idx lo, hi; /* the keys of the block these NR queries may see */
+            if (edge && (FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi), r >= hi || r + mr <= lo)) {
+                for (int t = 0; t < mr; ++t) /* hidden: left to the stage's -inf */
+                    for (fa_idx j = 0; j < FA_NR; ++j) c[t * ld + j] = ninf;
+                continue;
+            }
             if (h > 0)
                 FA_NAME(ukr)(mr, h, kr, a->k_ss, a->k_es, qp + p, ld, c, ld, (T)a->scale, 0, NULL);
             FA_NAME(ukr)(mr, a->E - h, kr + h * a->k_es, a->k_ss, a->k_es, qp + h * ld + p, ld, c,
@@ -226,13 +248,20 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
         const T *vb = v + s0 * a->v_ss;
+        const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
         for (fa_idx c = 0; c < Ev; c += FA_MR) {
             const int mr = (int)(Ev - c < FA_MR ? Ev - c : FA_MR);
             if (s0 + FA_KB >= s_end) /* the last block: this call's keys are done with */
                 FA_NAME(fetch_ahead)(a, &ahead, c / FA_MR, (Ev + FA_MR - 1) / FA_MR);
-            for (fa_idx p = 0; p < ld; p += FA_NR)
-                FA_NAME(ukr)(mr, nk, vb + c * a->v_es, a->v_es, a->v_ss, st + p, ld,
-                             ot + c * ld + p, ld, 1, 1, NULL);
+            for (fa_idx p = 0; p < ld; p += FA_NR) {
+                /* only the keys these NR queries may see: the others have
+                 * weight 0, whose products add nothing */
+                fa_idx lo = 0, hi = nk;
+                if (edge) FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
+                if (hi > lo)
+                    FA_NAME(ukr)(mr, hi - lo, vb + lo * a->v_ss + c * a->v_es, a->v_es, a->v_ss,
+                                 st + lo * ld + p, ld, ot + c * ld + p, ld, 1, 1, NULL);
+            }
         }
     }
 
