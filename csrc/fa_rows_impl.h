@@ -112,10 +112,15 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
         for (fa_idx t = 0; t < nq; ++t)
             s[t * FA_RB + r] = scale * FA_NAME(dot)(a->E, w->qs + t * FA_EP(a), krow);
     }
-    for (fa_idx t = 0; t < nq; ++t) { /* the rest of the per-score stage */
+    /* the rest of the per-score stage; nothing to do past the soft-cap
+     * without a mask or ALiBi in a block the bounds leave whole */
+    const int whole = a->mask_kind == FA_MASK_NONE && a->alibi_slope == 0 &&
+                      s0 >= FA_NAME(key_lo)(a, i0 + nq - 1) && s0 + nk - 1 <= FA_NAME(key_hi)(a, i0);
+    for (fa_idx t = 0; t < nq; ++t) {
         T *st = s + t * FA_RB;
         if (a->softcap > 0) FA_NAME(softcap)(a, nk, st);
-        for (fa_idx r = 0; r < nk; ++r) st[r] = FA_NAME(modify)(a, mask, i0 + t, s0 + r, st[r]);
+        for (fa_idx r = 0; !whole && r < nk; ++r)
+            st[r] = FA_NAME(modify)(a, mask, i0 + t, s0 + r, st[r]);
     }
 }
 
