@@ -40,21 +40,23 @@ class CausalMask(torch.Tensor):
     a tensor, not a plain object, because transformers passes masks that are
     4-D tensors through untouched (generate() with a static cache builds
     them ahead and hands them to the model again); its type is what tells
-    it from a dense mask.  ``padded`` is False when every key is allowed (a
-    hint; a copy made by an operation loses it and is applied as a mask).
+    it from a dense mask.
     """
 
-    padded: bool
+    length: int
+    keys: Optional[torch.Tensor]  # a plain-tensor view of the mask, None when no key is hidden
 
     @staticmethod
     def make(key_mask: Optional[torch.Tensor], length: int) -> "CausalMask":
         """key_mask (B, length) bool, or None: every key allowed."""
         if key_mask is None:
-            mask = torch.ones((1, 1, 1, 1), dtype=torch.bool).expand(1, 1, 1, length)
-        else:
-            mask = key_mask[:, None, None, :]
-        mask = mask.as_subclass(CausalMask)
-        mask.padded = key_mask is not None
+            plain = torch.ones((1, 1, 1, length), dtype=torch.bool)
+        else:  # contiguous: generate()'s .contiguous() then returns this very object
+            plain = key_mask[:, None, None, :].contiguous()
+        mask = plain.as_subclass(CausalMask)
+        # Plain attributes, read by the attention layers without torch's subclass dispatch
+        # (about 5 us per .shape); a copy made by an operation has neither.
+        mask.length, mask.keys = length, None if key_mask is None else plain
         return mask
 
     def dense(self, q_length: int) -> torch.Tensor:

@@ -125,31 +125,42 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                 else getattr(module, "is_causal", True))
         length = q_len if causal else key.shape[2]  # an empty static cache: keys past L unseen
     elif isinstance(attention_mask, CausalMask):
-        causal, alignment, length = q_len > 1, "lower_right", attention_mask.shape[-1]
-        if attention_mask.dtype != torch.bool:
-            raise TypeError(f"fastattn's causal key mask must stay bool, got {attention_mask.dtype}")
-        if getattr(attention_mask, "padded", True):
-            mask = attention_mask.as_subclass(torch.Tensor).numpy()
+        causal, alignment = q_len > 1, "lower_right"
+        length, keys = _causal_mask_parts(attention_mask)
+        if keys is not None:
+            mask = keys.numpy()
     elif isinstance(attention_mask, torch.Tensor):
         length, mask = key.shape[2], _numpy(attention_mask.as_subclass(torch.Tensor))
     else:
         raise TypeError(f"attention_mask must be None or a torch.Tensor, got "
                         f"{type(attention_mask).__name__}: is the mask function registered "
                         "under the same name (fastattn.integrations.transformers.register)?")
-    if length < key.shape[2]:
-        key, value = key[:, :, :length], value[:, :, :length]
+    q_np, k_np, v_np = _numpy(query), _numpy(key), _numpy(value)
+    if length < k_np.shape[2]:
+        k_np, v_np = k_np[:, :, :length], v_np[:, :, :length]
         if position_bias is not None:
             position_bias = position_bias[..., :length]
     if position_bias is not None:
         mask = _add_bias(mask, _numpy(position_bias))
 
     batch = max(batch, key.shape[0], value.shape[0], 1 if mask is None else mask.shape[0])
-    out = torch.empty((batch, q_len, hq, ev), dtype=query.dtype)
+    out = np.empty((batch, q_len, hq, ev), q_np.dtype)
     fastattn.scaled_dot_product_attention(
-        _numpy(query), _numpy(key), _numpy(value), mask, is_causal=causal, scale=scaling,
-        enable_gqa=hq != hkv, causal_alignment=alignment,
-        out=out.numpy().transpose(0, 2, 1, 3), num_threads=torch.get_num_threads())
-    return out, None
+        q_np, k_np, v_np, mask, is_causal=causal, scale=scaling, enable_gqa=hq != hkv,
+        causal_alignment=alignment, out=out.transpose(0, 2, 1, 3),
+        num_threads=torch.get_num_threads())
+    return torch.from_numpy(out), None
+
+
+def _causal_mask_parts(mask: CausalMask) -> tuple[int, Optional[torch.Tensor]]:
+    """(length, plain (B, 1, 1, length) bool key mask or None) of a CausalMask."""
+    try:
+        return mask.length, mask.keys
+    except AttributeError:  # made by an operation on one: its values and shape say it all
+        plain = mask.as_subclass(torch.Tensor)
+        if plain.dtype != torch.bool:
+            raise TypeError(f"fastattn's causal key mask must stay bool, got {plain.dtype}")
+        return plain.shape[-1], plain
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -174,7 +185,7 @@ def _fallback_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if isinstance(attention_mask, SlidingWindowMask):
         return (f"a sliding window (sliding_window={window}) hides keys in this pass "
                 "and fastattn has no window option yet")
-    if any(t.device.type != "cpu" for t in tensors):
+    if not all(t.is_cpu for t in tensors):
         return f"tensors on {query.device.type}: fastattn runs on the CPU"
     if query.dtype not in _FLOATS or key.dtype != query.dtype or value.dtype != query.dtype:
         return (f"dtype {query.dtype}: fastattn computes in float32 or float64 "
