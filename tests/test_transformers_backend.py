@@ -156,6 +156,29 @@ def test_forward_hidden_states_left_and_right_padding():
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_chunks_on_a_cache(cache, calls):
+    """A padded prompt, then 4 tokens at once on its cache: queries 12..15 attend
+    to keys 0..15, causal from the bottom right (and not from the top left)."""
+    model = decoder("llama")
+    ids, mask = prompts(3)
+    more = torch.randint(3, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))
+    full_mask = torch.cat([mask, torch.ones_like(more)], 1)
+    logits = {}
+    for impl in ["sdpa", "fastattn"]:
+        model.set_attn_implementation(impl)
+        past = (transformers.DynamicCache(config=model.config) if cache == "dynamic" else
+                transformers.StaticCache(config=model.config, max_cache_len=24))
+        with torch.no_grad():
+            model(ids, attention_mask=mask, cache=past, use_cache=True)
+            logits[impl] = model(more, attention_mask=full_mask, cache=past,
+                                 use_cache=True).logits
+    model.set_attn_implementation("sdpa")
+    assert (logits["fastattn"] - logits["sdpa"]).abs().max() <= 1e-5
+    assert calls[-1]["query"].shape[2] == 4 and calls[-1]["key"].shape[2] == 16
+    assert calls[-1]["is_causal"] and calls[-1]["causal_alignment"] == "lower_right"
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_mistral_sliding_window_falls_back_visibly(cache, calls):
     """A window (8) shorter than the context (12 + 8): fastattn has no window
     option yet, so the calls where the window hides keys run on SDPA, with one
