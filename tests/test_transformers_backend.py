@@ -330,6 +330,34 @@ def test_fallbacks_warn_once_and_match_sdpa(calls):
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
+def test_other_devices_fall_back(calls):
+    """Tensors off the CPU go to SDPA (the meta device stands in for a GPU)."""
+    q, k, v = (t.to("meta") for t in qkv())
+    with pytest.warns(hf.FastattnFallbackWarning, match="meta"):
+        out, _ = hf.attention_forward(Module(groups=2), q, k, v, None)
+    assert out.device.type == "meta" and out.shape == (2, 5, 4, 6) and calls == []
+
+
+def test_attention_weights_match_eager():
+    """output_attentions=True: fastattn returns the weights (SDPA returns none),
+    those of eager attention on every real query, zero at the keys later than
+    every query."""
+    model = decoder("llama")
+    ids, mask = prompts(3)
+    weights = {}
+    for impl in ["eager", "fastattn"]:
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            weights[impl] = model(ids, attention_mask=mask, output_attentions=True).attentions
+    model.set_attn_implementation("sdpa")
+    assert len(weights["fastattn"]) == 2
+    real = mask.bool()
+    for ours, eager in zip(weights["fastattn"], weights["eager"]):
+        assert ours.shape == eager.shape == (3, 4, 12, 12)
+        diff = (ours - eager).permute(0, 2, 1, 3)[real].abs().max()
+        assert diff <= 1e-6
+
+
 @pytest.mark.parametrize("kwarg", [{"softcap": 30.0}, {"s_aux": torch.zeros(4)}])
 def test_softcap_and_sinks_are_refused(kwarg):
     q, k, v = qkv()

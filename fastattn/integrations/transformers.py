@@ -23,19 +23,26 @@ refused with a ValueError: neither fastattn nor SDPA computes them.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Optional
 
 try:
     import torch
+    import transformers
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "fastattn.integrations.transformers needs torch and transformers 5.x with "
-        "AttentionInterface and AttentionMaskInterface (pip install 'fastattn[transformers]'); "
-        f"importing them failed: {e}") from e
+        "fastattn.integrations.transformers needs torch and transformers 5.24 or later "
+        "(pip install 'fastattn[transformers]'); importing them failed: "
+        f"{e}") from e
+if "q_offset" not in inspect.signature(sdpa_mask).parameters:  # pragma: no cover
+    raise ImportError(  # 4.x mask functions take cache_position instead
+        f"fastattn.integrations.transformers needs transformers 5.24 or later, whose mask "
+        f"functions take q_length and q_offset; this is {transformers.__version__} "
+        "(pip install 'fastattn[transformers]')")
 
 import numpy as np
 
@@ -88,7 +95,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
                       scaling: Optional[float] = None, is_causal: Optional[bool] = None,
                       position_bias: Optional[torch.Tensor] = None,
-                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+                      **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """transformers' attention-function signature (that of ``sdpa_attention_forward``).
 
     query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev), any
@@ -96,8 +103,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ``num_key_value_groups``).  ``attention_mask`` is what
     ``fastattn_mask`` returned (or a 4-D bool/additive mask given by the
     caller).  ``position_bias`` (B or 1, Hq, L, S) is added to the scaled
-    scores.  Returns ``(output, None)``, output a new contiguous
-    (B, L, Hq, Ev) tensor of query's dtype, written in place by the kernel.
+    scores.  Returns ``(output, weights)``: output a new contiguous
+    (B, L, Hq, Ev) tensor of query's dtype, written in place by the kernel;
+    weights (B, Hq, L, S) when the model passes ``output_attentions=True``
+    (SDPA gives none), else None.
 
     Raises ValueError for soft-capping or attention sinks, and when Hq is
     not ``module.num_key_value_groups`` times Hkv.
@@ -126,9 +135,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         length = q_len if causal else key.shape[2]  # an empty static cache: keys past L unseen
     elif isinstance(attention_mask, CausalMask):
         causal, alignment = q_len > 1, "lower_right"
-        length, keys = _causal_mask_parts(attention_mask)
-        if keys is not None:
-            mask = keys.numpy()
+        length, key_mask = _causal_mask_parts(attention_mask)
+        if key_mask is not None:
+            mask = key_mask.numpy()
     elif isinstance(attention_mask, torch.Tensor):
         length, mask = key.shape[2], _numpy(attention_mask.as_subclass(torch.Tensor))
     else:
@@ -136,7 +145,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                         f"{type(attention_mask).__name__}: is the mask function registered "
                         "under the same name (fastattn.integrations.transformers.register)?")
     q_np, k_np, v_np = _numpy(query), _numpy(key), _numpy(value)
-    if length < k_np.shape[2]:
+    keys = k_np.shape[2]
+    if length < keys:
         k_np, v_np = k_np[:, :, :length], v_np[:, :, :length]
         if position_bias is not None:
             position_bias = position_bias[..., :length]
@@ -145,11 +155,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     batch = max(batch, key.shape[0], value.shape[0], 1 if mask is None else mask.shape[0])
     out = np.empty((batch, q_len, hq, ev), q_np.dtype)
-    fastattn.scaled_dot_product_attention(
+    need_weights = bool(kwargs.get("output_attentions"))
+    result = fastattn.scaled_dot_product_attention(
         q_np, k_np, v_np, mask, is_causal=causal, scale=scaling, enable_gqa=hq != hkv,
-        causal_alignment=alignment, out=out.transpose(0, 2, 1, 3),
+        causal_alignment=alignment, need_weights=need_weights, out=out.transpose(0, 2, 1, 3),
         num_threads=torch.get_num_threads())
-    return torch.from_numpy(out), None
+    if not need_weights:
+        return torch.from_numpy(out), None
+    weights = torch.from_numpy(result[1])  # zero for the keys cut off (later than every query)
+    return torch.from_numpy(out), torch.nn.functional.pad(weights, (0, keys - weights.shape[-1]))
 
 
 def _causal_mask_parts(mask: CausalMask) -> tuple[int, Optional[torch.Tensor]]:
@@ -201,7 +215,7 @@ def _fallback_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def _sdpa(reason: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
           value: torch.Tensor, attention_mask: Any, dropout: float, scaling: Optional[float],
           is_causal: Optional[bool], position_bias: Optional[torch.Tensor],
-          **kwargs: Any) -> tuple[torch.Tensor, None]:
+          **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """transformers' SDPA function on the same call, with fastattn's mask made dense."""
     if reason not in _warned:
         _warned.add(reason)
