@@ -248,6 +248,15 @@ def test_minilm_embeddings_match_sdpa(calls):
         assert not call["is_causal"]
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's /proc/self/maps")
+def test_one_openmp_runtime():
+    """torch and fastattn share one libgomp, so that torch.get_num_threads(), which
+    every call passes on, describes one pool of threads."""
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == (1 if fastattn.openmp_enabled() else len(gomp)) <= 1, gomp
+
+
 # --- the attention function on its own -----------------------------------------------
 
 class Module(torch.nn.Module):
