@@ -14,7 +14,8 @@ torch 2.13 (CPU).
 What runs on fastattn: float32 and float64 CPU tensors without autograd,
 causal and bidirectional attention, padding (key masks, never a dense
 (B, 1, L, S) mask), dynamic and static caches, grouped-query attention
-(key/value heads shared, never repeated), T5's ``position_bias``.  The
+(key/value heads shared, never repeated), T5's ``position_bias``, and the
+attention weights when a model asks for them (``output_attentions=True``).  The
 rest runs on transformers' SDPA function with a one-time
 ``FastattnFallbackWarning`` naming the reason: autograd, dropout in
 training, non-CPU tensors, other dtypes, and sliding windows that hide keys
