@@ -156,14 +156,22 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     batch = max(batch, key.shape[0], value.shape[0], 1 if mask is None else mask.shape[0])
     out = np.empty((batch, q_len, hq, ev), q_np.dtype)
+    out_heads = out.transpose(0, 2, 1, 3)
+    if q_len == 1 and hq != hkv and (mask is None or mask.shape[1] == 1):
+        # One token of grouped-query attention: the query heads of a group become the rows
+        # of one (Hkv, Hq/Hkv) block (transformers' pack_gqa), so that each key/value head is
+        # read once, not once per query head.  Views in the layouts models make.
+        q_np = q_np.reshape(q_np.shape[0], hkv, hq // hkv, q_np.shape[-1])
+        out_heads = out.reshape(batch, hkv, hq // hkv, ev)
     need_weights = bool(kwargs.get("output_attentions"))
     result = fastattn.scaled_dot_product_attention(
-        q_np, k_np, v_np, mask, is_causal=causal, scale=scaling, enable_gqa=hq != hkv,
-        causal_alignment=alignment, need_weights=need_weights, out=out.transpose(0, 2, 1, 3),
-        num_threads=torch.get_num_threads())
+        q_np, k_np, v_np, mask, is_causal=causal, scale=scaling,
+        enable_gqa=q_np.shape[1] != hkv, causal_alignment=alignment, need_weights=need_weights,
+        out=out_heads, num_threads=torch.get_num_threads())
     if not need_weights:
         return torch.from_numpy(out), None
-    weights = torch.from_numpy(result[1])  # zero for the keys cut off (later than every query)
+    weights = torch.from_numpy(result[1].reshape(batch, hq, q_len, -1))
+    # zero for the keys cut off (later than every query)
     return torch.from_numpy(out), torch.nn.functional.pad(weights, (0, keys - weights.shape[-1]))
 
 
