@@ -1,0 +1,243 @@
+"""fastattn as an attention implementation of Hugging Face transformers.
+
+    >>> import fastattn.integrations.transformers as fa_hf
+    >>> fa_hf.register()                                   # once per process
+    >>> model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fastattn")
+
+``register`` adds two functions under one name: the attention function
+(``attention_forward``, called by every attention layer) and the mask
+function (``_hf_masks.fastattn_mask``, called once per forward pass).  Both
+are needed: without the mask function transformers builds no mask at all
+and padding is silently ignored.  Tested with transformers 5.24 and
+torch 2.13 (CPU).
+
+What runs on fastattn: float32 and float64 CPU tensors without autograd,
+causal and bidirectional attention, padding (key masks, never a dense
+(B, 1, L, S) mask), dynamic and static caches, grouped-query attention
+(key/value heads shared, never repeated), T5's ``position_bias``, and the
+attention weights when a model asks for them (``output_attentions=True``).  The
+rest runs on transformers' SDPA function with a one-time
+``FastattnFallbackWarning`` naming the reason: autograd, dropout in
+training, non-CPU tensors, other dtypes, and sliding windows that hide keys
+(fastattn has no window option yet).  Soft-capping and attention sinks are
+refused with a ValueError: neither fastattn nor SDPA computes them.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Optional
+
+try:
+    import torch
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "fastattn.integrations.transformers needs torch and transformers 5.24 or later "
+        "(pip install 'fastattn[transformers]'); importing them failed: "
+        f"{e}") from e
+if "q_offset" not in inspect.signature(sdpa_mask).parameters:  # pragma: no cover
+    raise ImportError(  # 4.x mask functions take cache_position instead
+        f"fastattn.integrations.transformers needs transformers 5.24 or later, whose mask "
+        f"functions take q_length and q_offset; this is {transformers.__version__} "
+        "(pip install 'fastattn[transformers]')")
+
+import numpy as np
+
+import fastattn
+
+from ._hf_masks import CausalMask, SlidingWindowMask, fastattn_mask
+
+__all__ = ["register", "attention_forward", "fastattn_mask", "FastattnFallbackWarning"]
+
+_FLOATS = (torch.float32, torch.float64)
+# kwargs of attention functions that change the maths and that neither fastattn nor SDPA
+# computes; fastattn will take them as options (with the window) in attention_forward.
+_REFUSED = {"softcap": "attention logit soft-capping (softcap)",
+            "s_aux": "attention sinks (s_aux)"}
+
+
+class FastattnFallbackWarning(UserWarning):
+    """A call that fastattn cannot compute ran on transformers' SDPA function."""
+
+
+_warned: set[str] = set()
+
+
+def register(name: str = "fastattn") -> None:
+    """Register fastattn's attention and mask functions with transformers under ``name``.
+
+    Afterwards ``from_pretrained(..., attn_implementation=name)`` (or
+    ``model.set_attn_implementation(name)``) runs every attention layer on
+    fastattn.  Calling it again with the same name is harmless.
+
+    Raises
+    ------
+    TypeError
+        name is not a str.
+    ValueError
+        name is empty, or is already taken by another attention function
+        (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ...).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    taken = AttentionInterface().get(name)
+    if not name or name == "eager" or (taken is not None and taken is not attention_forward):
+        raise ValueError(f"name must be a new attention implementation name, got {name!r}, "
+                         "which is empty or already taken (choose another, e.g. 'fastattn')")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, fastattn_mask)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
+                      scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                      position_bias: Optional[torch.Tensor] = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """transformers' attention-function signature (that of ``sdpa_attention_forward``).
+
+    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev), any
+    strides; Hq a multiple of Hkv (grouped-query attention, the module's
+    ``num_key_value_groups``).  ``attention_mask`` is what
+    ``fastattn_mask`` returned (or a 4-D bool/additive mask given by the
+    caller).  ``position_bias`` (B or 1, Hq, L, S) is added to the scaled
+    scores.  Returns ``(output, weights)``: output a new contiguous
+    (B, L, Hq, Ev) tensor of query's dtype, written in place by the kernel;
+    weights (B, Hq, L, S) when the model passes ``output_attentions=True``
+    (SDPA gives none), else None.
+
+    Raises ValueError for soft-capping or attention sinks, and when Hq is
+    not ``module.num_key_value_groups`` times Hkv.
+    """
+    for name, what in _REFUSED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"fastattn does not compute {what} yet: load this model with "
+                             "attn_implementation='eager'")
+    reason = _fallback_reason(query, key, value, attention_mask, dropout, position_bias,
+                              kwargs.get("sliding_window"))
+    if reason is not None:
+        return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling,
+                     is_causal, position_bias, **kwargs)
+
+    batch, hq, q_len, _ = query.shape
+    hkv, ev = key.shape[1], value.shape[-1]
+    groups = getattr(module, "num_key_value_groups", hq // max(hkv, 1))
+    if hkv * groups != hq:
+        raise ValueError(f"query has {hq} heads and key {hkv}: expected {hkv} x "
+                         f"num_key_value_groups ({groups}) query heads")
+
+    causal, alignment, mask = False, "upper_left", None
+    if attention_mask is None:  # transformers' rule: the module's is_causal, upper-left
+        causal = q_len > 1 and (is_causal if is_causal is not None
+                                else getattr(module, "is_causal", True))
+        length = q_len if causal else key.shape[2]  # an empty static cache: keys past L unseen
+    elif isinstance(attention_mask, CausalMask):
+        causal, alignment = q_len > 1, "lower_right"
+        length, key_mask = _causal_mask_parts(attention_mask)
+        if key_mask is not None:
+            mask = key_mask.numpy()
+    elif isinstance(attention_mask, torch.Tensor):
+        length, mask = key.shape[2], _numpy(attention_mask.as_subclass(torch.Tensor))
+    else:
+        raise TypeError(f"attention_mask must be None or a torch.Tensor, got "
+                        f"{type(attention_mask).__name__}: is the mask function registered "
+                        "under the same name (fastattn.integrations.transformers.register)?")
+    q_np, k_np, v_np = _numpy(query), _numpy(key), _numpy(value)
+    keys = k_np.shape[2]
+    if length < keys:
+        k_np, v_np = k_np[:, :, :length], v_np[:, :, :length]
+        if position_bias is not None:
+            position_bias = position_bias[..., :length]
+    if position_bias is not None:
+        mask = _add_bias(mask, _numpy(position_bias))
+
+    batch = max(batch, key.shape[0], value.shape[0], 1 if mask is None else mask.shape[0])
+    out = np.empty((batch, q_len, hq, ev), q_np.dtype)
+    out_heads = out.transpose(0, 2, 1, 3)
+    if q_len == 1 and hq != hkv and (mask is None or mask.shape[1] == 1):
+        # One token of grouped-query attention: the query heads of a group become the rows
+        # of one (Hkv, Hq/Hkv) block (transformers' pack_gqa), so that each key/value head is
+        # read once, not once per query head.  Views in the layouts models make.
+        q_np = q_np.reshape(q_np.shape[0], hkv, hq // hkv, q_np.shape[-1])
+        out_heads = out.reshape(batch, hkv, hq // hkv, ev)
+    need_weights = bool(kwargs.get("output_attentions"))
+    result = fastattn.scaled_dot_product_attention(
+        q_np, k_np, v_np, mask, is_causal=causal, scale=scaling,
+        enable_gqa=q_np.shape[1] != hkv, causal_alignment=alignment, need_weights=need_weights,
+        out=out_heads, num_threads=torch.get_num_threads())
+    if not need_weights:
+        return torch.from_numpy(out), None
+    weights = torch.from_numpy(result[1].reshape(batch, hq, q_len, -1))
+    # zero for the keys cut off (later than every query)
+    return torch.from_numpy(out), torch.nn.functional.pad(weights, (0, keys - weights.shape[-1]))
+
+
+def _causal_mask_parts(mask: CausalMask) -> tuple[int, Optional[torch.Tensor]]:
+    """(length, plain (B, 1, 1, length) bool key mask or None) of a CausalMask."""
+    try:
+        return mask.length, mask.keys
+    except AttributeError:  # made by an operation on one: its values and shape say it all
+        plain = mask.as_subclass(torch.Tensor)
+        if plain.dtype != torch.bool:
+            raise TypeError(f"fastattn's causal key mask must stay bool, got {plain.dtype}")
+        return plain.shape[-1], plain
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor (no copy)."""
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
+def _add_bias(mask: Optional[np.ndarray], bias: np.ndarray) -> np.ndarray:
+    """An additive mask: position_bias where mask allows (or plus a float mask), -inf elsewhere."""
+    if mask is None:
+        return bias
+    if mask.dtype == np.bool_:
+        return np.where(mask, bias, np.array(-np.inf, bias.dtype))
+    return bias + mask.astype(bias.dtype, copy=False)
+
+
+def _fallback_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, dropout: float, position_bias: Optional[torch.Tensor],
+                     window: Optional[int]) -> Optional[str]:
+    """Why this call cannot run on fastattn, or None when it can."""
+    tensors = (query, key, value) if position_bias is None else (query, key, value, position_bias)
+    if isinstance(attention_mask, SlidingWindowMask):
+        return (f"a sliding window (sliding_window={window}) hides keys in this pass "
+                "and fastattn has no window option yet")
+    if not all(t.is_cpu for t in tensors):
+        return f"tensors on {query.device.type}: fastattn runs on the CPU"
+    if query.dtype not in _FLOATS or key.dtype != query.dtype or value.dtype != query.dtype:
+        return (f"dtype {query.dtype}: fastattn computes in float32 or float64 "
+                "(load the model with dtype=torch.float32)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return ("gradients are needed and fastattn has no backward pass "
+                "(run inference under torch.no_grad() or torch.inference_mode())")
+    if dropout > 0:
+        return f"dropout {dropout} (training): fastattn computes inference-time attention"
+    return None
+
+
+def _sdpa(reason: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+          value: torch.Tensor, attention_mask: Any, dropout: float, scaling: Optional[float],
+          is_causal: Optional[bool], position_bias: Optional[torch.Tensor],
+          **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """transformers' SDPA function on the same call, with fastattn's mask made dense."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"fastattn: {reason}; such calls run on PyTorch's SDPA instead "
+                      "(warned once)", FastattnFallbackWarning, stacklevel=3)
+    if isinstance(attention_mask, CausalMask):
+        n = attention_mask.shape[-1]
+        key, value = key[:, :, :n], value[:, :, :n]
+        if position_bias is not None:
+            position_bias = position_bias[..., :n]
+        attention_mask = attention_mask.dense(query.shape[2]).to(query.device)
+    elif isinstance(attention_mask, torch.Tensor):
+        attention_mask = attention_mask.as_subclass(torch.Tensor)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal,
+                                  position_bias=position_bias, **kwargs)
