@@ -13,10 +13,11 @@ thread count on the busy machine and no slower than the default when idle
 (README, "Speed and threads").
 
 libgomp reads GOMP_SPINCOUNT once, when it is loaded, so the variable is
-set only while the extension loads it and then taken back: later processes
-and other copies of libgomp (PyTorch ships its own) keep their defaults.  A
-user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is left as it is, and when another
-module loaded libgomp first its settings stand.
+set only while the extension loads it and then taken back: child processes
+keep their defaults.  A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is left as
+it is.  The process has one libgomp (PyTorch's bundled libgomp.so.1 is the
+same library to the loader): when torch is imported first, its setting
+stands for fastattn too; when fastattn is, torch's threads spin briefly too.
 """
 import contextlib
 import os

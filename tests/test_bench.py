@@ -426,3 +426,14 @@ def test_cli_bench_into_a_closed_pipe_keeps_its_json():
 def test_cli_bench_bad_arguments(args, message):
     r, _ = run_cli(*args)
     assert r.returncode == 2 and message in r.stderr
+
+
+def test_peers_run_with_libgomps_default_spin():
+    """fastattn's short spin reaches the libgomp PyTorch shares: a peer's
+    process gets libgomp's own default, unless the user chose a policy."""
+    plain = {"PATH": "/bin"}
+    assert suite.worker_env({"runner": "torch"}, plain)["GOMP_SPINCOUNT"] == "300000"
+    assert "GOMP_SPINCOUNT" not in suite.worker_env({"runner": "fastattn", "simd": "portable"},
+                                                    plain)
+    chosen = dict(plain, OMP_WAIT_POLICY="PASSIVE")
+    assert "GOMP_SPINCOUNT" not in suite.worker_env({"runner": "torch"}, chosen)

@@ -16,6 +16,7 @@ from .runners import RUNNERS
 from .shapes import ALL_SHAPES
 from .worker import RESULT_TAG
 
+LIBGOMP_DEFAULT_SPIN = "300000"  # libgomp's spin count when no wait policy is set
 CASE_TIMEOUT = 1800  # seconds; a case that hangs is reported as an error
 # `python -m` puts the working directory first on sys.path: run workers
 # where they import the same fastattn as this process (not, say, a source
@@ -23,16 +24,26 @@ CASE_TIMEOUT = 1800  # seconds; a case that hangs is reported as an error
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
 
 
+def worker_env(spec, environ=os.environ):
+    """The environment of a case's process: FASTATTN_SIMD for fastattn's
+    path; for the peers, libgomp's default spin unless the user chose one
+    (the worker imports fastattn, whose short spin would otherwise reach
+    PyTorch too: one libgomp per process)."""
+    env = dict(environ, **({SIMD_ENV: spec["simd"]} if "simd" in spec else {}))
+    if spec["runner"] != "fastattn" and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & env.keys():
+        env["GOMP_SPINCOUNT"] = LIBGOMP_DEFAULT_SPIN
+    return env
+
+
 def run_worker(spec, timeout=CASE_TIMEOUT):
     """One case in a fresh Python process; returns its result dict.  With
     spec["simd"], the process runs fastattn on that SIMD path (FASTATTN_SIMD
     in its environment, read when fastattn is imported)."""
     base = {key: spec[key] for key in ("runner", "shape", "threads", "simd") if key in spec}
-    env = dict(os.environ, **({SIMD_ENV: spec["simd"]} if "simd" in spec else {}))
     try:
         proc = subprocess.run([sys.executable, "-m", "fastattn.bench.worker", json.dumps(spec)],
                               capture_output=True, text=True, timeout=timeout,
-                              cwd=PACKAGE_PARENT, env=env)
+                              cwd=PACKAGE_PARENT, env=worker_env(spec))
     except subprocess.TimeoutExpired:
         return dict(base, status="error", note=f"timed out after {timeout} s")
     for line in reversed(proc.stdout.splitlines()):
