@@ -379,11 +379,30 @@ def test_attention_weights_match_eager():
         assert diff <= 1e-6
 
 
-@pytest.mark.parametrize("kwarg", [{"softcap": 30.0}, {"s_aux": torch.zeros(4)}])
-def test_softcap_and_sinks_are_refused(kwarg):
-    q, k, v = qkv()
-    with pytest.raises(ValueError, match="soft-capping|sinks"):
-        hf.attention_forward(Module(groups=2), q, k, v, None, **kwarg)
+@pytest.mark.parametrize("length", [5, 1])
+def test_softcap_matches_gemma2_eager(length):
+    """Gemma 2's soft-capping (softcap=) on fastattn's option, as its eager attention."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+    q, k, v = qkv(length=length, keys=length)
+    causal = torch.full((length, length), -torch.inf).triu(1)[None, None]
+    ours, _ = hf.attention_forward(Module(groups=2), q, k, v, None, scaling=0.5, softcap=1.5)
+    eager, _ = eager_attention_forward(Module(groups=2), q, k, v, causal, scaling=0.5,
+                                       softcap=1.5)
+    assert (ours - eager).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("length", [5, 1])
+def test_sinks_match_gpt_oss_eager(length):
+    """gpt-oss's attention sinks (s_aux=) on fastattn's option, as its eager
+    attention; one token of grouped-query attention included."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    q, k, v = qkv(length=length, keys=length)
+    module = Module(groups=2)
+    module.sinks = torch.nn.Parameter(torch.randn(4))
+    causal = torch.full((length, length), -torch.inf).triu(1)[None, None]
+    ours, _ = hf.attention_forward(module, q, k, v, None, scaling=0.5, s_aux=module.sinks)
+    eager, _ = eager_attention_forward(module, q, k, v, causal, scaling=0.5)
+    assert (ours - eager).abs().max() <= 1e-6
 
 
 def test_gqa_group_mismatch_is_an_error():

@@ -19,8 +19,9 @@ attention weights when a model asks for them (``output_attentions=True``).  The
 rest runs on transformers' SDPA function with a one-time
 ``FastattnFallbackWarning`` naming the reason: autograd, dropout in
 training, non-CPU tensors, other dtypes, and sliding windows that hide keys
-(fastattn has no window option yet).  Soft-capping and attention sinks are
-refused with a ValueError: neither fastattn nor SDPA computes them.
+(not yet wired to fastattn's window option).  Soft-capping (Gemma 2's
+``softcap``) and attention sinks (gpt-oss's ``s_aux``) run on fastattn's
+own options, which SDPA lacks.
 """
 from __future__ import annotations
 
@@ -54,10 +55,6 @@ from ._hf_masks import CausalMask, SlidingWindowMask, fastattn_mask
 __all__ = ["register", "attention_forward", "fastattn_mask", "FastattnFallbackWarning"]
 
 _FLOATS = (torch.float32, torch.float64)
-# kwargs of attention functions that change the maths and that neither fastattn nor SDPA
-# computes; fastattn will take them as options (with the window) in attention_forward.
-_REFUSED = {"softcap": "attention logit soft-capping (softcap)",
-            "s_aux": "attention sinks (s_aux)"}
 
 
 class FastattnFallbackWarning(UserWarning):
@@ -109,13 +106,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     weights (B, Hq, L, S) when the model passes ``output_attentions=True``
     (SDPA gives none), else None.
 
-    Raises ValueError for soft-capping or attention sinks, and when Hq is
-    not ``module.num_key_value_groups`` times Hkv.
+    ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks, (Hq,)) become
+    fastattn's ``softcap`` and ``sinks``.
+
+    Raises ValueError when Hq is not ``module.num_key_value_groups`` times Hkv.
     """
-    for name, what in _REFUSED.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"fastattn does not compute {what} yet: load this model with "
-                             "attn_implementation='eager'")
     reason = _fallback_reason(query, key, value, attention_mask, dropout, position_bias,
                               kwargs.get("sliding_window"))
     if reason is not None:
@@ -157,17 +152,21 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     batch = max(batch, key.shape[0], value.shape[0], 1 if mask is None else mask.shape[0])
     out = np.empty((batch, q_len, hq, ev), q_np.dtype)
     out_heads = out.transpose(0, 2, 1, 3)
-    if q_len == 1 and hq != hkv and (mask is None or mask.shape[1] == 1):
+    if q_len == 1 and hq != hkv and (mask is None or mask.shape[1] == 1) and (
+            kwargs.get("s_aux") is None):  # sinks are per query head
         # One token of grouped-query attention: the query heads of a group become the rows
         # of one (Hkv, Hq/Hkv) block (transformers' pack_gqa), so that each key/value head is
         # read once, not once per query head.  Views in the layouts models make.
         q_np = q_np.reshape(q_np.shape[0], hkv, hq // hkv, q_np.shape[-1])
         out_heads = out.reshape(batch, hkv, hq // hkv, ev)
     need_weights = bool(kwargs.get("output_attentions"))
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     result = fastattn.scaled_dot_product_attention(
         q_np, k_np, v_np, mask, is_causal=causal, scale=scaling,
         enable_gqa=q_np.shape[1] != hkv, causal_alignment=alignment, need_weights=need_weights,
-        out=out_heads, num_threads=torch.get_num_threads())
+        softcap=None if softcap is None else float(softcap),
+        sinks=None if sinks is None else _numpy(sinks), out=out_heads,
+        num_threads=torch.get_num_threads())
     if not need_weights:
         return torch.from_numpy(out), None
     weights = torch.from_numpy(result[1].reshape(batch, hq, q_len, -1))
