@@ -2,7 +2,7 @@
 
 The C99 kernels in csrc/ are compiled here, each with its own flags (the
 AVX2 path with -mavx2 -mfma, the AVX-512 path with -mavx512f, everything
-else for the baseline of the target), and linked into the Cython modules
+else, the NEON path of aarch64 too, for the baseline of the target), and linked into the Cython modules
 fastattn._core (the kernels) and fastattn._peak (the machine-peak loops of
 the benchmarks).
 
@@ -36,6 +36,9 @@ SIMD_SOURCES = {"fa_avx2.c": ["-mavx2", "-mfma"],
                 "fa_avx512.c": ["-mavx512f", "-mavx2", "-mfma"],
                 "fa_peak_avx2.c": ["-mavx2", "-mfma"],
                 "fa_peak_avx512.c": ["-mavx512f", "-mavx2", "-mfma"]}
+# aarch64 paths: Advanced SIMD (NEON) is in the ARMv8-A baseline, so the
+# default target of any aarch64 compiler builds them; chosen at run time too
+NEON_SOURCES = ["fa_neon.c", "fa_peak_neon.c"]
 OPENMP_PROBE = r"""
 #include <omp.h>
 #include <stdio.h>
@@ -56,6 +59,10 @@ INSTALL_COMPILER = ("Debian/Ubuntu: apt-get install gcc python3-dev; "
 
 def _is_x86_64():
     return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _is_aarch64():
+    return platform.machine().lower() in ("aarch64", "arm64")
 
 
 class BuildExt(build_ext):
@@ -136,7 +143,8 @@ class BuildExt(build_ext):
         # result changes (unlike -ffast-math, NaN and inf keep their meaning).
         c99 = ["-std=c99", "-Wall", "-Wextra", "-fno-trapping-math"] if unix else []
         build_tmp = os.path.join(self.build_temp, "csrc")
-        objects = self.compiler.compile([os.path.join(CSRC, s) for s in PORTABLE_SOURCES],
+        baseline = PORTABLE_SOURCES + (NEON_SOURCES if _is_aarch64() else [])
+        objects = self.compiler.compile([os.path.join(CSRC, s) for s in baseline],
                                         output_dir=build_tmp, extra_postargs=common + c99)
         if _is_x86_64():
             for source, flags in SIMD_SOURCES.items():

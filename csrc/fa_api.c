@@ -5,6 +5,20 @@
 
 #include "fa_internal.h"
 
+#if FA_HAVE_NEON && defined(__linux__)
+#include <sys/auxv.h>
+/* the kernel's bits (asm/hwcap.h), for C libraries whose headers lack them */
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1UL << 1)
+#endif
+#ifndef HWCAP_ASIMDHP
+#define HWCAP_ASIMDHP (1UL << 10)
+#endif
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1UL << 14)
+#endif
+#endif
+
 int fa_cpu_has_avx2_fma(void)
 {
 #if FA_HAVE_X86_SIMD && (defined(__GNUC__) || defined(__clang__))
@@ -26,11 +40,49 @@ int fa_cpu_has_avx512(void)
 #endif
 }
 
+/* Linux reports the CPU's features in the auxiliary vector; elsewhere
+ * (macOS on Apple silicon) every aarch64 CPU has Advanced SIMD, and the
+ * half-precision features are left unreported. */
+int fa_cpu_has_neon(void)
+{
+#if FA_HAVE_NEON && defined(__linux__)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
+#elif FA_HAVE_NEON
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int fa_cpu_has_neon_fp16(void)
+{
+#if FA_HAVE_NEON && defined(__linux__)
+    return fa_cpu_has_neon() && (getauxval(AT_HWCAP) & HWCAP_ASIMDHP) != 0;
+#else
+    return 0;
+#endif
+}
+
+int fa_cpu_has_neon_bf16(void)
+{
+#if FA_HAVE_NEON && defined(__linux__)
+    return fa_cpu_has_neon() && (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0;
+#else
+    return 0;
+#endif
+}
+
 #if FA_HAVE_X86_SIMD
 #define FA_DISPATCH(isa, name, sfx, args)                                    \
     do {                                                                     \
         if ((isa) == FA_ISA_AVX512) FA_CAT4(fa, name, sfx, avx512) args;     \
         else if ((isa) == FA_ISA_AVX2) FA_CAT4(fa, name, sfx, avx2) args;    \
+        else FA_CAT4(fa, name, sfx, portable) args;                          \
+    } while (0)
+#elif FA_HAVE_NEON
+#define FA_DISPATCH(isa, name, sfx, args)                                    \
+    do {                                                                     \
+        if ((isa) == FA_ISA_NEON) FA_CAT4(fa, name, sfx, neon) args;         \
         else FA_CAT4(fa, name, sfx, portable) args;                          \
     } while (0)
 #else

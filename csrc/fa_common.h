@@ -9,7 +9,12 @@
 typedef ptrdiff_t fa_idx;
 
 /* Instruction-set paths.  The caller picks one; the kernels hold no state. */
-typedef enum { FA_ISA_PORTABLE = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2 } fa_isa;
+typedef enum {
+    FA_ISA_PORTABLE = 0,
+    FA_ISA_AVX2 = 1,
+    FA_ISA_AVX512 = 2,
+    FA_ISA_NEON = 3 /* aarch64 Advanced SIMD, fp32 and fp64 */
+} fa_isa;
 
 /* How a mask is stored.  BOOL: one byte per entry, nonzero = may attend
  * (PyTorch SDPA convention).  ADD: same dtype as the scores, added to the
@@ -18,8 +23,8 @@ typedef enum { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 } fa_mask_kin
 
 /* Micro-tile: MR rows by NR columns, both set per path (fa_instantiate.h):
  * NR is two vectors (64 bytes on the portable and AVX2 paths, 128 bytes on
- * AVX-512), MR what the registers hold (6 with 16 vector registers, 8 with
- * 32).  These are the largest. */
+ * AVX-512, 32 bytes on NEON), MR what the registers hold (6 with 16 vector
+ * registers, 8 with 32).  These are the largest. */
 #define FA_MR_MAX 8
 #define FA_NR_BYTES_MAX 128
 

@@ -19,6 +19,12 @@
 #define FA_HAVE_X86_SIMD 0
 #endif
 
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define FA_HAVE_NEON 1 /* the NEON path is compiled in */
+#else
+#define FA_HAVE_NEON 0
+#endif
+
 /* Cache blocks of the matrix product: an A block of MC x KC and a B panel of
  * KC x NC, 96 KB and 256 KB, sized for a 1 MB L2.  MC is a multiple of every
  * path's MR, NC of every path's NR. */
@@ -69,6 +75,10 @@ FA_DECLARE(float, f32, avx2)
 FA_DECLARE(double, f64, avx2)
 FA_DECLARE(float, f32, avx512)
 FA_DECLARE(double, f64, avx512)
+#endif
+#if FA_HAVE_NEON
+FA_DECLARE(float, f32, neon)
+FA_DECLARE(double, f64, neon)
 #endif
 
 #endif

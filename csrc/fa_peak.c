@@ -1,6 +1,6 @@
 /* Machine peaks for the benchmarks: the portable loops and the dispatch to
- * the AVX2 and AVX-512 ones (fa_peak_avx2.c, fa_peak_avx512.c), by the
- * kernels' fa_isa.  Timing is the caller's: these functions only do a known
+ * the AVX2, AVX-512 and NEON ones (fa_peak_avx2.c, fa_peak_avx512.c,
+ * fa_peak_neon.c), by the kernels' fa_isa.  Timing is the caller's: these functions only do a known
  * amount of work.  Reading uses the AVX2 loop on both x86 paths: memory, not
  * the vector width, limits it. */
 #include "fa_peak.h"
@@ -42,6 +42,9 @@ fa_idx fa_peak_fma_flops(fa_isa isa)
     case FA_ISA_AVX2: return fa_peak_fma_flops_avx2();
     case FA_ISA_AVX512: return fa_peak_fma_flops_avx512();
 #endif
+#if FA_HAVE_NEON
+    case FA_ISA_NEON: return fa_peak_fma_flops_neon();
+#endif
     default: return 2 * PORTABLE_CHAINS; /* a multiply and an add per chain */
     }
 }
@@ -54,6 +57,9 @@ float fa_peak_fma_f32(fa_isa isa, fa_idx iters)
     case FA_ISA_AVX2: return fa_peak_fma_f32_avx2(iters);
     case FA_ISA_AVX512: return fa_peak_fma_f32_avx512(iters);
 #endif
+#if FA_HAVE_NEON
+    case FA_ISA_NEON: return fa_peak_fma_f32_neon(iters);
+#endif
     default: return fma_portable(iters);
     }
 }
@@ -63,6 +69,9 @@ float fa_peak_read_f32(fa_isa isa, fa_idx n, const float *x)
     if (n <= 0 || x == NULL) return 0.0f;
 #if FA_HAVE_X86_SIMD
     if (isa == FA_ISA_AVX2 || isa == FA_ISA_AVX512) return fa_peak_read_f32_avx2(n, x);
+#endif
+#if FA_HAVE_NEON
+    if (isa == FA_ISA_NEON) return fa_peak_read_f32_neon(n, x);
 #endif
     (void)isa;
     return read_portable(n, x);

@@ -17,5 +17,10 @@ float fa_peak_read_f32_avx2(fa_idx n, const float *x);
 fa_idx fa_peak_fma_flops_avx512(void);
 float fa_peak_fma_f32_avx512(fa_idx iters);
 #endif
+#if FA_HAVE_NEON
+fa_idx fa_peak_fma_flops_neon(void);
+float fa_peak_fma_f32_neon(fa_idx iters);
+float fa_peak_read_f32_neon(fa_idx n, const float *x);
+#endif
 
 #endif

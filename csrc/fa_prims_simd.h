@@ -1,12 +1,13 @@
 /* SIMD primitives for element type T (float or double): the MR x NR
  * register micro-kernel (NR = two vectors: 16 floats or 8 doubles in 256
- * bits, 32 or 16 in 512 bits; MR = 6 or 8 rows), the vector exp of fa_exp_consts.h, and the
- * small loops of the attention kernels.  Same contract as
- * fa_prims_portable.h.
+ * bits, 32 or 16 in 512 bits, 8 or 4 in 128; MR = 6 or 8 rows), the vector
+ * exp of fa_exp_consts.h, and the small loops of the attention kernels.
+ * Same contract as fa_prims_portable.h.
  *
- * Written against the vector operations of fa_simd_avx2.h or
- * fa_simd_avx512.h, which the including file (fa_avx2.c, fa_avx512.c)
- * includes first, with T, FA_NR (= 2 * VLEN), FA_NAME and FA_IS_F32 defined. */
+ * Written against the vector operations of fa_simd_avx2.h, fa_simd_avx512.h
+ * or fa_simd_neon.h, which the including file (fa_avx2.c, fa_avx512.c,
+ * fa_neon.c) includes first, with T, FA_NR (= 2 * VLEN), FA_NAME and
+ * FA_IS_F32 defined. */
 #include FA_SIMD
 #include "fa_exp_consts.h"
 #include "fa_tanh_consts.h"
@@ -30,9 +31,42 @@
         }                                                                 \
         VSTORE(cr, c##r##0);                                              \
         VSTORE(cr + VLEN, c##r##1);                                       \
-        m0 = VMAX(c##r##0, m0); /* max_ps returns m0 when c is NaN */     \
+        m0 = VMAX(c##r##0, m0); /* VMAX returns m0 when c is NaN */     \
         m1 = VMAX(c##r##1, m1);                                           \
     }
+
+#ifdef VFMA_LANE
+/* By-element multiply-add (NEON's FMLA by lane): one vector load brings
+ * VLEN values of A, each then multiplies the B vectors from its lane.  The
+ * same fused c + a * b as the broadcast, in the same order of k, so the
+ * result is bitwise that of FA_UKR_ROW.  Rows of a column (rs_a == 1, the
+ * packed panels and V^T): rows r that fill a whole vector of the mr take
+ * their lane, the others a broadcast, so no read passes row mr - 1. */
+#define FA_UKR_ROW_COL(r)                                                 \
+    if (mr > r) {                                                         \
+        if ((r / VLEN + 1) * VLEN <= mr) {                                \
+            c##r##0 = VFMA_LANE(c##r##0, b0, av[r / VLEN], r % VLEN);     \
+            c##r##1 = VFMA_LANE(c##r##1, b1, av[r / VLEN], r % VLEN);     \
+        } else {                                                          \
+            const V t = VBCAST(ak + r);                                   \
+            c##r##0 = VFMA(t, b0, c##r##0);                               \
+            c##r##1 = VFMA(t, b1, c##r##1);                               \
+        }                                                                 \
+    }
+/* Runs along k (cs_a == 1, the keys of the scores): ar[r] holds VLEN
+ * consecutive k of row r, and step l of the VLEN uses lane l. */
+#define FA_UKR_ROW_K(r, l)                                                \
+    if (mr > r) {                                                         \
+        c##r##0 = VFMA_LANE(c##r##0, b0, ar[r], (l) % VLEN);              \
+        c##r##1 = VFMA_LANE(c##r##1, b1, ar[r], (l) % VLEN);              \
+    }
+#define FA_UKR_STEP_K(l)                                                  \
+    if (l < VLEN) {                                                       \
+        const V b0 = VLOAD(b + (l) * ldb), b1 = VLOAD(b + (l) * ldb + VLEN); \
+        FA_UKR_ROW_K(0, l) FA_UKR_ROW_K(1, l) FA_UKR_ROW_K(2, l) FA_UKR_ROW_K(3, l) \
+        FA_UKR_ROW_K(4, l) FA_UKR_ROW_K(5, l) FA_UKR_ROW_K(6, l) FA_UKR_ROW_K(7, l) \
+    }
+#endif
 
 static FA_ALWAYS_INLINE void
 FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
@@ -42,7 +76,28 @@ FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
     V c20 = VZERO(), c21 = VZERO(), c30 = VZERO(), c31 = VZERO();
     V c40 = VZERO(), c41 = VZERO(), c50 = VZERO(), c51 = VZERO();
     V c60 = VZERO(), c61 = VZERO(), c70 = VZERO(), c71 = VZERO(); /* only when FA_MR is 8 */
-    for (fa_idx k = 0; k < kc; ++k) {
+    fa_idx k = 0;
+#ifdef VFMA_LANE
+    if (rs_a == 1) {
+        for (; k < kc; ++k) {
+            const V b0 = VLOAD(b), b1 = VLOAD(b + VLEN);
+            const T *ak = a + k * cs_a;
+            V av[FA_MR / VLEN];
+            for (int g = 0; g < mr / VLEN; ++g) av[g] = VLOAD(ak + g * VLEN);
+            FA_UKR_ROW_COL(0) FA_UKR_ROW_COL(1) FA_UKR_ROW_COL(2) FA_UKR_ROW_COL(3)
+            FA_UKR_ROW_COL(4) FA_UKR_ROW_COL(5) FA_UKR_ROW_COL(6) FA_UKR_ROW_COL(7)
+            b += ldb;
+        }
+    } else if (cs_a == 1) {
+        for (; k + VLEN <= kc; k += VLEN) {
+            V ar[FA_MR];
+            for (int r = 0; r < mr; ++r) ar[r] = VLOAD(a + r * rs_a + k);
+            FA_UKR_STEP_K(0) FA_UKR_STEP_K(1) FA_UKR_STEP_K(2) FA_UKR_STEP_K(3)
+            b += VLEN * ldb;
+        }
+    }
+#endif
+    for (; k < kc; ++k) {
         const V b0 = VLOAD(b), b1 = VLOAD(b + VLEN);
         const T *ak = a + k * cs_a;
         FA_UKR_ROW(0) FA_UKR_ROW(1) FA_UKR_ROW(2) FA_UKR_ROW(3)
@@ -60,6 +115,9 @@ FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
 }
 #undef FA_UKR_ROW
 #undef FA_UKR_STORE
+#undef FA_UKR_ROW_COL
+#undef FA_UKR_ROW_K
+#undef FA_UKR_STEP_K
 
 static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
                          const T *b, fa_idx ldb, T *c, fa_idx ldc, T alpha, int accumulate,
@@ -205,12 +263,13 @@ static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
 }
 
 /* dst[e * ld + j] = src[j * rs + e * cs] * scale for j < nq, e < n: a block
- * of rows, transposed and scaled; 8 x 8 float tiles go through registers. */
+ * of rows, transposed and scaled; square tiles go through registers (8 x 8
+ * floats on x86, VLEN x VLEN where the vector operations define VTILE_T). */
 static void FA_NAME(pack_t)(fa_idx nq, fa_idx n, const T *src, fa_idx rs, fa_idx cs, T scale,
                             T *dst, fa_idx ld, fa_idx ds)
 {
     fa_idx j0 = 0;
-#if FA_IS_F32
+#if FA_IS_F32 && FA_HAVE_X86_SIMD
     if (cs == 1 && ds == 1) {
         const __m256 sc = _mm256_set1_ps(scale);
         for (; j0 + 8 <= nq; j0 += 8)
@@ -236,6 +295,19 @@ static void FA_NAME(pack_t)(fa_idx nq, fa_idx n, const T *src, fa_idx rs, fa_idx
             }
         /* the remaining features of these full row groups */
         for (fa_idx e = n - n % 8; e < n; ++e)
+            for (fa_idx j = 0; j < j0; ++j) dst[e * ld + j] = src[j * rs + e] * scale;
+    }
+#elif defined(VTILE_T)
+    if (cs == 1 && ds == 1) {
+        const V sc = VSET1(scale);
+        for (; j0 + VLEN <= nq; j0 += VLEN)
+            for (fa_idx e0 = 0; e0 + VLEN <= n; e0 += VLEN) {
+                V r[VLEN];
+                for (int u = 0; u < VLEN; ++u) r[u] = VLOAD(src + (j0 + u) * rs + e0);
+                VTILE_T(r); /* r[u] is feature e0 + u of the VLEN rows */
+                for (int u = 0; u < VLEN; ++u) VSTORE(dst + (e0 + u) * ld + j0, VMUL(r[u], sc));
+            }
+        for (fa_idx e = n - n % VLEN; e < n; ++e)
             for (fa_idx j = 0; j < j0; ++j) dst[e * ld + j] = src[j * rs + e] * scale;
     }
 #endif
@@ -350,3 +422,5 @@ static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx 
 #undef VAS_I
 #undef VREDUCE
 #undef VSCALEF
+#undef VFMA_LANE
+#undef VTILE_T

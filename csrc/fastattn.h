@@ -17,6 +17,15 @@
 int fa_cpu_has_avx2_fma(void);
 /* 1 when they also support AVX-512 (foundation), else 0. */
 int fa_cpu_has_avx512(void);
+/* 1 on an aarch64 CPU with Advanced SIMD (NEON) and a build with the NEON
+ * path, else 0. */
+int fa_cpu_has_neon(void);
+/* 1 when that CPU also has half-precision arithmetic (ARMv8.2 FP16:
+ * FADD/FMLA on 8 halves), and when it has the BF16 dot products (BFDOT,
+ * BFMMLA); else 0.  No kernel uses them yet: they are what a reduced
+ * precision path on aarch64 would check. */
+int fa_cpu_has_neon_fp16(void);
+int fa_cpu_has_neon_bf16(void);
 
 /* ---- Blocked matrix product C = A B ------------------------------------ */
 

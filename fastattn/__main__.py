@@ -13,6 +13,10 @@ def info():
     print(f"fastattn {fastattn.__version__}")
     print(f"SIMD path: {fastattn.simd_path()} (available: "
           f"{', '.join(fastattn.available_simd_paths())}; set FASTATTN_SIMD to choose)")
+    if _core.cpu_has_neon():  # what a reduced-precision path would use; no kernel does yet
+        print(f"aarch64 half precision: fp16 arithmetic "
+              f"{'yes' if _core.cpu_has_neon_fp16() else 'no'}, bf16 dot products "
+              f"{'yes' if _core.cpu_has_neon_bf16() else 'no'} (not used by the kernels yet)")
     print(f"OpenMP: {'compiled in' if fastattn.openmp_enabled() else 'not compiled in (serial build)'}")
     print(f"threads: {fastattn.get_num_threads()}")
     print(f"query rows per block: {_core.attn_query_block(4)} (float32), "

@@ -45,6 +45,7 @@ cdef extern from "fastattn.h" nogil:
         FA_ISA_PORTABLE
         FA_ISA_AVX2
         FA_ISA_AVX512
+        FA_ISA_NEON
     ctypedef enum fa_mask_kind:
         FA_MASK_NONE
         FA_MASK_BOOL
@@ -64,6 +65,9 @@ cdef extern from "fastattn.h" nogil:
 
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
+    int fa_cpu_has_neon()
+    int fa_cpu_has_neon_fp16()
+    int fa_cpu_has_neon_bf16()
     fa_idx fa_gemm_mc(int elsize)
     fa_idx fa_gemm_nc(int elsize)
     size_t fa_gemm_work_bytes(int elsize)
@@ -115,6 +119,7 @@ DEF MAXDIM = 64
 ISA_PORTABLE = <int>FA_ISA_PORTABLE
 ISA_AVX2 = <int>FA_ISA_AVX2
 ISA_AVX512 = <int>FA_ISA_AVX512
+ISA_NEON = <int>FA_ISA_NEON
 MASK_NONE = <int>FA_MASK_NONE
 MASK_BOOL = <int>FA_MASK_BOOL
 MASK_ADD = <int>FA_MASK_ADD
@@ -127,6 +132,18 @@ def cpu_has_avx2_fma():
 
 def cpu_has_avx512():
     return bool(fa_cpu_has_avx512())
+
+
+def cpu_has_neon():
+    return bool(fa_cpu_has_neon())
+
+
+def cpu_has_neon_fp16():
+    return bool(fa_cpu_has_neon_fp16())
+
+
+def cpu_has_neon_bf16():
+    return bool(fa_cpu_has_neon_bf16())
 
 
 def have_openmp():

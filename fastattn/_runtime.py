@@ -13,7 +13,8 @@ from typing import Optional
 
 from . import _core
 
-_PATHS = {"portable": _core.ISA_PORTABLE, "avx2": _core.ISA_AVX2, "avx512": _core.ISA_AVX512}
+_PATHS = {"portable": _core.ISA_PORTABLE, "avx2": _core.ISA_AVX2, "avx512": _core.ISA_AVX512,
+          "neon": _core.ISA_NEON}
 SIMD_ENV = "FASTATTN_SIMD"
 
 
@@ -24,6 +25,8 @@ def available_simd_paths() -> list[str]:
         paths.append("avx2")
     if _core.cpu_has_avx512():
         paths.append("avx512")
+    if _core.cpu_has_neon():
+        paths.append("neon")
     return paths
 
 
@@ -41,7 +44,7 @@ def _choose_path(wanted: str, available: list[str]) -> tuple[str, Optional[str]]
     why = ("is not a SIMD path" if wanted not in _PATHS
            else "is a path this CPU or build cannot run")
     return widest, (f"{SIMD_ENV}={wanted!r} {why}; accepted: 'auto', 'portable', 'avx2', "
-                    f"'avx512' (this CPU runs {', '.join(available)}); using {widest!r}")
+                    f"'avx512', 'neon' (this CPU runs {', '.join(available)}); using {widest!r}")
 
 
 def _path_from_env() -> str:
@@ -59,17 +62,19 @@ MAX_THREADS = max(1024, os.cpu_count() or 1)
 
 
 def simd_path() -> str:
-    """Name of the instruction-set path in use: 'avx512', 'avx2' or 'portable'.
+    """Name of the instruction-set path in use: 'avx512', 'avx2' or 'portable'
+    on x86-64, 'neon' or 'portable' on aarch64.
 
     Chosen at import from the CPU's features (the widest it has), or forced
-    with the environment variable FASTATTN_SIMD=portable|avx2|avx512|auto.
+    with the environment variable FASTATTN_SIMD=portable|avx2|avx512|neon|auto.
     A value that is not a path, or a path this CPU cannot run, gives one
     RuntimeWarning at import and the widest path instead."""
     return _simd_path
 
 
 def set_simd_path(name: str) -> None:
-    """Switch the instruction-set path ('portable', 'avx2', 'avx512' or 'auto').
+    """Switch the instruction-set path ('portable', 'avx2', 'avx512', 'neon' or
+    'auto').
 
     Raises ValueError for an unknown name and RuntimeError for a path this
     CPU cannot run."""
@@ -80,8 +85,8 @@ def set_simd_path(name: str) -> None:
     if name == "auto":
         name = available_simd_paths()[-1]
     if name not in _PATHS:
-        raise ValueError(f"unknown SIMD path {name!r}: expected 'auto', 'portable', 'avx2' "
-                         "or 'avx512'")
+        raise ValueError(f"unknown SIMD path {name!r}: expected 'auto', 'portable', 'avx2', "
+                         "'avx512' or 'neon'")
     if name not in available_simd_paths():
         raise RuntimeError(f"SIMD path {name!r} is not available on this CPU or build")
     _simd_path = name

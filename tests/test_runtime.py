@@ -3,6 +3,7 @@ never stops the import (``fastattn info`` must still run to show what the
 CPU has).  OpenMP's idle threads spin briefly unless the user chose."""
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import tempfile
 import pytest
 
 import fastattn
-from fastattn import _runtime, _wait_policy
+from fastattn import _core, _runtime, _wait_policy
 
 # Imports fastattn recording every warning, and prints what it saw.
 IMPORT = """
@@ -40,12 +41,12 @@ def test_unknown_simd_env_warns_once_and_takes_the_widest(value):
     category, message = seen["warnings"][0]
     assert category == "RuntimeWarning"
     assert f"FASTATTN_SIMD={value.lower()!r} is not a SIMD path" in message
-    assert "accepted: 'auto', 'portable', 'avx2', 'avx512'" in message
+    assert "accepted: 'auto', 'portable', 'avx2', 'avx512', 'neon'" in message
     assert f"using {seen['path']!r}" in message
 
 
 def test_unavailable_simd_env_warns_once_and_takes_the_widest():
-    missing = [p for p in ("avx2", "avx512") if p not in fastattn.available_simd_paths()]
+    missing = [p for p in ("avx2", "avx512", "neon") if p not in fastattn.available_simd_paths()]
     if not missing:
         pytest.skip("this CPU runs every path (test_choose_path covers the case)")
     seen = import_with(missing[0])
@@ -67,6 +68,9 @@ def test_valid_simd_env_is_silent(value):
     ("avx2", ["portable", "avx2", "avx512"], "avx2", None),
     ("AUTO", ["portable", "avx2"], "avx2", None),
     ("avx", ["portable", "avx2"], "avx2", "'avx' is not a SIMD path"),
+    ("neon", ["portable", "avx2"], "avx2", "'neon' is a path this CPU or build cannot run"),
+    ("neon", ["portable", "neon"], "neon", None),
+    ("avx2", ["portable", "neon"], "neon", "'avx2' is a path this CPU or build cannot run"),
 ])
 def test_choose_path(wanted, available, path, warned):
     """The choice for a CPU with the given paths, whatever this one has."""
@@ -83,10 +87,26 @@ def test_set_simd_path_still_raises():
     """The explicit call keeps its errors: the caller asked for that path."""
     with pytest.raises(ValueError, match="unknown SIMD path 'avx3'"):
         fastattn.set_simd_path("avx3")
-    for p in ("avx2", "avx512"):
+    for p in ("avx2", "avx512", "neon"):
         if p not in fastattn.available_simd_paths():
             with pytest.raises(RuntimeError, match=f"SIMD path '{p}' is not available"):
                 fastattn.set_simd_path(p)
+
+
+def test_paths_follow_the_machine():
+    """x86-64 gets its AVX paths (where the CPU has them), aarch64 the NEON
+    path (every aarch64 CPU Linux runs on has Advanced SIMD), and neither
+    the other's; the half-precision features are reported only beside NEON."""
+    machine = platform.machine().lower()
+    paths = fastattn.available_simd_paths()
+    assert paths[0] == "portable"
+    if machine in ("aarch64", "arm64"):
+        assert paths == ["portable", "neon"] and fastattn.simd_path() in paths
+    else:
+        assert "neon" not in paths
+        assert not _core.cpu_has_neon_fp16() and not _core.cpu_has_neon_bf16()
+    if machine not in ("x86_64", "amd64"):
+        assert "avx2" not in paths and "avx512" not in paths
 
 
 # OpenMP's idle threads (fastattn/_wait_policy.py): libgomp reads

@@ -28,7 +28,7 @@ def _simd_paths(text):
     import fastattn
 
     known = fastattn.available_simd_paths()
-    names = _names(text, ["portable", "avx2", "avx512"], "SIMD path")
+    names = _names(text, ["portable", "avx2", "avx512", "neon"], "SIMD path")
     absent = [n for n in names if n not in known]
     if absent:
         raise argparse.ArgumentTypeError(

@@ -1,0 +1,98 @@
+/* Vector operations of the aarch64 NEON (Advanced SIMD) path for element
+ * type T (FA_IS_F32 selects float or double): 128-bit registers, 32 of them.
+ * The same names as fa_simd_avx2.h, plus the by-element multiply-add (FMLA
+ * Vd, Vn, Vm.S[lane]) and a VLEN x VLEN transpose that fa_prims_simd.h uses
+ * where they are defined.
+ *
+ * VMAX and VMIN keep the x86 rule (the second operand when either is NaN),
+ * which the micro-kernel's column maximum relies on to ignore NaN scores:
+ * NEON's FMAX propagates NaN and FMAXNM returns the number, so neither alone
+ * is the same; a compare and a bit select are. */
+#include <arm_neon.h>
+
+#if FA_IS_F32
+#define V float32x4_t
+#define VI int32x4_t
+#define VMASK uint32x4_t
+#define VLEN 4
+#define VZERO() vdupq_n_f32(0.0f)
+#define VSET1(x) vdupq_n_f32(x)
+#define VLOAD(p) vld1q_f32(p)
+#define VSTORE(p, x) vst1q_f32(p, x)
+#define VBCAST(p) vld1q_dup_f32(p)
+#define VADD(x, y) vaddq_f32(x, y)
+#define VSUB(x, y) vsubq_f32(x, y)
+#define VMUL(x, y) vmulq_f32(x, y)
+#define VDIV(x, y) vdivq_f32(x, y)
+#define VFMA(x, y, z) vfmaq_f32(z, x, y)
+#define VFNMA(x, y, z) vfmsq_f32(z, x, y)
+#define VFMA_LANE(c, b, a, lane) vfmaq_laneq_f32(c, b, a, lane) /* c + b * a[lane] */
+#define VMAX(x, y) vbslq_f32(vcgtq_f32(x, y), x, y)
+#define VMIN(x, y) vbslq_f32(vcltq_f32(x, y), x, y)
+#define VROUND(x) vrndnq_f32(x) /* to nearest, ties to even */
+#define VEQ(x, y) vceqq_f32(x, y)
+#define VLT(x, y) vcltq_f32(x, y) /* false when either is NaN */
+#define VBLEND(x, y, m) vbslq_f32(m, y, x)
+#define VCVTI(x) vcvtnq_s32_f32(x)
+#define VI_SET1(x) vdupq_n_s32(x)
+#define VI_ADD(x, y) vaddq_s32(x, y)
+#define VI_SUB(x, y) vsubq_s32(x, y)
+#define VI_SRAI(x, k) vshrq_n_s32(x, k)
+#define VI_SRLI(x, k) vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_s32(x), k))
+#define VI_SLLI(x, k) vshlq_n_s32(x, k)
+#define VI_AS(x) vreinterpretq_f32_s32(x)
+#define VAS_I(x) vreinterpretq_s32_f32(x)
+#define VREDUCE(x) vaddvq_f32(x) /* pairwise: (x0 + x1) + (x2 + x3) */
+#define VTILE_T(r) fa_neon_transpose_f32(r)
+#ifndef FA_NEON_TRANSPOSE_F32
+#define FA_NEON_TRANSPOSE_F32
+/* r[u] = column u of the 4 x 4 tile whose rows were r[0..3] */
+static FA_ALWAYS_INLINE void fa_neon_transpose_f32(float32x4_t r[4])
+{
+    const float32x4_t t0 = vtrn1q_f32(r[0], r[1]), t1 = vtrn2q_f32(r[0], r[1]);
+    const float32x4_t t2 = vtrn1q_f32(r[2], r[3]), t3 = vtrn2q_f32(r[2], r[3]);
+    r[0] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+    r[1] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+    r[2] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+    r[3] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+}
+#endif
+#else
+#define V float64x2_t
+#define VI int64x2_t
+#define VMASK uint64x2_t
+#define VLEN 2
+#define VZERO() vdupq_n_f64(0.0)
+#define VSET1(x) vdupq_n_f64(x)
+#define VLOAD(p) vld1q_f64(p)
+#define VSTORE(p, x) vst1q_f64(p, x)
+#define VBCAST(p) vld1q_dup_f64(p)
+#define VADD(x, y) vaddq_f64(x, y)
+#define VSUB(x, y) vsubq_f64(x, y)
+#define VMUL(x, y) vmulq_f64(x, y)
+#define VDIV(x, y) vdivq_f64(x, y)
+#define VFMA(x, y, z) vfmaq_f64(z, x, y)
+#define VFNMA(x, y, z) vfmsq_f64(z, x, y)
+#define VFMA_LANE(c, b, a, lane) vfmaq_laneq_f64(c, b, a, lane)
+#define VMAX(x, y) vbslq_f64(vcgtq_f64(x, y), x, y)
+#define VMIN(x, y) vbslq_f64(vcltq_f64(x, y), x, y)
+#define VROUND(x) vrndnq_f64(x)
+#define VTRUNC(x) vrndq_f64(x) /* toward zero */
+#define VEQ(x, y) vceqq_f64(x, y)
+#define VLT(x, y) vcltq_f64(x, y)
+#define VBLEND(x, y, m) vbslq_f64(m, y, x)
+#define VI_SLLI(x, k) vshlq_n_s64(x, k)
+#define VI_AS(x) vreinterpretq_f64_s64(x)
+#define VAS_I(x) vreinterpretq_s64_f64(x)
+#define VREDUCE(x) vaddvq_f64(x)
+#define VTILE_T(r) fa_neon_transpose_f64(r)
+#ifndef FA_NEON_TRANSPOSE_F64
+#define FA_NEON_TRANSPOSE_F64
+static FA_ALWAYS_INLINE void fa_neon_transpose_f64(float64x2_t r[2])
+{
+    const float64x2_t t0 = vtrn1q_f64(r[0], r[1]);
+    r[1] = vtrn2q_f64(r[0], r[1]);
+    r[0] = t0;
+}
+#endif
+#endif
