@@ -22,8 +22,12 @@ from fastattn import reference as ref
 # Property tests (test_properties.py): "ci", the default, is bounded and
 # derandomized, so that every CI run draws the same examples; "thorough"
 # draws many more, at random.  Choose with pytest --hypothesis-profile=NAME
-# (or FASTATTN_HYPOTHESIS_PROFILE=NAME).
+# (or FASTATTN_HYPOTHESIS_PROFILE=NAME).  "emulated" is "ci" with a tenth of
+# the examples, for .ci/aarch64.sh: under qemu every example costs some 30
+# times as much, and the whole "ci" set alone would take over half an hour.
 settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None,
+                          print_blob=True)
+settings.register_profile("emulated", max_examples=30, derandomize=True, deadline=None,
                           print_blob=True)
 settings.register_profile("thorough", max_examples=3000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("FASTATTN_HYPOTHESIS_PROFILE", "ci"))
