@@ -100,6 +100,31 @@ def test_strided_views(simd, dtype, rng):
     check_attention(q, k, v, dtype, attn_mask=rng.random((L, S)) > 0.3)
 
 
+@pytest.mark.parametrize("mask", [False, True])
+def test_block_kernel_same_bits_in_every_layout(simd, dtype, rng, mask):
+    """The block kernel (more than 4 query rows) reads K and V in place: rows
+    of features (contiguous), columns (the transpose: feature stride S), and
+    every other feature.  The micro-kernel takes a different load for each
+    (on NEON: lanes along the features, lanes down a column, a broadcast),
+    and each must give the bits of the contiguous copy, and the weights too."""
+    L, S, E, Ev = 70, 150, 40, 24  # E >= 32: a score summed in two halves
+    q = rng.standard_normal((L, E)).astype(dtype)
+    k = rng.standard_normal((S, E)).astype(dtype)
+    v = rng.standard_normal((S, Ev)).astype(dtype)
+    kw = {"attn_mask": rng.random((L, S)) > 0.2} if mask else {}
+    want, w_want = fastattn.scaled_dot_product_attention(q, k, v, need_weights=True, **kw)
+    check_attention(q, k, v, dtype, **kw)
+    views = {"columns": lambda x: np.ascontiguousarray(x.T).T,
+             "strided": lambda x: np.repeat(x, 2, axis=-1)[:, ::2]}
+    for kname, kview in views.items():
+        for vname, vview in views.items():
+            kk, vv = kview(k), vview(v)
+            assert np.array_equal(kk, k) and np.array_equal(vv, v)
+            got, w = fastattn.scaled_dot_product_attention(q, kk, vv, need_weights=True, **kw)
+            assert got.tobytes() == want.tobytes(), (kname, vname)
+            assert w.tobytes() == w_want.tobytes(), (kname, vname)
+
+
 def test_fully_masked_rows_give_zeros(simd, dtype, rng):
     q, k, v = attn_case(rng, dtype, (2, 9, 8), (2, 140, 8), (2, 140, 5))
     mask = rng.random((2, 9, 140)) > 0.5
