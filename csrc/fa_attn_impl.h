@@ -158,7 +158,6 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     if (plain) return 1;
 
     if (a->softcap > 0) FA_NAME(softcap)(a, nk * ld, st);
-    const T slope = -(T)a->alibi_slope;
     for (fa_idx r = 0; r < nk; ++r) {
         T *z = st + r * ld;
         const fa_idx key = s0 + r;
@@ -170,13 +169,8 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
             /* -inf hides the key whatever the score, even a NaN one */
             for (fa_idx j = 0; j < ld; ++j) z[j] = b[j] == ninf ? ninf : z[j] + b[j];
         }
-        if (slope != 0) {
-            const fa_idx d0 = i0 + a->causal_offset - key; /* i' - key for column 0 */
-            for (fa_idx j = 0; j < ld; ++j) {
-                const fa_idx d = d0 + j;
-                z[j] = z[j] + slope * (T)(d < 0 ? -d : d);
-            }
-        }
+        if (a->alibi_slope != 0)
+            for (fa_idx j = 0; j < ld; ++j) z[j] = z[j] + FA_NAME(alibi)(a, i0 + j, key);
         if (edge) { /* the rows that see this key: key_lo(i) <= key <= key_hi(i) */
             fa_idx j = 0;
             for (; j < ld && key > FA_NAME(key_hi)(a, i0 + j); ++j) z[j] = ninf;

@@ -28,10 +28,10 @@ def window(window_size: object, L: int, S: int) -> tuple[int, int]:
             not all(isinstance(w, numbers.Integral) and not isinstance(w, (bool, np.bool_))
                     for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
+    left, right = int(window_size[0]), int(window_size[1])
     if left < -1 or right < -1:
         raise ValueError(f"window_size must hold ints >= -1 (-1: unbounded), got ({left}, {right})")
-    return tuple(-1 if w >= L + S else w for w in (left, right))  # type: ignore[return-value]
+    return (-1 if left >= L + S else left), (-1 if right >= L + S else right)
 
 
 def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.float64]:
@@ -70,33 +70,4 @@ def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[A
     if slopes is not None and not slopes.any():
         slopes = None  # all zero: no bias
     return Variants(left, right, cap, slopes, sink)
-
-
-def merge_attention(outputs: Sequence[NDArray[Any]], lses: Sequence[NDArray[Any]]
-                    ) -> tuple[NDArray[Any], NDArray[Any]]:
-    """See fastattn.merge_attention."""
-    if not isinstance(outputs, (list, tuple)) or not isinstance(lses, (list, tuple)):
-        raise TypeError("outputs and lses must be lists (or tuples) of arrays")
-    if len(outputs) != len(lses) or not outputs:
-        raise ValueError(f"outputs and lses must be non-empty and of one length, got "
-                         f"{len(outputs)} and {len(lses)}")
-    outs = [C.require_array(o, f"outputs[{i}]") for i, o in enumerate(outputs)]
-    ls = [C.require_array(s, f"lses[{i}]") for i, s in enumerate(lses)]
-    dtype = C.common_float_dtype(**{f"outputs[{i}]": o for i, o in enumerate(outs)},
-                                 **{f"lses[{i}]": s for i, s in enumerate(ls)})
-    shape = outs[0].shape
-    for i, (o, s) in enumerate(zip(outs, ls)):
-        if o.ndim < 1 or o.shape != shape or s.shape != shape[:-1]:
-            raise ValueError(f"outputs[{i}] has shape {C.shape_str(o.shape)} and lses[{i}] "
-                             f"{C.shape_str(s.shape)}; expected {C.shape_str(shape)} and "
-                             f"{C.shape_str(shape[:-1])} (the rows of every part alike)")
-    lse = np.stack(ls)                                   # (P, ..., L)
-    with np.errstate(invalid="ignore"):                  # -inf - -inf: the where below
-        m = lse.max(axis=0)                              # NaN when a part's row is NaN
-        factor = np.exp(lse - np.where(m == -np.inf, 0, m))   # 0 for an empty part
-        total = factor.sum(axis=0)
-        parts = np.where(factor[..., None] == 0, 0, factor[..., None] * np.stack(outs))
-        out = parts.sum(axis=0) / np.where(total == 0, 1, total)[..., None]
-        merged = np.where(total == 0, -np.inf, m + np.log(np.where(total == 0, 1, total)))
-    return out.astype(dtype, copy=False), merged.astype(dtype, copy=False)
 

@@ -318,7 +318,9 @@ def scaled_dot_product_attention(
     offset = S - L if causal_alignment == "lower_right" else 0
     if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal,
-                        offset, scale, nthreads, *variants, lse)
+                        offset, scale, nthreads, window_left=variants.window_left,
+                        window_right=variants.window_right, softcap=variants.softcap,
+                        slopes=variants.slopes, sinks=variants.sinks, lse=lse)
     results = (out,) + tuple(x for x in (weights, lse) if x is not None)
     return results[0] if len(results) == 1 else results  # type: ignore[return-value]
 
@@ -355,4 +357,28 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
     ValueError
         Empty lists, lists of different lengths, or shapes that differ.
     """
-    return _variants.merge_attention(outputs, lses)
+    if not isinstance(outputs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError("outputs and lses must be lists (or tuples) of arrays")
+    if len(outputs) != len(lses) or not outputs:
+        raise ValueError(f"outputs and lses must be non-empty and of one length, got "
+                         f"{len(outputs)} and {len(lses)}")
+    outs = [C.require_array(o, f"outputs[{i}]") for i, o in enumerate(outputs)]
+    ls = [C.require_array(s, f"lses[{i}]") for i, s in enumerate(lses)]
+    dtype = C.common_float_dtype(**{f"outputs[{i}]": o for i, o in enumerate(outs)},
+                                 **{f"lses[{i}]": s for i, s in enumerate(ls)})
+    shape = outs[0].shape
+    for i, (o, s) in enumerate(zip(outs, ls)):
+        if o.ndim < 1 or o.shape != shape or s.shape != shape[:-1]:
+            raise ValueError(f"outputs[{i}] has shape {C.shape_str(o.shape)} and lses[{i}] "
+                             f"{C.shape_str(s.shape)}; expected {C.shape_str(shape)} and "
+                             f"{C.shape_str(shape[:-1])} (the rows of every part alike)")
+    lse = np.stack(ls)                                   # (P, ..., L)
+    with np.errstate(invalid="ignore"):                  # -inf - -inf: the where below
+        m = lse.max(axis=0)                              # NaN when a part's row is NaN
+        factor = np.exp(lse - np.where(m == -np.inf, 0, m))   # 0 for an empty part
+        total = factor.sum(axis=0)
+        parts = np.where(factor[..., None] == 0, 0, factor[..., None] * np.stack(outs))
+        out = parts.sum(axis=0) / np.where(total == 0, 1, total)[..., None]
+        merged = np.where(total == 0, -np.inf, m + np.log(np.where(total == 0, 1, total)))
+    return out.astype(dtype, copy=False), merged.astype(dtype, copy=False)
+
