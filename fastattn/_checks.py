@@ -51,10 +51,17 @@ def require_ndim(x: NDArray[Any], name: str, min_ndim: int, layout: str) -> None
                          f"got shape {shape_str(x.shape)}")
 
 
+def is_half(dtype: np.dtype[Any]) -> bool:
+    """float16, or bfloat16 (ml_dtypes' dtype, the one JAX and PyTorch's
+    converters use): stored in 16 bits, computed in float32."""
+    return dtype == np.float16 or (dtype.name == "bfloat16" and dtype.itemsize == 2)
+
+
 def unsupported_float_hint(dtype: np.dtype[Any], name: str) -> str:
-    """The fix for a half-precision array, to end a dtype error ('' otherwise)."""
-    if dtype.name in ("float16", "bfloat16"):
-        return f"; {dtype.name} is not supported yet: pass {name}.astype(np.float32)"
+    """The fix for a half-precision array where only float32 and float64 are
+    taken, to end a dtype error ('' otherwise)."""
+    if is_half(dtype):
+        return f"; {dtype.name} is taken by the attention functions only: pass {name}.astype(np.float32)"
     return ""
 
 
@@ -64,21 +71,43 @@ def common_float_dtype(**arrays: NDArray[Any]) -> np.dtype[Any]:
         if a.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {a.dtype}; expected float32 or float64 "
                             f"(native byte order){unsupported_float_hint(a.dtype, name)}")
+    return _one_dtype(arrays, "float32 or float64")
+
+
+def attention_dtype(**arrays: NDArray[Any]) -> np.dtype[Any]:
+    """The one dtype of the arrays of an attention call: float32, float64,
+    float16 or bfloat16 (native byte order)."""
+    for name, a in arrays.items():
+        if a.dtype not in FLOAT_DTYPES and not (is_half(a.dtype) and a.dtype.isnative):
+            raise TypeError(f"{name} has dtype {a.dtype}; expected float32, float64, float16 or "
+                            "bfloat16 (native byte order)")
+    return _one_dtype(arrays, "float32, float64, float16 or bfloat16")
+
+
+def _one_dtype(arrays: Mapping[str, NDArray[Any]], allowed: str) -> np.dtype[Any]:
     dtypes = {a.dtype for a in arrays.values()}
     if len(dtypes) > 1:
         seen = ", ".join(f"{n} {a.dtype}" for n, a in arrays.items())
-        raise TypeError(f"dtypes differ ({seen}); pass arrays of one dtype, float32 or float64")
+        raise TypeError(f"dtypes differ ({seen}); pass arrays of one dtype, {allowed}")
     return dtypes.pop()
 
 
-def check_float_dtype(dtype: DTypeLike, name: str) -> np.dtype[Any]:
-    """numpy.dtype(dtype) when it is float32 or float64, else a TypeError."""
+def compute_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype the kernels compute an array of this dtype in."""
+    return np.dtype(np.float32) if is_half(dtype) else dtype
+
+
+def check_float_dtype(dtype: DTypeLike, name: str, half: bool = False) -> np.dtype[Any]:
+    """numpy.dtype(dtype) when it is float32 or float64 (or, with half,
+    float16 or bfloat16), else a TypeError."""
     try:
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
-    if dt is None or dt not in FLOAT_DTYPES:  # (a dtype compares equal to None: float64)
-        raise TypeError(f"{name} must be float32 or float64, got {dtype!r}")
+    # (a dtype compares equal to None: float64)
+    if dt is None or not (dt in FLOAT_DTYPES or (half and is_half(dt) and dt.isnative)):
+        allowed = "float32, float64, float16 or bfloat16" if half else "float32 or float64"
+        raise TypeError(f"{name} must be {allowed}, got {dtype!r}")
     return dt
 
 

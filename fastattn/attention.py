@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, Sequence, Union, overload
+from typing import Any, Literal, NamedTuple, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -17,6 +17,8 @@ Result = Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]],
 
 _ALIGNMENTS = {"upper_left", "lower_right"}
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
+# how the kernels read 16-bit inputs (converted to float32 a tile at a time)
+_STORE = {"float16": _core.STORE_F16, "bfloat16": _core.STORE_BF16}
 
 
 def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
@@ -229,10 +231,35 @@ def scaled_dot_product_attention(
 
     The caller's arrays are never modified.
     """
+    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      causal_alignment, need_weights, return_lse, window_size, alibi_slopes,
+                      softcap, sinks, out, num_threads)
+
+
+class StoredKV(NamedTuple):
+    """How a KVCache stores its keys and values when not in query's dtype:
+    the kernels' storage kind (_core.STORE_*) and, for int8, the float32
+    scale of every row, shaped like key and value without their last axis."""
+    store: int
+    key_scale: Optional[NDArray[np.float32]] = None
+    value_scale: Optional[NDArray[np.float32]] = None
+
+
+def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
+               attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
+               scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
+               need_weights: bool, return_lse: bool, window_size: Optional[tuple[int, int]],
+               alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
+               sinks: Optional[NDArray[Any]], out: Optional[NDArray[Any]],
+               num_threads: Optional[int], stored: Optional[StoredKV] = None) -> Result[Any]:
+    """scaled_dot_product_attention's work; with stored, key and value are a
+    KVCache's buffers in that storage (query's dtype is then the only one
+    checked)."""
     for name, a in (("query", query), ("key", key), ("value", value)):
         C.require_array(a, name)
         C.require_ndim(a, name, 2, "(..., length, features)")
-    dtype = C.common_float_dtype(query=query, key=key, value=value)
+    dtype = (C.attention_dtype(query=query, key=key, value=value) if stored is None
+             else C.attention_dtype(query=query))
     L, E = query.shape[-2:]
     S, Ek = key.shape[-2:]
     Sv, Ev = value.shape[-2:]
@@ -291,7 +318,8 @@ def scaled_dot_product_attention(
                                ("the output", batch + (L, Ev)),
                                ("the attention scores (..., Hq, L, S)", batch + (L, S))],
                               dtype.itemsize)
-    kind, mask = C.mask_kind_and_array(attn_mask, dtype, "attn_mask")
+    compute = C.compute_dtype(dtype)  # float32 for the 16-bit dtypes
+    kind, mask = C.mask_kind_and_array(attn_mask, compute, "attn_mask")
     if mask is not None:
         target = batch + (L, S)
         try:
@@ -305,23 +333,35 @@ def scaled_dot_product_attention(
 
     out_shape = batch + (L, Ev)
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
-    if out is None:
-        out = np.empty(out_shape, dtype)
-    else:
+    if out is not None:
         C.check_out(out, out_shape, dtype, inputs)
-    weights = np.empty(batch + (L, S), dtype) if weights_wanted else None
-    lse = np.empty(batch + (L,), dtype) if lse_wanted else None
+    # the kernels write float32 for 16-bit inputs, rounded to them at the end
+    result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
+    weights = np.empty(batch + (L, S), compute) if weights_wanted else None
+    lse = np.empty(batch + (L,), compute) if lse_wanted else None
 
     q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
     k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, E))
     v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, Ev))
     offset = S - L if causal_alignment == "lower_right" else 0
-    if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
-        _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal,
+    store = _STORE.get(dtype.name, _core.STORE_NATIVE) if compute != dtype else _core.STORE_NATIVE
+    kv_store, k_scale, v_scale = store, None, None
+    if stored is not None:
+        kv_store = stored.store
+        if stored.key_scale is not None and stored.value_scale is not None:
+            k_scale = C.broadcast_view(stored.key_scale, kv_batch + (S,))
+            v_scale = C.broadcast_view(stored.value_scale, kv_batch + (S,))
+    if result.size or (weights is not None and weights.size) or (lse is not None and lse.size):
+        _core.attention(_runtime.isa(), q, k, v, mask, kind, result, weights, group, causal,
                         offset, scale, nthreads, window_left=variants.window_left,
                         window_right=variants.window_right, softcap=variants.softcap,
-                        slopes=variants.slopes, sinks=variants.sinks, lse=lse)
-    results = (out,) + tuple(x for x in (weights, lse) if x is not None)
+                        slopes=variants.slopes, sinks=variants.sinks, lse=lse,
+                        q_store=store, kv_store=kv_store, k_scale=k_scale, v_scale=v_scale)
+    if out is None:
+        out = result.astype(dtype, copy=False)
+    elif result is not out:
+        np.copyto(out, result, casting="same_kind")
+    results = (out,) + tuple(x.astype(dtype, copy=False) for x in (weights, lse) if x is not None)
     return results[0] if len(results) == 1 else results  # type: ignore[return-value]
 
 
