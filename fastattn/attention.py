@@ -362,7 +362,7 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     elif result is not out:
         np.copyto(out, result, casting="same_kind")
     results = (out,) + tuple(x.astype(dtype, copy=False) for x in (weights, lse) if x is not None)
-    return results[0] if len(results) == 1 else results  # type: ignore[return-value]
+    return results[0] if len(results) == 1 else results
 
 
 def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Float]]

@@ -25,7 +25,8 @@ def _storage_dtype(storage: str) -> np.dtype[Any]:
         except ImportError:
             raise ImportError("storage='bfloat16' needs the ml_dtypes package "
                               "(pip install ml_dtypes)") from None
-        return np.dtype(ml_dtypes.bfloat16)
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
     return np.dtype(_STORAGES[storage][0])
 
 
@@ -105,7 +106,7 @@ class KVCache:
         dtype = C.check_float_dtype(dtype, "dtype")
         storage = dtype.name if storage is None else storage
         allowed = ("float64",) if dtype == np.float64 else ("float32", "float16", "bfloat16", "int8")
-        if not isinstance(storage, str) or storage not in allowed:
+        if storage not in allowed:  # (also what is not a str)
             raise ValueError(f"storage must be one of {', '.join(map(repr, allowed))} for a "
                              f"{dtype.name} KVCache, got {storage!r}")
         stored = _storage_dtype(storage)
