@@ -298,6 +298,13 @@ int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, cons
     return 0;
 }
 
+int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
+{
+    if (n < 0 || (st != FA_STORE_F16 && st != FA_STORE_BF16)) return -1;
+    FA_DISPATCH(isa, narrow, f32, (st, n, x, y));
+    return 0;
+}
+
 void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
 {
     FA_DISPATCH(isa, exp_array, f32, (n, x, y));

@@ -68,6 +68,18 @@
                                              T *w, fa_idx i0, fa_idx i1, void *work);      \
     void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y);
 
+#define FA_DECLARE_NARROW(ISA) \
+    void FA_CAT4(fa, narrow, f32, ISA)(fa_store st, fa_idx n, const float *x, void *y);
+
+FA_DECLARE_NARROW(portable)
+#if FA_HAVE_X86_SIMD
+FA_DECLARE_NARROW(avx2)
+FA_DECLARE_NARROW(avx512)
+#endif
+#if FA_HAVE_NEON
+FA_DECLARE_NARROW(neon)
+#endif
+
 FA_DECLARE(float, f32, portable)
 FA_DECLARE(double, f64, portable)
 #if FA_HAVE_X86_SIMD

@@ -108,3 +108,16 @@ static FA_NAME(tile) FA_NAME(value_tile)(const fa_attn_args *a, const void *v, f
     return FA_NAME(load_tile)(a, v, a->v_ss, a->v_es, a->Ev, a->v_scale, a->vsc_s, s0, nk, panel,
                               FA_PAD(a->Ev, (fa_idx)sizeof(T)));
 }
+
+#if FA_IS_F32
+/* The other way, for outputs: y[0..n) = x[0..n) rounded to nearest-even F16
+ * or BF16 (contiguous). */
+void FA_NAME(narrow)(fa_store st, fa_idx n, const float *x, void *y)
+{
+    if (st == FA_STORE_F16) {
+        FA_NAME(narrow_f16)(n, x, (uint16_t *)y);
+        return;
+    }
+    for (fa_idx j = 0; j < n; ++j) ((uint16_t *)y)[j] = fa_f32_bf16(x[j]);
+}
+#endif

@@ -194,6 +194,14 @@ static void FA_NAME(vtanh)(fa_idx n, const T *x, T *y)
     for (fa_idx j = 0; j < n; ++j) y[j] = (T)tanh((double)x[j]);
 }
 
+#if FA_IS_F32
+/* y[0..n) = x[0..n) rounded to nearest-even binary16 */
+static void FA_NAME(narrow_f16)(fa_idx n, const float *x, uint16_t *y)
+{
+    for (fa_idx j = 0; j < n; ++j) y[j] = fa_f32_f16(x[j]);
+}
+#endif
+
 /* dst[0..n) = a contiguous row stored as st, as T */
 static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, const void *src, T *dst)
 {

@@ -350,6 +350,16 @@ static FA_ALWAYS_INLINE V FA_NAME(vload_st)(const fa_store st, const void *p, fa
     return VLOAD((const T *)p + i);
 }
 
+#if FA_IS_F32
+/* y[0..n) = x[0..n) rounded to nearest-even binary16 */
+static void FA_NAME(narrow_f16)(fa_idx n, const float *x, uint16_t *y)
+{
+    fa_idx j = 0;
+    for (; j + VLEN <= n; j += VLEN) VSTORE_F16(y + j, VLOAD(x + j));
+    for (; j < n; ++j) y[j] = fa_f32_f16(x[j]);
+}
+#endif
+
 /* dst[0..n) = a contiguous row stored as st, as T */
 static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, const void *src, T *dst)
 {
@@ -453,6 +463,7 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
 #undef VLOAD_F16
 #undef VLOAD_BF16
 #undef VLOAD_I8
+#undef VSTORE_F16
 #undef VSCALEF
 #undef VFMA_LANE
 #undef VTILE_T

@@ -51,6 +51,8 @@
 #define VLOAD_F16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
 #define VLOAD_BF16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
 #define VLOAD_I8(p) fa_neon_load_i8(p)
+/* VLEN floats rounded to nearest-even binary16 and stored */
+#define VSTORE_F16(p, x) vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))) /* FPCR: nearest-even */
 #ifndef FA_NEON_LOAD_I8
 #define FA_NEON_LOAD_I8
 static FA_ALWAYS_INLINE float32x4_t fa_neon_load_i8(const int8_t *p)

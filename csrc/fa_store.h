@@ -32,6 +32,38 @@ static inline float fa_f16_f32(uint16_t h)
 /* bfloat16: the upper 16 bits of a float. */
 static inline float fa_bf16_f32(uint16_t b) { return fa_bits_f32((uint32_t)b << 16); }
 
+/* A float rounded to nearest-even binary16: subnormals, overflow to inf
+ * (from 65520 up) and NaN (kept NaN, quiet) as IEEE 754 says. */
+static inline uint16_t fa_f32_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520, inf included */
+    if (a < 0x38800000u) { /* below 2^-14: a multiple of 2^-24 */
+        if (a < 0x33000000u) return (uint16_t)sign; /* below 2^-25 */
+        const uint32_t shift = 126 - (a >> 23), m = (a & 0x7fffffu) | 0x800000u;
+        const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        uint32_t r = m >> shift;
+        r += rest > half || (rest == half && (r & 1u));
+        return (uint16_t)(sign | r);
+    }
+    uint32_t h = (a - 0x38000000u) >> 13; /* exponent 127 -> 15, 10 fraction bits */
+    const uint32_t rest = a & 0x1fffu;
+    h += rest > 0x1000u || (rest == 0x1000u && (h & 1u)); /* a carry steps the exponent */
+    return (uint16_t)(sign | h);
+}
+
+/* A float rounded to nearest-even bfloat16; NaN kept NaN (quiet). */
+static inline uint16_t fa_f32_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 /* Element i of a row stored as st (not NATIVE), as float. */
 static inline float fa_store_get(fa_store st, const void *p, fa_idx i)
 {

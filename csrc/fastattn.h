@@ -161,6 +161,13 @@ int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, cons
                         const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                         void *work);
 
+/* ---- Outputs in 16 bits ------------------------------------------------- */
+
+/* y[0..n) = x[0..n) rounded to nearest-even F16 or BF16 (st), both
+ * contiguous: a float32 result returned in its inputs' 16-bit dtype.
+ * Returns 0, or -1 for another st or n < 0. */
+int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
+
 /* ---- The exp used by softmax (error bound: fa_exp_consts.h) ------------ */
 
 void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y);

@@ -120,6 +120,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                             const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                             void *work)
+    int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
     void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y)
 
@@ -863,6 +864,26 @@ def merge_heads(cnp.ndarray x, cnp.ndarray out, int nthreads):
         merge_heads_loop[float](x, out, nthreads)
     else:
         merge_heads_loop[double](x, out, nthreads)
+
+
+def narrow(int isa, int store, cnp.ndarray x, cnp.ndarray out, int nthreads):
+    """out (16-bit, stored as store) = x (float32) rounded to nearest-even;
+    both C-contiguous, of one size."""
+    DEF CHUNK = 65536
+    cdef fa_idx n = x.size, nchunks = (n + CHUNK - 1) // CHUNK, c, lo
+    cdef const float *src = <const float *>cnp.PyArray_DATA(x)
+    cdef char *dst = <char *>cnp.PyArray_DATA(out)
+    cdef int err = 0
+    cdef int *errp = &err
+    if nchunks == 0:
+        return
+    with nogil:
+        for c in prange(nchunks, schedule="static", num_threads=min(nthreads, nchunks)):
+            lo = c * CHUNK
+            if fa_narrow_f32(<fa_isa>isa, <fa_store>store, min(CHUNK, n - lo), src + lo,
+                             dst + 2 * lo) != 0:
+                errp[0] = 2
+    raise_on(err, "narrow")
 
 
 def exp(int isa, cnp.ndarray x, cnp.ndarray out):

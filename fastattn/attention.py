@@ -357,12 +357,24 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
                         window_right=variants.window_right, softcap=variants.softcap,
                         slopes=variants.slopes, sinks=variants.sinks, lse=lse,
                         q_store=store, kv_store=kv_store, k_scale=k_scale, v_scale=v_scale)
-    if out is None:
-        out = result.astype(dtype, copy=False)
-    elif result is not out:
-        np.copyto(out, result, casting="same_kind")
-    results = (out,) + tuple(x.astype(dtype, copy=False) for x in (weights, lse) if x is not None)
+    half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
+    out = narrow(result, dtype, nthreads, out) if half else result
+    results = (out,) + tuple(narrow(x, dtype, nthreads) if half else x
+                             for x in (weights, lse) if x is not None)
     return results[0] if len(results) == 1 else results
+
+
+def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,
+           out: Optional[NDArray[Any]] = None) -> NDArray[Any]:
+    """x (float32) rounded to nearest-even dtype (float16 or bfloat16), into
+    out when given: what NumPy's and ml_dtypes' astype give, on the threads."""
+    x = np.ascontiguousarray(x)
+    y = out if out is not None and out.flags.c_contiguous else np.empty(x.shape, dtype)
+    _core.narrow(_runtime.isa(), _STORE[dtype.name], x, y, nthreads)
+    if out is not None and y is not out:
+        np.copyto(out, y)
+        return out
+    return y
 
 
 def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Float]]

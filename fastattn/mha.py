@@ -9,7 +9,7 @@ import numpy as np
 from . import _checks as C
 from . import _masks, _runtime
 from ._typing import DTypeLike, MaskArray, NDArray
-from .attention import scaled_dot_product_attention
+from .attention import narrow, scaled_dot_product_attention
 from .kv_cache import KVCache
 from .ops import split_heads
 
@@ -427,12 +427,13 @@ class MultiHeadAttention:
                 num_threads=num_threads, **variants)
         w = self._weights
         output = _linear(concat, w["out_proj.weight"], w.get("out_proj.bias"))
-        output = output.astype(self.dtype, copy=False)
         weights = result[1] if isinstance(result, tuple) else None  # need_weights
         if weights is not None and average:
             weights = weights.mean(axis=1)
-        if weights is not None:
-            weights = weights.astype(self.dtype, copy=False)
+        if self._compute != self.dtype:  # rounded once to the layer's 16-bit dtype
+            nthreads = _runtime.resolve_threads(num_threads)
+            output = narrow(output, self.dtype, nthreads)
+            weights = None if weights is None else narrow(weights, self.dtype, nthreads)
         if not batched:
             return output[0], None if weights is None else weights[0]
         return output, weights

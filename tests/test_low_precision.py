@@ -67,6 +67,27 @@ def test_half_inputs_give_the_bits_of_their_float32_conversion(data):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+def test_outputs_are_rounded_as_numpy_rounds(simd, dtype):
+    """The kernels' float32 -> 16-bit rounding (nearest-even; subnormals,
+    overflow, NaN) gives NumPy's and ml_dtypes' bits: random bit patterns
+    and every float around the subnormal and overflow edges of float16."""
+    rng = np.random.default_rng(5)
+    bits = np.concatenate([
+        rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+        np.arange(0x32FFFFF0, 0x38800010, 97, dtype=np.uint32),   # 2**-25 .. 2**-14
+        np.arange(0x477FE000, 0x47801000, dtype=np.uint32),       # around 65504 .. 65536
+        np.array([0, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7F800001], np.uint32)])
+    bits = np.concatenate([bits, bits | 0x80000000])
+    x = bits.view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = x.astype(dtype)
+    got = fastattn.attention.narrow(x, dtype, 2)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got.view(np.uint16)[~nan], expected.view(np.uint16)[~nan])
+    assert np.isnan(got[nan].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
 @pytest.mark.parametrize("L,S,E", [(1, 4096, 64), (3, 300, 128), (70, 200, 64), (130, 130, 32)])
 def test_half_inputs_against_the_float64_reference(simd, dtype, L, S, E):
     rng = np.random.default_rng(L + S + E)
