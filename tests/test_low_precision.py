@@ -88,6 +88,30 @@ def test_outputs_are_rounded_as_numpy_rounds(simd, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+@pytest.mark.parametrize("L", [1, 5])  # the row kernel and the block kernel's tiles
+def test_every_16_bit_pattern_is_read_exactly(simd, dtype, L):
+    """All 65536 patterns, as values (one key of weight 1: the output is the
+    value row) and, the finite ones, as keys (one-hot queries: the score,
+    returned as the log-sum-exp of the one key, is the key element); rows
+    of 16, so that the vector loads convert them."""
+    pattern = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(dtype)
+    exact = pattern.astype(np.float32)
+    v = pattern.reshape(4096, 1, 1, 16)
+    q = np.zeros((4096, 1, L, 16), dtype)
+    out = sdpa(q, np.zeros((4096, 1, 1, 16), dtype), v, scale=1.0).astype(np.float32)
+    for row in np.moveaxis(out, 2, 0):
+        same = (row.reshape(-1) == exact) | (np.isnan(row.reshape(-1)) & np.isnan(exact))
+        assert same.all()
+    finite = pattern[np.isfinite(exact)]
+    k = np.zeros((finite.size, 1, 1, 16), dtype)
+    k[:, 0, 0, 3] = finite
+    q = np.zeros((finite.size, 1, L, 16), dtype)
+    q[..., 3] = 1
+    _, lse = sdpa(q, k, np.zeros_like(k), scale=1.0, return_lse=True)
+    np.testing.assert_array_equal(lse.astype(np.float32)[:, 0, 0], finite.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
 @pytest.mark.parametrize("L,S,E", [(1, 4096, 64), (3, 300, 128), (70, 200, 64), (130, 130, 32)])
 def test_half_inputs_against_the_float64_reference(simd, dtype, L, S, E):
     rng = np.random.default_rng(L + S + E)
