@@ -8,14 +8,16 @@ from typing import Any, Literal, Optional, Union, cast, overload
 import numpy as np
 
 from . import _checks as C
-from . import _core, _masks
+from . import _core, _masks, _runtime
 from ._typing import DTypeLike, Float, MaskArray, NDArray, Scalar
-from .attention import StoredKV, _attention
+from .attention import StoredKV, _attention, narrow
 
 # storage -> (its NumPy dtype's name, the kernels' kind)
 _STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _core.STORE_NATIVE),
              "float16": ("float16", _core.STORE_F16), "bfloat16": ("bfloat16", _core.STORE_BF16),
              "int8": ("int8", _core.STORE_I8)}
+
+_LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}  # their largest finite values
 
 
 def _storage_dtype(storage: str) -> np.dtype[Any]:
@@ -312,16 +314,13 @@ class KVCache:
         stored = self._key.dtype
         if stored == x.dtype:
             return x, None
-        if self._storage != "int8":
-            with np.errstate(over="ignore"):
-                y = x.astype(stored)
+        if self._storage != "int8":  # rounded as astype rounds, on the kernels' threads
+            y = narrow(x, stored, _runtime.resolve_threads(None))
             overflow = np.isfinite(x) & ~np.isfinite(y.astype(np.float32))
             if overflow.any():
-                bad = x[overflow].flat[0]
-                raise ValueError(f"{name} holds {bad}, beyond the range of this KVCache's "
-                                 f"{self._storage} storage (largest finite "
-                                 f"{float(np.finfo(np.float16).max) if stored == np.float16 else float(np.finfo(np.float32).max):g}); "
-                                 "use storage='float32'")
+                raise ValueError(f"{name} holds {x[overflow].flat[0]}, beyond the range of this "
+                                 f"KVCache's {self._storage} storage (largest finite "
+                                 f"{_LARGEST[self._storage]:g}); use storage='float32'")
             return y, None
         if not np.isfinite(x).all():
             raise ValueError(f"{name} holds a non-finite value, which int8 storage cannot hold; "
