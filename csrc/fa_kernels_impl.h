@@ -22,7 +22,6 @@ static FA_ALWAYS_INLINE T FA_NAME(st_get)(const fa_store st, const void *p, fa_i
 }
 
 #include FA_PRIMS
-#include "fa_load_impl.h"
 
 /* sum of x[0..n) in eight interleaved partial sums: vectorises without
  * reassociation and keeps the rounding error of long rows small */
@@ -49,6 +48,7 @@ static FA_ALWAYS_INLINE void FA_NAME(prefetch_row)(const T *x, fa_idx n, fa_idx 
     if (es == 1) FA_NAME(prefetch_bytes)(x, n * (fa_idx)sizeof(T));
 }
 
+#include "fa_load_impl.h"
 #include "fa_gemm_impl.h"
 #include "fa_softmax_impl.h"
 #include "fa_scores_impl.h"

@@ -9,7 +9,8 @@
  * dot product by its scale and a value row's weight by its scale, the block
  * kernel its converted tiles.
  *
- * Needs T, FA_NAME and the primitives cvt_body, dot_body, gemv_t_any. */
+ * Needs T, FA_NAME, prefetch_bytes and the primitives cvt_body, dot_body,
+ * gemv_t_any. */
 
 /* dst[0..n) = elements src[e * es] of a row stored as st, as T */
 static void FA_NAME(load_row)(fa_store st, fa_idx n, const void *src, fa_idx es, T *dst)
@@ -25,20 +26,45 @@ static void FA_NAME(load_row)(fa_store st, fa_idx n, const void *src, fa_idx es,
     for (fa_idx e = 0; e < n; ++e) dst[e] = FA_NAME(st_get)(st, src, e * es);
 }
 
-/* sum over c of x[c] * y[c], both contiguous, y stored as st */
-static T FA_NAME(dot_st)(fa_store st, fa_idx n, const T *x, const void *y)
+/* s[t * ld + r] = sum over c < n of x[t * ldx + c] * y_r[c], for the nq
+ * rows of x and the nr rows y_r = y + r * rs (each contiguous, stored as
+ * st): each row of y is read once for all the rows of x.  As row r is read,
+ * the cache is asked for pf_bytes of row r + ahead, for r < npf.  One loop
+ * for all the rows, so that its bounds and strides stay in registers. */
+static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_idx nr, fa_idx n,
+                                               const T *x, fa_idx ldx, const void *y,
+                                               fa_idx rs, T *s, fa_idx ld, fa_idx ahead,
+                                               fa_idx npf, fa_idx pf_bytes)
+{
+    const fa_idx rb = rs * FA_NAME(st_bytes)(st);
+    for (fa_idx r = 0; r < nr; ++r) {
+        const char *row = (const char *)y + r * rb;
+        if (r < npf) FA_NAME(prefetch_bytes)(row + ahead * rb, pf_bytes);
+        for (fa_idx t = 0; t < nq; ++t) s[t * ld + r] = FA_NAME(dot_body)(st, n, x + t * ldx, row);
+    }
+}
+
+static void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *x, fa_idx ldx,
+                          const void *y, fa_idx rs, T *s, fa_idx ld, fa_idx ahead, fa_idx npf,
+                          fa_idx pf_bytes)
 {
 #if FA_IS_F32
     switch (st) {
-    case FA_STORE_F16: return FA_NAME(dot_body)(FA_STORE_F16, n, x, y);
-    case FA_STORE_BF16: return FA_NAME(dot_body)(FA_STORE_BF16, n, x, y);
-    case FA_STORE_I8: return FA_NAME(dot_body)(FA_STORE_I8, n, x, y);
+    case FA_STORE_F16:
+        FA_NAME(dots_any)(FA_STORE_F16, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        return;
+    case FA_STORE_BF16:
+        FA_NAME(dots_any)(FA_STORE_BF16, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        return;
+    case FA_STORE_I8:
+        FA_NAME(dots_any)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        return;
     default: break;
     }
 #else
     (void)st;
 #endif
-    return FA_NAME(dot_body)(FA_STORE_NATIVE, n, x, y);
+    FA_NAME(dots_any)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
 }
 
 /* o[c] += sum over r < nk of p[r] * x[r * rs + c] (rows contiguous), for

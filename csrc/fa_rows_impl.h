@@ -58,19 +58,6 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
  * every layout of the same numbers goes through the same vector arithmetic:
  * results are bitwise the same whatever the strides. */
 
-/* Key row j as the dot products read it: in place when contiguous (stored
- * as *st), else copied into buf as T (*st = NATIVE). */
-static const void *FA_NAME(key_row)(const fa_attn_args *a, const void *k, fa_idx j, T *buf,
-                                    fa_store *st)
-{
-    const void *row = FA_NAME(st_at)(a->kv_store, k, j * a->k_ss);
-    *st = a->kv_store;
-    if (a->k_es == 1) return row;
-    FA_NAME(load_row)(a->kv_store, a->E, row, a->k_es, buf);
-    *st = FA_STORE_NATIVE;
-    return buf;
-}
-
 /* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB); an
  * int8 row's scale is folded into its weights (s is changed then). */
 static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq, fa_idx s0,
@@ -110,30 +97,36 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
 {
     T *s = w->s;
     const T scale = (T)a->scale;
-    const fa_idx row_bytes = a->E * FA_NAME(st_bytes)(a->kv_store); /* 0 when E = 0: nothing to fetch */
+    const fa_store st = a->kv_store;
+    const fa_idx row_bytes = a->E * FA_NAME(st_bytes)(st); /* 0 when E = 0: nothing to fetch */
     const fa_idx ahead = row_bytes == 0                   ? 0
                          : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
                                                          : 1;
-    for (fa_idx r = 0; r < nk; ++r) {
-        if (a->k_es == 1 && s0 + r + ahead < a->S) /* a contiguous key row, further on */
-            FA_NAME(prefetch_bytes)(FA_NAME(st_at)(a->kv_store, k, (s0 + r + ahead) * a->k_ss), row_bytes);
-        fa_store st;
-        const void *krow = FA_NAME(key_row)(a, k, s0 + r, w->gather, &st);
-        const T f = a->kv_store == FA_STORE_I8 ? (T)a->k_scale[(s0 + r) * a->ksc_s] : 1;
-        for (fa_idx t = 0; t < nq; ++t) {
-            const T d = FA_NAME(dot_st)(st, a->E, w->qs + t * FA_EP(a), krow);
-            s[t * FA_RB + r] = scale * (a->kv_store == FA_STORE_I8 ? f * d : d);
+    if (a->k_es == 1) { /* in place; rows further on asked for while these are read */
+        const fa_idx npf = a->S - s0 - ahead < 0 ? 0 : a->S - s0 - ahead;
+        FA_NAME(dots)(st, nq, nk, a->E, w->qs, FA_EP(a), FA_NAME(st_at)(st, k, s0 * a->k_ss),
+                      a->k_ss, s, FA_RB, ahead, npf < nk ? npf : nk, row_bytes);
+    } else { /* each key row copied contiguous first */
+        for (fa_idx r = 0; r < nk; ++r) {
+            FA_NAME(load_row)(st, a->E, FA_NAME(st_at)(st, k, (s0 + r) * a->k_ss), a->k_es,
+                              w->gather);
+            FA_NAME(dots)(FA_STORE_NATIVE, nq, 1, a->E, w->qs, FA_EP(a), w->gather, 0, s + r,
+                          FA_RB, 0, 0, 0);
         }
+    }
+    for (fa_idx r = 0; r < nk; ++r) { /* int8: times the row's scale */
+        const T f = st == FA_STORE_I8 ? (T)a->k_scale[(s0 + r) * a->ksc_s] : 1;
+        for (fa_idx t = 0; t < nq; ++t)
+            s[t * FA_RB + r] = scale * (st == FA_STORE_I8 ? f * s[t * FA_RB + r] : s[t * FA_RB + r]);
     }
     /* the rest of the per-score stage; nothing to do past the soft-cap
      * without a mask or ALiBi in a block the bounds leave whole */
     const int whole = a->mask_kind == FA_MASK_NONE && a->alibi_slope == 0 &&
                       s0 >= FA_NAME(key_lo)(a, i0 + nq - 1) && s0 + nk - 1 <= FA_NAME(key_hi)(a, i0);
     for (fa_idx t = 0; t < nq; ++t) {
-        T *st = s + t * FA_RB;
-        if (a->softcap > 0) FA_NAME(softcap)(a, nk, st);
-        for (fa_idx r = 0; !whole && r < nk; ++r)
-            st[r] = FA_NAME(modify)(a, mask, i0 + t, s0 + r, st[r]);
+        T *z = s + t * FA_RB;
+        if (a->softcap > 0) FA_NAME(softcap)(a, nk, z);
+        for (fa_idx r = 0; !whole && r < nk; ++r) z[r] = FA_NAME(modify)(a, mask, i0 + t, s0 + r, z[r]);
     }
 }
 
