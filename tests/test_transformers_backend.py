@@ -209,9 +209,9 @@ SLIDING_LAYER = {"mistral": {0, 1}, "qwen2": {1}, "gemma2": {0}, "gemma3": {1}, 
 def test_sliding_window_generate_matches_sdpa(kind, batch, cache, calls):
     """A window (5) shorter than the context (12 + 8): SDPA's tokens and logits
     (eager attention's for Gemma 2 and gpt-oss, whose soft-capping and sinks
-    SDPA lacks), every call on fastattn.  The prompt's sliding layers pass window_size=(4, 0), never a
-    dense mask; the one-token steps attend to the window the sliding cache
-    holds (5 keys), the full layers to every key."""
+    SDPA lacks), every call on fastattn.  The prompt's sliding layers pass
+    window_size=(4, 0), never a dense mask; the one-token steps attend to the
+    window the sliding cache holds (5 keys), the full layers to every key."""
     model = decoder(kind, **SLIDING[kind])
     ids, mask = prompts(batch)
     reference = "eager" if kind in ("gemma2", "gpt_oss") else "sdpa"
@@ -419,7 +419,7 @@ def test_sliding_window_mask(q_length, kv_length, q_offset, kv_offset, window, c
     query q when q - 5 < k <= q) becomes a CausalMask with window 4 (-1 when
     the window hides nothing at these positions) whose dense() is transformers'
     dense mask; attention on it, on a copy of it and its weights are those of
-    that dense mask."""
+    that dense mask, and so is SDPA's on the fallback path."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
     q, k, v = qkv(length=q_length, keys=kv_length, dtype=torch.float64)
     padding = torch.ones(2, q_offset + q_length, dtype=torch.bool)
@@ -451,6 +451,9 @@ def test_sliding_window_mask(q_length, kv_length, q_offset, kv_offset, window, c
         assert calls[-1]["key"].shape[2] == window + 1 and calls[-1]["window_size"] is None
     else:
         assert calls[-1]["window_size"] == (None if window < 0 else (window, 0))
+    with pytest.warns(hf.FastattnFallbackWarning, match="dropout"):  # SDPA on dense()
+        theirs, _ = hf.attention_forward(module, q, k, v, compact, dropout=1e-30)
+    torch.testing.assert_close(theirs[seen], ref, rtol=1e-14, atol=1e-14)
 
 
 def test_masks_that_stay_dense():
