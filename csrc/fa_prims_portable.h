@@ -226,8 +226,9 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
                                                  const T *p, const void *x, fa_idx rs, T *o)
 {
     for (fa_idx r = 0; r < nk; ++r) {
-        if (p[r] == 0) continue;
+        const T pr = p[r]; /* held: o could alias p, as far as the compiler knows */
+        if (pr == 0) continue;
         const void *xr = FA_NAME(st_at)(st, x, r * rs);
-        for (fa_idx c = 0; c < n; ++c) o[c] += p[r] * FA_NAME(st_get)(st, xr, c);
+        for (fa_idx c = 0; c < n; ++c) o[c] += pr * FA_NAME(st_get)(st, xr, c);
     }
 }

@@ -11,11 +11,24 @@
 /* Bytes per element of a storage other than NATIVE. */
 static inline fa_idx fa_store_size(fa_store st) { return st == FA_STORE_I8 ? 1 : 2; }
 
-static inline float fa_bits_f32(uint32_t u)
-{
+/* The float of these bits and the bits of this float (C99 allows a union's
+ * other member to be read; it vectorises where memcpy did not). */
+typedef union {
+    uint32_t u;
     float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+} fa_f32_bits;
+
+static FA_ALWAYS_INLINE float fa_bits_f32(uint32_t u)
+{
+    const fa_f32_bits b = {u};
+    return b.f;
+}
+
+static FA_ALWAYS_INLINE uint32_t fa_f32_bits_of(float f)
+{
+    fa_f32_bits b;
+    b.f = f;
+    return b.u;
 }
 
 /* IEEE binary16: 1 sign, 5 exponent, 10 fraction bits.  Without branches,
@@ -23,17 +36,17 @@ static inline float fa_bits_f32(uint32_t u)
  * times 2^112, which rebiases the exponent and turns a subnormal into the
  * normal float it stands for, exactly (no -ffast-math: no flush to zero);
  * inf and NaN get the top exponent back. */
-static inline float fa_f16_f32(uint16_t h)
+static FA_ALWAYS_INLINE float fa_f16_f32(uint16_t half)
 {
-    float f = fa_bits_f32((uint32_t)(h & 0x7fffu) << 13) * 0x1p112f;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u |= f >= 0x1p16f ? 0x7f800000u : 0u; /* was inf or NaN */
-    return fa_bits_f32(u | (uint32_t)(h & 0x8000u) << 16);
+    const uint32_t h = half;
+    const float f = fa_bits_f32((h & 0x7fffu) << 13) * 0x1p112f;
+    /* all ones when the exponent is (0x7c00 + 0x400 carries into bit 15) */
+    const uint32_t infnan = (0u - (((h & 0x7c00u) + 0x400u) >> 15)) & 0x7f800000u;
+    return fa_bits_f32(fa_f32_bits_of(f) | infnan | (h & 0x8000u) << 16);
 }
 
 /* bfloat16: the upper 16 bits of a float. */
-static inline float fa_bf16_f32(uint16_t b) { return fa_bits_f32((uint32_t)b << 16); }
+static FA_ALWAYS_INLINE float fa_bf16_f32(uint16_t b) { return fa_bits_f32((uint32_t)b << 16); }
 
 /* A float rounded to nearest-even binary16: subnormals, overflow to inf
  * (from 65520 up) and NaN (kept NaN, quiet) as IEEE 754 says. */
@@ -68,7 +81,7 @@ static inline uint16_t fa_f32_bf16(float f)
 }
 
 /* Element i of a row stored as st (not NATIVE), as float. */
-static inline float fa_store_get(fa_store st, const void *p, fa_idx i)
+static FA_ALWAYS_INLINE float fa_store_get(fa_store st, const void *p, fa_idx i)
 {
     switch (st) {
     case FA_STORE_F16: return fa_f16_f32(((const uint16_t *)p)[i]);
