@@ -12,6 +12,8 @@ import numpy as np
 from numpy.ma import MaskedArray
 from numpy.typing import DTypeLike, NDArray
 
+from . import _core
+
 Shape = Tuple[int, ...]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -255,13 +257,13 @@ def mask_kind_and_array(mask: Optional[NDArray[Any]], dtype: np.dtype[Any],
                         name: str) -> tuple[int, Optional[NDArray[Any]]]:
     """(kind, array) of a mask: bool masks stay bool (True = keep); floating
     masks are converted to dtype (added to the scores, -inf hides)."""
-    from . import _core
-
     if mask is None:
         return _core.MASK_NONE, None
     require_array(mask, name)
     if mask.dtype == np.bool_:
         return _core.MASK_BOOL, kernel_view(mask)
+    if mask.dtype is dtype:  # no conversion, so nothing can overflow
+        return _core.MASK_ADD, kernel_view(mask)
     if np.issubdtype(mask.dtype, np.floating):
         with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
             return _core.MASK_ADD, kernel_view(mask.astype(dtype, copy=False))

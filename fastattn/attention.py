@@ -19,6 +19,9 @@ _ALIGNMENTS = {"upper_left", "lower_right"}
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
 # how the kernels read 16-bit inputs (converted to float32 a tile at a time)
 _STORE = {"float16": _core.STORE_F16, "bfloat16": _core.STORE_BF16}
+# The dtypes of _common_call, with the most elements one array of each holds.
+_COMMON_DTYPES = {dt: C.max_elements(dt) for dt in (np.dtype(np.float32), np.dtype(np.float64))}
+_BOOL = np.dtype(np.bool_)
 
 
 def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
@@ -31,6 +34,76 @@ def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
     shape = C.shape_str((target[0],) + (1,) * (len(target) - 2) + (target[-1],))
     return (f"; for a (B, S) key padding mask (True = may attend) pass attn_mask{index}, "
             f"of shape {shape}")
+
+
+def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+                 attn_mask: Optional[MaskArray], dropout_p: object, is_causal: object,
+                 scale: object, causal_alignment: object,
+                 num_threads: Optional[int]) -> Optional[NDArray[Float]]:
+    """scaled_dot_product_attention for the common call, or None for a call
+    to leave to the general path.  A tiny call is mostly its checks: these
+    take a fraction of the general path's time (plain type, identity and
+    tuple tests, no message built).  The caller has seen plain ndarrays and
+    out, the variants, enable_gqa, need_weights and return_lse at their
+    defaults (the kernel's defaults are those of _variants.NONE, and the
+    native storage of float32 and float64).
+
+    It takes only calls that the general path accepts, and passes the kernel
+    what the general path passes, so the result is bitwise the same.  It
+    raises only where the general path raises the same error:
+    resolve_threads is called once every check the general path makes
+    before it has passed here.  Anything else is None, and the general path
+    gives the error."""
+    dtype = query.dtype
+    limit = _COMMON_DTYPES.get(dtype)
+    if limit is None or key.dtype is not dtype or value.dtype is not dtype:
+        return None
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if len(qs) < 2 or len(ks) != len(qs) or len(vs) != len(qs):
+        return None
+    batch = qs[:-2]  # the same leading axes: no broadcast
+    L, E, S, Ev = qs[-2], qs[-1], ks[-2], vs[-1]
+    if (batch != ks[:-2] or batch != vs[:-2] or ks[-1] != E or vs[-2] != S
+            or E > _MAX_FEATURES or Ev > _MAX_FEATURES):
+        return None
+    if (type(dropout_p) is not float and type(dropout_p) is not int) or dropout_p != 0:
+        return None
+    if (is_causal is not False and is_causal is not True) or type(causal_alignment) is not str:
+        return None
+    if causal_alignment == "upper_left":
+        offset = 0
+    elif causal_alignment == "lower_right":
+        offset = S - L
+    else:
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    elif type(scale) is not float or not -math.inf < scale < math.inf:
+        return None
+    if math.prod(batch) * (L or 1) * (S or 1) * ((E if E > Ev else Ev) or 1) > limit:
+        return None
+    if attn_mask is None:
+        kind, mask = _core.MASK_NONE, None
+    else:
+        if type(attn_mask) is not np.ndarray:
+            return None
+        if attn_mask.dtype is _BOOL:
+            kind = _core.MASK_BOOL
+        elif attn_mask.dtype is dtype:
+            kind = _core.MASK_ADD
+        else:
+            return None
+        try:
+            mask = C.broadcast_view(C.kernel_view(attn_mask), batch + (L, S))
+        except ValueError:
+            return None
+    nthreads = _runtime.resolve_threads(num_threads)
+    out = np.empty(batch + (L, Ev), dtype)
+    if out.size:
+        _core.attention(_runtime.isa(), C.kernel_view(query), C.kernel_view(key),
+                        C.kernel_view(value), mask, kind, out, None, 1, is_causal, offset,
+                        scale, nthreads)
+    return out
 
 
 @overload
@@ -231,6 +304,15 @@ def scaled_dot_product_attention(
 
     The caller's arrays are never modified.
     """
+    # the common call first: see _common_call
+    if (type(query) is np.ndarray and type(key) is np.ndarray and type(value) is np.ndarray
+            and out is None and enable_gqa is False and need_weights is False
+            and return_lse is False and window_size is None and alibi_slopes is None
+            and softcap is None and sinks is None):
+        result = _common_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              causal_alignment, num_threads)
+        if result is not None:
+            return result
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       causal_alignment, need_weights, return_lse, window_size, alibi_slopes,
                       softcap, sinks, out, num_threads)
