@@ -1,12 +1,15 @@
 """The short route of scaled_dot_product_attention (attention._common_call):
 the calls it takes give bitwise the result of the general path, and every
 call it leaves, valid or not, gets the general path's result or error."""
+import math
+
 import numpy as np
 import pytest
 from conftest import assert_close, f64
 from test_errors import HOSTILE, misaligned
 
 import fastattn
+from fastattn import _checks as C
 from fastattn import _runtime, attention
 from fastattn import reference as ref
 
@@ -55,6 +58,7 @@ TAKEN = {  # calls the short route takes
     "2 threads": case(2, 4, 70, 70, 32, 32, num_threads=2),
     "bool mask (L, S)": case(2, 3, 6, 7, 8, 8, attn_mask=rng0.random((6, 7)) > 0.3),
     "bool mask (B, 1, 1, S)": case(2, 3, 6, 7, 8, 8, attn_mask=rng0.random((2, 1, 1, 7)) > 0.3),
+    "bool mask (L, S), one head": case(1, 1, 6, 7, 8, 8, attn_mask=rng0.random((6, 7)) > 0.3),
     "bool mask full": case(2, 3, 6, 7, 8, 8, attn_mask=rng0.random((2, 3, 6, 7)) > 0.3),
     "float mask": case(2, 3, 6, 7, 8, 8, attn_mask=np.where(
         rng0.random((6, 7)) > 0.3, rng0.standard_normal((6, 7)), -np.inf).astype(np.float32)),
@@ -194,3 +198,16 @@ def test_num_threads_is_resolved_once(monkeypatch):
     sdpa(q, k, v)
     assert calls == [1, None]
 
+
+
+@pytest.mark.parametrize("shape,target", [((4, 5), (1, 1, 4, 5)), ((3, 1, 5), (1, 3, 1, 5)),
+                                          ((), (1, 1)), ((4, 5), (2, 4, 5)),
+                                          ((1, 5), (3, 4, 5)), ((2, 4, 5), (2, 4, 5))])
+def test_broadcast_view_is_a_view_of_the_target_shape(shape, target):
+    """Leading axes of 1 are added by indexing (a tenth of broadcast_to's
+    time), anything else by broadcast_to: either way a view, no copy."""
+    a = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    view = C.broadcast_view(a, target)
+    assert view.shape == target
+    assert np.shares_memory(view, a)
+    np.testing.assert_array_equal(view, np.broadcast_to(a, target))
