@@ -118,7 +118,9 @@ def kernel_view(a: NDArray[Any]) -> NDArray[Any]:
     """a itself when the kernels can read it in place (aligned, every stride a
     whole number of elements), else an aligned contiguous copy."""
     flags = a.flags
-    if flags.aligned and (flags.c_contiguous or all(s % a.itemsize == 0 for s in a.strides)):
+    itemsize = a.itemsize  # 1 (a bool mask): every stride is whole, broadcast ones too
+    if flags.aligned and (flags.c_contiguous or itemsize == 1
+                          or all(s % itemsize == 0 for s in a.strides)):
         return a
     return np.array(a, order="C")  # a fresh array; ascontiguousarray keeps a misaligned one
 
