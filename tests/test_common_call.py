@@ -89,6 +89,7 @@ LEFT = {  # valid calls the short route leaves to the general path
     "np.float64 scale": case(1, 2, 6, 6, 8, 8, scale=np.float64(0.5)),
     "float16 mask": case(1, 2, 6, 7, 8, 8, attn_mask=rng0.standard_normal((6, 7)).astype(np.float16)),
     "float64 mask, float32 call": case(1, 2, 6, 7, 8, 8, attn_mask=rng0.standard_normal((6, 7))),
+    "float16 inputs": case(1, 2, 6, 7, 8, 8, np.float16),
     "alignment a str subclass": case(1, 2, 4, 6, 8, 8, is_causal=True,
                                      causal_alignment=np.str_("lower_right")),
 }
