@@ -57,7 +57,12 @@ def test_low_precision_caches_decode_the_same_tokens(seed):
     top2 = np.sort(logits, axis=-1)[..., -2:]
     margin = top2[..., 1] - top2[..., 0]
     # the logit error of each storage on this model (measured: 6e-4, 6e-3, 1.6e-2 at most)
-    for storage, error in (("float16", 2e-3), ("bfloat16", 1.5e-2), ("int8", 4e-2)):
+    storages = [("float16", 2e-3), ("bfloat16", 1.5e-2), ("int8", 4e-2)]
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:  # bfloat16 needs it (optional)
+        storages.pop(1)
+    for storage, error in storages:
         t, lg = model.generate(ids, 32, mask, storage=storage)
         differ = np.flatnonzero((t != tokens).any(axis=0))
         upto = differ[0] if differ.size else 32
@@ -66,7 +71,7 @@ def test_low_precision_caches_decode_the_same_tokens(seed):
             seqs = (t != tokens)[:, differ[0]]
             assert margin[seqs, differ[0]].max() < 2 * error, (storage, differ[0])
     if seed == 0:  # no near-tie in this run: every token the same
-        for storage in ("float16", "bfloat16", "int8"):
+        for storage, _ in storages:
             np.testing.assert_array_equal(model.generate(ids, 32, mask, storage=storage)[0], tokens)
 
 
