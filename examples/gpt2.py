@@ -161,11 +161,14 @@ def main(argv=None):
                         help="decode with float32, float16, bfloat16 and int8 caches and "
                              "compare their tokens and logits")
     args = parser.parse_args(argv)
-    rng = np.random.default_rng(args.seed)
     vocab, n_pos, E, layers, heads = 101, 64, 64, 3, 4
-    model = GPT2(random_state_dict(vocab, n_pos, E, layers, rng), heads)
     lengths = [7, 3, 5]
     P = max(lengths)
+    if not 1 <= args.new_tokens <= n_pos - P:
+        parser.error(f"--new-tokens must be 1..{n_pos - P} (the demo model has {n_pos} "
+                     f"positions and prompts of up to {P} tokens), got {args.new_tokens}")
+    rng = np.random.default_rng(args.seed)
+    model = GPT2(random_state_dict(vocab, n_pos, E, layers, rng), heads)
     prompt = rng.integers(0, vocab, (len(lengths), P))
     mask = (np.arange(P) >= P - np.array(lengths)[:, None]).astype(np.int64)  # left padding
     tokens, step_logits = model.generate(prompt, args.new_tokens, mask)

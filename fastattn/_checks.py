@@ -60,6 +60,12 @@ def is_half(dtype: np.dtype[Any]) -> bool:
     return dtype.itemsize == 2 and (dtype == np.float16 or dtype.name == "bfloat16")
 
 
+def is_floating(dtype: np.dtype[Any]) -> bool:
+    """NumPy's floating dtypes and bfloat16 (ml_dtypes' dtype, which NumPy
+    does not count among them)."""
+    return bool(np.issubdtype(dtype, np.floating)) or is_half(dtype)
+
+
 def unsupported_float_hint(dtype: np.dtype[Any], name: str) -> str:
     """The fix for a half-precision array where only float32 and float64 are
     taken, to end a dtype error ('' otherwise)."""
@@ -272,7 +278,7 @@ def mask_kind_and_array(mask: Optional[NDArray[Any]], dtype: np.dtype[Any],
         return _core.MASK_BOOL, kernel_view(mask)
     if mask.dtype is dtype:  # no conversion, so nothing can overflow
         return _core.MASK_ADD, kernel_view(mask)
-    if np.issubdtype(mask.dtype, np.floating):
+    if is_floating(mask.dtype):
         with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
             return _core.MASK_ADD, kernel_view(mask.astype(dtype, copy=False))
     raise TypeError(f"{name} has dtype {mask.dtype}; expected bool (True = may attend) "

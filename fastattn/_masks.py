@@ -16,7 +16,7 @@ from . import _checks as C
 
 def _require_mask(mask: NDArray[Any], name: str, bool_meaning: str) -> None:
     C.require_array(mask, name)
-    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+    if mask.dtype != np.bool_ and not C.is_floating(mask.dtype):
         raise TypeError(f"{name} has dtype {mask.dtype}; expected bool ({bool_meaning}) or a "
                         "floating dtype (added to the scores, -inf hides)")
 

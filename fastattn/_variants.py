@@ -41,7 +41,7 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.f
     """One float64 value per head: x of shape (Hq,) or (B, Hq), seen with the
     batch shape (..., Hq) of the call (B its first axis)."""
     a = np.asarray(C.require_array(x, name))
-    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+    if (a.dtype.kind not in "fiu" or a.dtype == np.bool_) and not C.is_half(a.dtype):
         raise TypeError(f"{name} has dtype {a.dtype}; expected a real dtype")
     Hq = batch[-1] if batch else 1
     if a.shape == (Hq,) or (len(batch) >= 2 and a.shape == (batch[0], Hq)):

@@ -20,7 +20,9 @@ _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/
 # how the kernels read 16-bit inputs (converted to float32 a tile at a time)
 _STORE = {"float16": _core.STORE_F16, "bfloat16": _core.STORE_BF16}
 # The dtypes of _common_call, with the most elements one array of each holds.
-_COMMON_DTYPES = {dt: C.max_elements(dt) for dt in (np.dtype(np.float32), np.dtype(np.float64))}
+# the short route's dtypes: their element bound, and the largest scale they hold
+_COMMON_DTYPES = {dt: (C.max_elements(dt), float(np.finfo(dt).max))
+                  for dt in (np.dtype(np.float32), np.dtype(np.float64))}
 _BOOL = np.dtype(np.bool_)
 
 
@@ -55,9 +57,10 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
     before it has passed here.  Anything else is None, and the general path
     gives the error."""
     dtype = query.dtype
-    limit = _COMMON_DTYPES.get(dtype)
-    if limit is None or key.dtype is not dtype or value.dtype is not dtype:
+    bounds = _COMMON_DTYPES.get(dtype)
+    if bounds is None or key.dtype is not dtype or value.dtype is not dtype:
         return None
+    limit, largest = bounds
     qs, ks, vs = query.shape, key.shape, value.shape
     if len(qs) < 2 or len(ks) != len(qs) or len(vs) != len(qs):
         return None
@@ -78,7 +81,7 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
         return None
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
-    elif type(scale) is not float or not -math.inf < scale < math.inf:
+    elif type(scale) is not float or not -largest <= scale <= largest:
         return None
     if math.prod(batch) * (L or 1) * (S or 1) * ((E if E > Ev else Ev) or 1) > limit:
         return None
@@ -207,7 +210,11 @@ def scaled_dot_product_attention(
     Parameters
     ----------
     query : ndarray, shape (..., Hq, L, E)
-        float32 or float64.  Any strides, including negative ones and the
+        float32, float64, float16 or bfloat16 (``ml_dtypes.bfloat16``).  The
+        16-bit dtypes are computed in float32 (read a tile at a time, never
+        copied whole), and the output and weights rounded once to them, to
+        nearest-even: the bits of the call on the float32 conversions of the
+        inputs, rounded.  Any strides, including negative ones and the
         (B, L, H, E) layout seen through a transposed view.
     key : ndarray, shape (..., Hkv, S, E)
     value : ndarray, shape (..., Hkv, S, Ev)
@@ -217,8 +224,8 @@ def scaled_dot_product_attention(
         bool: True = the query may attend to the key (PyTorch's SDPA
         convention; the opposite of nn.MultiheadAttention's masks).
         floating: added to the scaled scores; -inf hides the key whatever
-        its score is.  Converted to query's dtype; read through strides,
-        never expanded to full size.
+        its score is.  Converted to query's dtype (float32 for the 16-bit
+        dtypes); read through strides, never expanded to full size.
     dropout_p : float
         Must be 0: fastattn computes inference-time attention.
     is_causal : bool
@@ -243,8 +250,9 @@ def scaled_dot_product_attention(
         Also return the attention weights, shape (..., Hq, L, S).
     return_lse : bool
         Also return each row's log-sum-exp of its logits (the sink
-        included), shape (..., Hq, L), query's dtype; -inf for a row with no
-        visible key (FlashAttention's ``softmax_lse``).  With it, attention
+        included), shape (..., Hq, L), query's dtype, float32 for the 16-bit
+        dtypes (as FlashAttention's ``softmax_lse``, which it is); -inf for a
+        row with no visible key.  With it, attention
         over disjoint key sets combines exactly: ``merge_attention``.
     window_size : (left, right) or None
         Sliding window (Mistral, Gemma; FlashAttention's ``window_size``):
@@ -290,13 +298,14 @@ def scaled_dot_product_attention(
     ------
     TypeError
         An argument that is not an ndarray (or is a numpy.ma.MaskedArray,
-        whose mask would be ignored); dtypes other than float32 and float64
-        or that differ; a mask neither bool nor floating; flags that are not
+        whose mask would be ignored); dtypes other than float32, float64,
+        float16 and bfloat16, non-native byte order, or dtypes that differ; a mask neither bool nor floating; flags that are not
         bools.
     ValueError
         Shapes that do not agree or broadcast, Hq not a multiple of Hkv,
         E or Ev above 2**20, broadcast shapes with more elements than a
-        64-bit index addresses, dropout_p != 0, a non-finite scale, a bad
+        64-bit index addresses, dropout_p != 0, a scale that is not finite in
+        the dtype computed in (float32 or float64), a bad
         ``out`` (wrong shape, read-only, overlapping an input or itself), an
         unknown causal_alignment, num_threads outside 1..MAX_THREADS, a
         window side below -1, softcap <= 0 or not finite, alibi_slopes or
@@ -342,6 +351,7 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
         C.require_ndim(a, name, 2, "(..., length, features)")
     dtype = (C.attention_dtype(query=query, key=key, value=value) if stored is None
              else C.attention_dtype(query=query))
+    compute = C.compute_dtype(dtype)  # float32 for the 16-bit dtypes
     L, E = query.shape[-2:]
     S, Ek = key.shape[-2:]
     Sv, Ev = value.shape[-2:]
@@ -367,6 +377,9 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
         raise ValueError(f"causal_alignment must be 'upper_left' or 'lower_right', "
                          f"got {causal_alignment!r}")
     scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else C.check_real(scale, "scale")
+    if abs(scale) > float(np.finfo(compute).max):
+        raise ValueError(f"scale must be finite in {compute.name}, the dtype computed in; got "
+                         f"{scale}")
     nthreads = _runtime.resolve_threads(num_threads)
 
     if gqa:
@@ -400,7 +413,6 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
                                ("the output", batch + (L, Ev)),
                                ("the attention scores (..., Hq, L, S)", batch + (L, S))],
                               dtype.itemsize)
-    compute = C.compute_dtype(dtype)  # float32 for the 16-bit dtypes
     kind, mask = C.mask_kind_and_array(attn_mask, compute, "attn_mask")
     if mask is not None:
         target = batch + (L, S)
@@ -441,9 +453,10 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
                         q_store=store, kv_store=kv_store, k_scale=k_scale, v_scale=v_scale)
     half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
     out = narrow(result, dtype, nthreads, out) if half else result
-    results = (out,) + tuple(narrow(x, dtype, nthreads) if half else x
-                             for x in (weights, lse) if x is not None)
-    return results[0] if len(results) == 1 else results
+    if half and weights is not None:
+        weights = narrow(weights, dtype, nthreads)
+    results = (out,) + tuple(x for x in (weights, lse) if x is not None)  # lse: float32
+    return results[0] if len(results) == 1 else results  # type: ignore[return-value]
 
 
 def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,
@@ -470,9 +483,13 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
     ----------
     outputs : list of ndarrays, each of shape (..., L, Ev)
         The outputs of ``scaled_dot_product_attention(..., return_lse=True)``
-        over each key set, the same queries and options.
+        over each key set, the same queries and options: float32, float64,
+        float16 or bfloat16, all of one dtype.
     lses : list of ndarrays, each of shape (..., L)
-        Their log-sum-exps.  float32 or float64, all of one dtype.
+        Their log-sum-exps, in the dtype the outputs were computed in (as
+        ``return_lse`` gives them): float32 for float32 and 16-bit outputs,
+        float64 for float64 ones.  The merge is computed in that dtype and
+        the output rounded once to the outputs' dtype.
 
     Returns
     -------
@@ -487,7 +504,7 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
     Raises
     ------
     TypeError
-        Not lists of ndarrays, or dtypes other than one float32/float64.
+        Not lists of ndarrays, or dtypes other than those above.
     ValueError
         Empty lists, lists of different lengths, or shapes that differ.
     """
@@ -498,8 +515,12 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
                          f"{len(outputs)} and {len(lses)}")
     outs = [C.require_array(o, f"outputs[{i}]") for i, o in enumerate(outputs)]
     ls = [C.require_array(s, f"lses[{i}]") for i, s in enumerate(lses)]
-    dtype = C.common_float_dtype(**{f"outputs[{i}]": o for i, o in enumerate(outs)},
-                                 **{f"lses[{i}]": s for i, s in enumerate(ls)})
+    dtype = C.attention_dtype(**{f"outputs[{i}]": o for i, o in enumerate(outs)})
+    compute = C.compute_dtype(dtype)
+    lse_dtype = C.common_float_dtype(**{f"lses[{i}]": s for i, s in enumerate(ls)})
+    if lse_dtype != compute:
+        raise TypeError(f"lses have dtype {lse_dtype} and outputs {dtype}; the log-sum-exps "
+                        f"of {dtype} outputs are {compute} (as return_lse gives them)")
     shape = outs[0].shape
     for i, (o, s) in enumerate(zip(outs, ls)):
         if o.ndim < 1 or o.shape != shape or s.shape != shape[:-1]:
@@ -511,8 +532,12 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
         m = lse.max(axis=0)                              # NaN when a part's row is NaN
         factor = np.exp(lse - np.where(m == -np.inf, 0, m))   # 0 for an empty part
         total = factor.sum(axis=0)
-        parts = np.where(factor[..., None] == 0, 0, factor[..., None] * np.stack(outs))
+        parts = np.where(factor[..., None] == 0, 0,
+                         factor[..., None] * np.stack([o.astype(compute) for o in outs]))
         out = parts.sum(axis=0) / np.where(total == 0, 1, total)[..., None]
         merged = np.where(total == 0, -np.inf, m + np.log(np.where(total == 0, 1, total)))
-    return out.astype(dtype, copy=False), merged.astype(dtype, copy=False)
+    merged = merged.astype(compute, copy=False)
+    if compute != dtype:  # rounded once, as the attention's own 16-bit outputs
+        return narrow(out.astype(compute), dtype, _runtime.resolve_threads(None)), merged
+    return out.astype(dtype, copy=False), merged
 

@@ -86,7 +86,10 @@ class KVCache:
           of llama.cpp's q8_0 (which takes blocks of 32 elements with a
           float16 scale) with one scale per row, the per-token granularity
           of ONNX Runtime's quantised KV cache and KIVI's value cache
-          (Liu et al. 2024).  Only finite values can be stored.
+          (Liu et al. 2024).  Only finite values can be stored, up to
+          about 3.4e38 (127 times a scale must stay finite); rows whose
+          scale falls among float32's subnormals (max|x| below about
+          1.5e-36) keep an error below 127 * 2**-150 (about 9e-44) more.
 
     Raises
     ------
@@ -191,7 +194,7 @@ class KVCache:
     @property
     def key(self) -> NDArray[np.floating[Any]]:
         """The keys held, (batch_size, num_kv_heads, length, head_dim), in the
-        cache's dtype: a read-only view when stored so, else a new array of
+        cache's dtype, read-only: a view when stored so, else a new array of
         what attention reads (the stored values converted, int8 times its
         scales)."""
         return self._read(self._key, self._key_scale)
@@ -206,9 +209,9 @@ class KVCache:
         held = buf[:, :, :self._length]
         if held.dtype == self._dtype:
             return _read_only(held)
-        if scale is None:
-            return held.astype(self._dtype)
-        return held.astype(self._dtype) * scale[:, :, :self._length, None]
+        if scale is None:  # read-only too: a write to it would change nothing held
+            return _read_only(held.astype(self._dtype))
+        return _read_only(held.astype(self._dtype) * scale[:, :, :self._length, None])
 
     @property
     def attn_mask(self) -> Optional[NDArray[np.bool_]]:
@@ -326,6 +329,12 @@ class KVCache:
             raise ValueError(f"{name} holds a non-finite value, which int8 storage cannot hold; "
                              "use storage='float32' (or 'float16')")
         scale = (np.abs(x).max(axis=-1, initial=0) / 127).astype(np.float32)
+        with np.errstate(over="ignore"):
+            read_back = scale * np.float32(127)  # what a largest code is read as
+        if np.isinf(read_back).any():
+            raise ValueError(f"{name} holds {np.abs(x).max()}, beyond the range of int8 storage "
+                             f"(127 times its scale must stay a finite float32); use "
+                             "storage='float32'")
         with np.errstate(invalid="ignore", divide="ignore"):  # 0 / 0 for an all-zero row
             codes = np.rint(x / scale[..., None])
         codes = np.clip(np.nan_to_num(codes, nan=0.0), -127, 127).astype(np.int8)

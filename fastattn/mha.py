@@ -207,8 +207,9 @@ class MultiHeadAttention:
 
         Raises
         ------
-        ValueError for missing or unexpected names (strict) and for a shape
-        other than the expected one; TypeError for a non-mapping or a
+        ValueError for missing or unexpected names (strict), for a shape
+        other than the expected one and, in a 16-bit layer, for a finite
+        value beyond its dtype's range; TypeError for a non-mapping or a
         non-floating array.  Nothing is loaded when an error is raised.
         """
         if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
@@ -226,14 +227,21 @@ class MultiHeadAttention:
         for name, shape in expected.items():
             if name not in state_dict:
                 continue
-            a = np.asarray(state_dict[name])
-            if not np.issubdtype(a.dtype, np.floating):
+            a = _weights_array(state_dict[name])
+            if not C.is_floating(a.dtype):
                 raise TypeError(f"state_dict[{name!r}] has dtype {a.dtype}; expected a "
                                 "floating dtype")
             if a.shape != shape:
                 raise ValueError(f"state_dict[{name!r}] has shape {C.shape_str(a.shape)}; "
                                  f"expected {C.shape_str(shape)}")
-            new[name] = np.array(a, dtype=self.dtype, copy=True)
+            with np.errstate(over="ignore"):  # checked below
+                new[name] = np.array(a, dtype=self.dtype, copy=True)
+            if C.is_half(self.dtype):
+                over = np.isfinite(a) & ~np.isfinite(new[name].astype(np.float32))
+                if over.any():
+                    raise ValueError(f"state_dict[{name!r}] holds {a[over].flat[0]}, beyond "
+                                     f"the range of {self.dtype.name}; load it into a float32 "
+                                     "MultiHeadAttention")
         self._params.update(new)
         self._set_compute_weights()
 
@@ -252,10 +260,14 @@ class MultiHeadAttention:
                             f"{type(module).__name__}")
         if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
             raise ValueError("add_bias_kv and add_zero_attn are not supported by fastattn")
-        state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+        state = {k: _weights_array(v) for k, v in module.state_dict().items()}
+        dtype = state["out_proj.weight"].dtype
+        if str(module.out_proj.weight.dtype) == "torch.bfloat16":  # read through float32
+            import ml_dtypes
+            dtype = np.dtype(ml_dtypes.bfloat16)
         mha = cls(module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
                   bias=module.in_proj_bias is not None, batch_first=bool(module.batch_first),
-                  dtype=state["out_proj.weight"].dtype)
+                  dtype=dtype)
         mha.load_state_dict(state)
         return mha
 
@@ -538,6 +550,18 @@ class MultiHeadAttention:
         """(N, L, H*D) or (L, N, H*D) viewed as (N, H, L, D), no copy."""
         h = split_heads(x, num_heads)  # (A0, H, A1, D)
         return h.transpose(2, 1, 0, 3) if seq_first else h
+
+
+def _weights_array(x: Any) -> NDArray[Any]:
+    """An array of weights: NumPy's view of x, or for a torch tensor its
+    values on the CPU, bfloat16 ones as float32 (NumPy has no bfloat16;
+    every bfloat16 is a float32)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return np.asarray(x.numpy())
+    return np.asarray(x)
 
 
 def _linear(x: Array, weight: Array, bias: Optional[Array]) -> Array:

@@ -64,9 +64,11 @@ def test_half_inputs_give_the_bits_of_their_float32_conversion(data):
         o32, w32, lse32 = sdpa(*f32(q, k, v), need_weights=True, return_lse=True, **kwargs)
         outbuf = np.full(out.shape, np.nan, dtype)
         sdpa(q, k, v, out=outbuf, num_threads=draw(st.integers(1, 3)), **kwargs)
-    for got, want in ((out, o32), (w, w32), (lse, lse32), (outbuf, o32)):
+    for got, want in ((out, o32), (w, w32), (outbuf, o32)):
         assert got.dtype == dtype
         np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
+    assert lse.dtype == np.float32  # as FlashAttention's softmax_lse for 16-bit inputs
+    np.testing.assert_array_equal(lse, lse32)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
@@ -144,6 +146,45 @@ def test_half_inputs_keep_the_guards(simd, dtype):
     assert np.all(np.isnan(out[0, 0, 1:]))
     k[..., 2, 0] = 1
     assert np.all(sdpa(q, k, v, attn_mask=mask).astype(np.float32)[0, 0, 1] == 1)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+def test_half_masks_and_per_head_options_in_16_bits(dtype):
+    """A float mask, sinks and ALiBi slopes may come in the 16-bit dtype too
+    (bfloat16 is not among NumPy's floating dtypes, but is one)."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(dtype) for _ in range(3))
+    mask = np.where(rng.random((5, 5)) < 0.3, -np.inf, 0.5).astype(dtype)
+    kw = dict(sinks=np.array([0.5, -1.0], dtype), alibi_slopes=np.array([0.25, 0.5], dtype))
+    got = sdpa(q, k, v, attn_mask=mask, **kw)
+    want = sdpa(*f32(q, k, v), attn_mask=mask.astype(np.float32),
+                **{n: a.astype(np.float32) for n, a in kw.items()})
+    np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+def test_merge_attention_of_16_bit_parts(dtype):
+    """16-bit outputs and their float32 log-sum-exps merge into the attention
+    over all the keys, within two roundings of the 16-bit dtype."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 3, 5, 16)).astype(dtype)
+    k, v = (rng.standard_normal((2, 3, 12, 16)).astype(dtype) for _ in range(2))
+    parts = [sdpa(q, k[..., a:b, :], v[..., a:b, :], return_lse=True) for a, b in ((0, 5), (5, 12))]
+    out, lse = fastattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    assert out.dtype == dtype and lse.dtype == np.float32
+    exact = ref.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)))
+    assert np.abs(out.astype(np.float64) - exact).max() <= 4 * UNIT_ROUNDOFF[dtype.name]
+    with pytest.raises(TypeError, match="the log-sum-exps of"):
+        fastattn.merge_attention([p[0] for p in parts], [p[1].astype(np.float64) for p in parts])
+
+
+def test_scale_must_be_finite_in_the_dtype_computed_in():
+    q = np.ones((1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="scale must be finite in float32"):
+        sdpa(q, q, q, scale=1e300)
+    with pytest.raises(ValueError, match="scale must be finite in float32"):
+        sdpa(q.astype(np.float16), q.astype(np.float16), q.astype(np.float16), scale=1e39)
+    assert np.isfinite(sdpa(*(a.astype(np.float64) for a in (q, q, q)), scale=1e300)).all()
 
 
 def test_half_out_must_have_the_inputs_dtype():
@@ -242,6 +283,15 @@ def test_cache_keeps_nan_and_padding(storage):
     assert (cache.attend(q) == 0).all()  # nothing visible: zeros
 
 
+def test_cache_reads_are_read_only():
+    """cache.key and cache.value are read-only whatever the storage (a copy
+    for 16 and 8 bits: a write to it would change nothing the cache holds)."""
+    for storage in STORAGES + ["float32"]:
+        cache = fastattn.KVCache(1, 1, 4, 2, storage=storage)
+        cache.append(np.ones((1, 1, 2, 2), np.float32), np.ones((1, 1, 2, 2), np.float32))
+        assert not cache.key.flags.writeable and not cache.value.flags.writeable
+
+
 def test_cache_refuses_what_its_storage_cannot_hold():
     cache = fastattn.KVCache(1, 1, 8, 2, storage="float16")
     big = np.array([[[[1.0, 70000.0]]]], np.float32)
@@ -252,7 +302,12 @@ def test_cache_refuses_what_its_storage_cannot_hold():
     q8 = fastattn.KVCache(1, 1, 8, 2, storage="int8")
     with pytest.raises(ValueError, match="non-finite value, which int8 storage cannot hold"):
         q8.append(big * 0, np.array([[[[1.0, np.nan]]]], np.float32))
+    top = np.array([[[[np.finfo(np.float32).max, 1.0]]]], np.float32)
+    with pytest.raises(ValueError, match="beyond the range of int8 storage"):
+        q8.append(top, big * 0)  # 127 times its scale would read back as inf
     assert q8.length == 0
+    q8.append(top * 0.9, big * 0)
+    assert np.isfinite(q8.key).all()
 
 
 def test_bfloat16_storage_needs_ml_dtypes(monkeypatch):
@@ -292,6 +347,36 @@ def test_half_layer_is_the_float32_layer_rounded(dtype):
     full.load_state_dict(state)
     np.testing.assert_array_equal(half(x)[0].view(np.uint16),
                                   full(x.astype(np.float32))[0].astype(dtype).view(np.uint16))
+
+
+def test_16_bit_layer_refuses_weights_beyond_its_range():
+    layer = fastattn.MultiHeadAttention(8, 2, dtype=np.float16, rng=0)
+    state = {n: a.astype(np.float32) for n, a in layer.state_dict().items()}
+    before = {n: a.copy() for n, a in state.items()}
+    state["out_proj.bias"] = state["out_proj.bias"] + 1e6
+    with pytest.raises(ValueError, match=r"state_dict\['out_proj.bias'\] holds 1000000.0, beyond"):
+        layer.load_state_dict(state)
+    for n, a in layer.state_dict().items():  # nothing loaded
+        np.testing.assert_array_equal(a.astype(np.float32), before[n])
+
+
+@pytest.mark.skipif(len(HALF) < 2, reason="ml_dtypes not installed")
+def test_bfloat16_torch_module():
+    """from_torch reads a bfloat16 nn.MultiheadAttention (NumPy has no
+    bfloat16: through float32, exactly) and computes what it computes."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(16, 2, batch_first=True).to(torch.bfloat16).eval()
+    layer = fastattn.MultiHeadAttention.from_torch(module)
+    assert layer.dtype == HALF[1]
+    for name, a in module.state_dict().items():
+        np.testing.assert_array_equal(layer.state_dict()[name].astype(np.float32), a.float().numpy())
+    x = torch.randn(2, 5, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        want = module(x, x, x, need_weights=False)[0].float().numpy()
+    got = layer(x.float().numpy().astype(HALF[1]))[0].astype(np.float32)
+    # both round their projections' inputs and outputs to bfloat16 differently: a few ulps
+    np.testing.assert_allclose(got, want, atol=8 * UNIT_ROUNDOFF["bfloat16"] * np.abs(want).max())
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)

@@ -130,7 +130,7 @@ def format_table(report):
     s = report["settings"]
     m = report["machine"]
     stat = statistic(report)
-    lines = [f"fastattn bench: float32, {stat} of >= {s['repeat']} calls and >= {s['min_time']} s "
+    lines = [f"fastattn bench: float32 (a decode-8192-* cache in its storage), {stat} of >= {s['repeat']} calls and >= {s['min_time']} s "
              f"per case after {s['warmup']} warm-up call(s), each case in a fresh process"
              + (f", {s['busy']} core(s) kept busy by other processes (--busy)"
                 if s.get("busy") else ""),
@@ -146,7 +146,8 @@ def format_table(report):
     if report["peaks"]:
         lines += format_peaks(report)
     width = max([9] + [len(label(c)) for c in report["cases"]])
-    head = (f"{'shape':<13} {'runner':<{width}} {'time':>10} {'speed':>14} {'xNumPy':>7} "
+    sw = max([13] + [len(c["shape"]) for c in report["cases"]])  # the shape column
+    head = (f"{'shape':<{sw}} {'runner':<{width}} {'time':>10} {'speed':>14} {'xNumPy':>7} "
             f"{'xPyTorch':>8} {'xORT':>6} {'%peak':>6} {'+MB':>7} {'max err':>8} {'rms err':>8} {'other':>5}")
     for n in s["threads"]:
         lines += ["", f"== {n} thread{'s' if n > 1 else ''} ==", head]
@@ -155,7 +156,7 @@ def format_table(report):
             name = shape.name if shape.name != previous else ""
             previous = shape.name
             if c.get("status") != "ok":
-                lines.append(f"{name:<13} {label(c):<{width}} {c.get('status')}: {c.get('note')}")
+                lines.append(f"{name:<{sw}} {label(c):<{width}} {c.get('status')}: {c.get('note')}")
                 continue
             if stat not in c:
                 time_s = speed = "-"
@@ -167,7 +168,7 @@ def format_table(report):
                          else f"{c['gflops']:.1f} GFLOP/s" if "gflops" in c else "-")
             mem = c.get("peak_extra_bytes")
             lines.append(
-                f"{name:<13} {label(c):<{width}} {time_s:>10} {speed:>14} "
+                f"{name:<{sw}} {label(c):<{width}} {time_s:>10} {speed:>14} "
                 f"{_fmt(c.get('speedup_vs_numpy'), '7.2f'):>7} "
                 f"{_fmt(c.get('speedup_vs_torch'), '8.2f'):>8} "
                 f"{_fmt(c.get('speedup_vs_onnxruntime'), '6.2f'):>6} "
