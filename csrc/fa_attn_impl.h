@@ -238,11 +238,11 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
             for (fa_idx c = 0; c < Ev; ++c)
                 for (fa_idx j = 0; j < ld; ++j) ot[c * ld + j] *= alpha[j];
         }
-        FA_NAME(exp_block)(nk, ld, st, ms, bl);
+        const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
+        FA_NAME(exp_block)(nk, ld, st, ms, bl, edge || a->mask_kind != FA_MASK_NONE);
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
         const T *vb = v + s0 * a->v_ss;
-        const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
         for (fa_idx c = 0; c < Ev; c += FA_MR) {
             const int mr = (int)(Ev - c < FA_MR ? Ev - c : FA_MR);
             if (s0 + FA_KB >= s_end) /* the last block: this call's keys are done with */
@@ -279,7 +279,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
                             FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm);
-        if (visible) FA_NAME(exp_block)(nk, ld, st, ms, bl); /* exp(z - m); bl is unused here */
+        if (visible) /* exp(z - m); bl is unused here */
+            FA_NAME(exp_block)(nk, ld, st, ms, bl,
+                               FA_NAME(block_edge)(a, i0, nq, s0, nk) || a->mask_kind != FA_MASK_NONE);
         for (fa_idx j = 0; j < nq; ++j) {
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;
             const int zero = !visible || l[j] == 0;

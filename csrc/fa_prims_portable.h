@@ -150,13 +150,22 @@ static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
 }
 
 /* For each column j of the nk x ld block z (row stride ld):
- * z[r, j] = exp(z[r, j] - m[j]) and sum[j] = sum over r of the new z[r, j]. */
-static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
+ * z[r, j] = exp(z[r, j] - m[j]) and sum[j] = sum over r of the new z[r, j].
+ * hidden: the block may hold -inf (hidden keys); their 0 then skips exp1,
+ * whose underflow costs x86 a microcode assist (the same bits either way). */
+static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum, int hidden)
 {
     for (fa_idx j = 0; j < ld; ++j) sum[j] = 0;
     for (fa_idx r = 0; r < nk; ++r) {
         T *zr = z + r * ld;
-        for (fa_idx j = 0; j < ld; ++j) zr[j] = FA_NAME(exp1)(zr[j] - m[j]);
+        if (hidden) {
+            for (fa_idx j = 0; j < ld; ++j) {
+                const T x = zr[j] - m[j];
+                zr[j] = x == -(T)INFINITY ? 0 : FA_NAME(exp1)(x);
+            }
+        } else {
+            for (fa_idx j = 0; j < ld; ++j) zr[j] = FA_NAME(exp1)(zr[j] - m[j]);
+        }
     }
     /* four interleaved sums down each column: a quarter of the rounding */
     for (fa_idx j = 0; j < ld; ++j) {
