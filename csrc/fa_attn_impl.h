@@ -171,10 +171,11 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
         }
         if (a->alibi_slope != 0)
             for (fa_idx j = 0; j < ld; ++j) z[j] = z[j] + FA_NAME(alibi)(a, i0 + j, key);
-        if (edge) { /* the rows that see this key: key_lo(i) <= key <= key_hi(i) */
-            fa_idx j = 0;
-            for (; j < ld && key > FA_NAME(key_hi)(a, i0 + j); ++j) z[j] = ninf;
-            for (j = ld; j > 0 && key < FA_NAME(key_lo)(a, i0 + j - 1); --j) z[j - 1] = ninf;
+        if (edge) { /* only the rows lo..hi-1 see this key */
+            fa_idx lo, hi;
+            FA_NAME(key_rows)(a, key, i0, ld, &lo, &hi);
+            for (fa_idx j = 0; j < lo; ++j) z[j] = ninf;
+            for (fa_idx j = hi; j < ld; ++j) z[j] = ninf;
         }
         for (fa_idx j = 0; j < ld; ++j) bm[j] = z[j] > bm[j] ? z[j] : bm[j];
     }
