@@ -177,7 +177,20 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
             for (fa_idx j = 0; j < lo; ++j) z[j] = ninf;
             for (fa_idx j = hi; j < ld; ++j) z[j] = ninf;
         }
-        for (fa_idx j = 0; j < ld; ++j) bm[j] = z[j] > bm[j] ? z[j] : bm[j];
+    }
+    /* the maximum down each column, NR columns at a time in registers (a
+     * row at a time through bm chained every store to the next load) */
+    for (fa_idx p = 0; p < ld; p += FA_NR) {
+        fa_idx lo = 0, hi = nk; /* the other keys are hidden: -inf */
+        if (edge) FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
+        T mx[FA_NR];
+        for (fa_idx j = 0; j < FA_NR; ++j) mx[j] = ninf;
+        for (fa_idx r = lo; r < hi; ++r)
+            for (fa_idx j = 0; j < FA_NR; ++j) {
+                const T z = st[r * ld + p + j];
+                mx[j] = z > mx[j] ? z : mx[j];
+            }
+        for (fa_idx j = 0; j < FA_NR; ++j) bm[p + j] = mx[j];
     }
     return 1;
 }
@@ -240,7 +253,15 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
                 for (fa_idx j = 0; j < ld; ++j) ot[c * ld + j] *= alpha[j];
         }
         const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
-        FA_NAME(exp_block)(nk, ld, st, ms, bl, edge || a->mask_kind != FA_MASK_NONE);
+        if (edge) { /* only the keys each NR queries may see, as below */
+            for (fa_idx p = 0; p < ld; p += FA_NR) {
+                fa_idx lo, hi;
+                FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
+                FA_NAME(exp_block)(lo, hi, FA_NR, ld, st + p, ms + p, bl + p, 1);
+            }
+        } else {
+            FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl, a->mask_kind != FA_MASK_NONE);
+        }
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
         const T *vb = v + s0 * a->v_ss;
@@ -281,7 +302,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         const int visible = s0 < s_end && s0 + nk > s_begin &&
                             FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm);
         if (visible) /* exp(z - m); bl is unused here */
-            FA_NAME(exp_block)(nk, ld, st, ms, bl,
+            FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl,
                                FA_NAME(block_edge)(a, i0, nq, s0, nk) || a->mask_kind != FA_MASK_NONE);
         for (fa_idx j = 0; j < nq; ++j) {
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;
