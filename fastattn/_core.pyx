@@ -336,13 +336,15 @@ cdef inline fa_attn_args item_args(const fa_attn_args *a, const Operands *o, con
 
 # Task t of the attention loop: head by head, so that the threads share one
 # head's keys and values in cache; within a head the largest causal blocks
-# come first.
+# come first, except under a window's left bound (ascending), where blocks
+# cost about the same and the keys new to each block then continue the
+# ascending stream of the one before, which the hardware prefetcher follows.
 cdef inline fa_attn_next task_rows(const Operands *o, const Batch *b, fa_idx t, fa_idx nqb,
-                                   fa_idx qb, fa_idx L) noexcept nogil:
+                                   fa_idx qb, fa_idx L, bint ascending) noexcept nogil:
     cdef fa_attn_next r
     cdef fa_idx item = t // nqb
     r.q, r.k = q_at(o, b, item), k_at(o, b, item)
-    r.i0 = (nqb - 1 - t % nqb) * qb
+    r.i0 = (t % nqb if ascending else nqb - 1 - t % nqb) * qb
     r.i1 = r.i0 + qb if r.i0 + qb < L else L
     return r
 
@@ -439,12 +441,12 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
             if work == NULL or stopped(&stop):
                 continue
             item = t // nqb
-            cur = task_rows(&o, &b, t, nqb, qb, a.L)
+            cur = task_rows(&o, &b, t, nqb, qb, a.L, a.window_left >= 0)
             # the task this thread most likely takes next: prefetched as
             # this one ends (only a hint; no result depends on it)
             hint = NULL
             if t + nthreads < ntasks:
-                nxt = task_rows(&o, &b, t + nthreads, nqb, qb, a.L)
+                nxt = task_rows(&o, &b, t + nthreads, nqb, qb, a.L, a.window_left >= 0)
                 hint = &nxt
             ai = item_args(&a, &o, &b, item)
             if o.elsize == 4:
