@@ -617,7 +617,7 @@ def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
         x_arr = sinks   # C-contiguous (Hq,)
         sink = <const double *>cnp.PyArray_DATA(x_arr)
     # the tasks: (sequence, head, first query row), longest sequences' heads
-    # interleaved as they come; within a head the largest causal blocks first
+    # interleaved as they come; within a head in task_rows' order
     cdef fa_idx ntasks = 0, bi, h, nqb, t, i0
     for bi in range(nseq):
         ntasks += Hq * ((cu_q[bi + 1] - cu_q[bi] + qb - 1) // qb)
@@ -630,8 +630,9 @@ def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     for bi in range(nseq):
         nqb = (cu_q[bi + 1] - cu_q[bi] + qb - 1) // qb
         for h in range(Hq):
-            for i0 in range(nqb - 1, -1, -1):
-                tasks[3 * t], tasks[3 * t + 1], tasks[3 * t + 2] = bi, h, i0 * qb
+            for i0 in range(nqb):
+                tasks[3 * t], tasks[3 * t + 1] = bi, h
+                tasks[3 * t + 2] = (i0 if a.window_left >= 0 else nqb - 1 - i0) * qb
                 t += 1
     cdef size_t work_bytes = fa_attn_work_bytes(&a, <int>es)
     cdef fa_attn_args ai
