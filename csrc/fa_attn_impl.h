@@ -197,20 +197,20 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
             for (fa_idx j = hi; j < ld; ++j) z[j] = ninf;
         }
     }
-    /* the maximum down each column, NR columns at a time in registers (a
-     * row at a time through bm chained every store to the next load) */
-    for (fa_idx p = 0; p < ld; p += FA_NR) {
-        fa_idx lo = 0, hi = nk; /* the other keys are hidden: -inf */
-        if (edge) FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
-        T mx[FA_NR];
-        for (fa_idx j = 0; j < FA_NR; ++j) mx[j] = ninf;
-        for (fa_idx r = lo; r < hi; ++r)
-            for (fa_idx j = 0; j < FA_NR; ++j) {
-                const T z = st[r * ld + p + j];
-                mx[j] = z > mx[j] ? z : mx[j];
+    /* the maximum down each column, eight rows at a time held in registers
+     * (a row at a time, every store to bm waits for the one before) */
+    fa_idx r = 0;
+    for (; r + 8 <= nk; r += 8)
+        for (fa_idx j = 0; j < ld; ++j) {
+            T mx = bm[j];
+            for (int u = 0; u < 8; ++u) {
+                const T z = st[(r + u) * ld + j];
+                mx = z > mx ? z : mx;
             }
-        for (fa_idx j = 0; j < FA_NR; ++j) bm[p + j] = mx[j];
-    }
+            bm[j] = mx;
+        }
+    for (; r < nk; ++r)
+        for (fa_idx j = 0; j < ld; ++j) bm[j] = st[r * ld + j] > bm[j] ? st[r * ld + j] : bm[j];
     return 1;
 }
 
