@@ -1,7 +1,7 @@
 """Build of the fastattn extension.
 
 The C99 kernels in csrc/ are compiled here, each with its own flags (the
-AVX2 path with -mavx2 -mfma, the AVX-512 path with -mavx512f, everything
+AVX2 path with -mavx2 -mfma -mf16c, the AVX-512 path with -mavx512f, everything
 else, the NEON path of aarch64 too, for the baseline of the target), and linked into the Cython modules
 fastattn._core (the kernels) and fastattn._peak (the machine-peak loops of
 the benchmarks).
@@ -32,8 +32,8 @@ from setuptools.errors import CCompilerError, CompileError, ExecError, PlatformE
 CSRC = "csrc"
 PORTABLE_SOURCES = ["fa_api.c", "fa_portable.c", "fa_peak.c"]
 # x86-64 paths, each compiled for its instruction set and chosen at run time
-SIMD_SOURCES = {"fa_avx2.c": ["-mavx2", "-mfma"],
-                "fa_avx512.c": ["-mavx512f", "-mavx2", "-mfma"],
+SIMD_SOURCES = {"fa_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+                "fa_avx512.c": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
                 "fa_peak_avx2.c": ["-mavx2", "-mfma"],
                 "fa_peak_avx512.c": ["-mavx512f", "-mavx2", "-mfma"]}
 # aarch64 paths: Advanced SIMD (NEON) is in the ARMv8-A baseline, so the

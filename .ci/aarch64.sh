@@ -55,7 +55,7 @@ mmdebstrap --quiet --variant=extract --architectures=arm64 \
 python3 -m pip install -q --disable-pip-version-check --target "$site" \
     --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 \
     --python-version $pyver --only-binary=:all: \
-    numpy Cython "setuptools>=77" pytest hypothesis psutil
+    numpy Cython "setuptools>=77" pytest hypothesis psutil ml_dtypes
 
 export QEMU_LD_PREFIX="$root"
 py="$root/usr/bin/python$pyver"

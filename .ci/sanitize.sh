@@ -16,7 +16,7 @@ trap 'rm -rf "$work"' EXIT
 
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
-"$py" -m pip install -q --disable-pip-version-check numpy Cython "setuptools>=77" wheel pytest hypothesis
+"$py" -m pip install -q --disable-pip-version-check numpy Cython "setuptools>=77" wheel pytest hypothesis ml_dtypes
 
 # A copy of the sources without the products of an earlier build, which
 # setuptools would otherwise take as up to date.

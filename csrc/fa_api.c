@@ -19,12 +19,24 @@
 #endif
 #endif
 
+#if FA_HAVE_X86_SIMD && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+/* F16C (the float16 conversions the AVX2 path loads half floats with): every
+ * CPU with AVX2 has it; CPUID leaf 1, ECX bit 29, asked directly because
+ * older compilers' __builtin_cpu_supports does not know the name */
+static int cpu_has_f16c(void)
+{
+    unsigned eax, ebx, ecx, edx;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+}
+#endif
+
 int fa_cpu_has_avx2_fma(void)
 {
 #if FA_HAVE_X86_SIMD && (defined(__GNUC__) || defined(__clang__))
     /* libgcc and compiler-rt also check that the OS saves the vector state */
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
 #else
     return 0;
 #endif
@@ -162,8 +174,21 @@ static int rows_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
 /* far past any length, and far from overflowing i + offset -+ window */
 #define FA_MAX_WINDOW ((fa_idx)1 << 60)
 
-static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_next *next,
-                   int elsize)
+/* Storage the kernels of this element size read: the double ones only
+ * their own; int8 only for keys and values, with their scales. */
+static int store_ok(const fa_attn_args *a, int elsize)
+{
+    if (elsize != 4) return a->q_store == FA_STORE_NATIVE && a->kv_store == FA_STORE_NATIVE;
+    return (a->q_store == FA_STORE_NATIVE || a->q_store == FA_STORE_F16 ||
+            a->q_store == FA_STORE_BF16) &&
+           (a->kv_store == FA_STORE_NATIVE || a->kv_store == FA_STORE_F16 ||
+            a->kv_store == FA_STORE_BF16 ||
+            (a->kv_store == FA_STORE_I8 && a->k_scale != NULL && a->v_scale != NULL));
+}
+
+/* The arguments, storage aside (the merge reads no key nor value). */
+static int attn_shape_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_next *next,
+                         int elsize)
 {
     return a->L >= 0 && a->S >= 0 && attn_features_ok(a) && rows_ok(a, i0, i1, elsize) &&
            (next == NULL || rows_ok(a, next->i0, next->i1, elsize)) &&
@@ -174,8 +199,14 @@ static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_ne
            a->sink == a->sink && a->sink < INFINITY;
 }
 
-int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                const float *v, const void *mask, float *out, float *w, float *lse,
+static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_next *next,
+                   int elsize)
+{
+    return attn_shape_ok(a, i0, i1, next, elsize) && store_ok(a, elsize);
+}
+
+int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                const void *v, const void *mask, float *out, float *w, float *lse,
                 fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
 {
     if (!attn_ok(a, i0, i1, next, 4)) return -1;
@@ -208,17 +239,18 @@ fa_idx fa_attn_splits(const fa_attn_args *a)
 
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1) { return (i1 - i0) * (a->Ev + 2); }
 
-static int part_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi)
+static int part_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
+                   int elsize)
 {
-    return attn_ok(a, i0, i1, NULL, 8) && i1 - i0 <= FA_ROWS_MAX && 0 <= s_lo && s_lo <= s_hi &&
+    return attn_ok(a, i0, i1, NULL, elsize) && i1 - i0 <= FA_ROWS_MAX && 0 <= s_lo && s_lo <= s_hi &&
            s_hi <= a->S;
 }
 
-int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                     const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                     const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
                      fa_idx s_hi, float *state, void *work)
 {
-    if (!part_ok(a, i0, i1, s_lo, s_hi)) return -1;
+    if (!part_ok(a, i0, i1, s_lo, s_hi, 4)) return -1;
     FA_DISPATCH(isa, attn_part, f32, (a, q, k, v, mask, i0, i1, s_lo, s_hi, state, work));
     return 0;
 }
@@ -227,7 +259,7 @@ int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const d
                      const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
                      fa_idx s_hi, double *state, void *work)
 {
-    if (!part_ok(a, i0, i1, s_lo, s_hi)) return -1;
+    if (!part_ok(a, i0, i1, s_lo, s_hi, 8)) return -1;
     FA_DISPATCH(isa, attn_part, f64, (a, q, k, v, mask, i0, i1, s_lo, s_hi, state, work));
     return 0;
 }
@@ -235,16 +267,16 @@ int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const d
 int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
                       float *out, float *ml, fa_idx i0, fa_idx i1)
 {
-    if (nsplit < 1 || !attn_ok(a, i0, i1, NULL, 8)) return -1;
+    if (nsplit < 1 || !attn_shape_ok(a, i0, i1, NULL, 4)) return -1;
     FA_DISPATCH(isa, attn_merge, f32, (a, nsplit, states, out, ml, i0, i1));
     return 0;
 }
 
-int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
                         const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
                         void *work)
 {
-    if (!part_ok(a, i0, i1, 0, a->S)) return -1;
+    if (!part_ok(a, i0, i1, 0, a->S, 4)) return -1;
     FA_DISPATCH(isa, attn_weights, f32, (a, q, k, mask, ml, w, i0, i1, work));
     return 0;
 }
@@ -252,7 +284,7 @@ int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const float *q, const
 int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
                       double *out, double *ml, fa_idx i0, fa_idx i1)
 {
-    if (nsplit < 1 || !attn_ok(a, i0, i1, NULL, 8)) return -1;
+    if (nsplit < 1 || !attn_shape_ok(a, i0, i1, NULL, 8)) return -1;
     FA_DISPATCH(isa, attn_merge, f64, (a, nsplit, states, out, ml, i0, i1));
     return 0;
 }
@@ -261,8 +293,15 @@ int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, cons
                         const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                         void *work)
 {
-    if (!part_ok(a, i0, i1, 0, a->S)) return -1;
+    if (!part_ok(a, i0, i1, 0, a->S, 8)) return -1;
     FA_DISPATCH(isa, attn_weights, f64, (a, q, k, mask, ml, w, i0, i1, work));
+    return 0;
+}
+
+int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
+{
+    if (n < 0 || (st != FA_STORE_F16 && st != FA_STORE_BF16)) return -1;
+    FA_DISPATCH(isa, narrow, f32, (st, n, x, y));
     return 0;
 }
 

@@ -46,10 +46,11 @@ typedef struct {
     fa_idx q_rows, k_rows;
 } FA_NAME(ahead);
 
-static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const T *k, const fa_attn_next *next)
+static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const void *k, const fa_attn_next *next)
 {
     FA_NAME(ahead) h = {NULL, NULL, 0, 0};
-    if (next != NULL && next->i1 > next->i0) {
+    if (next != NULL && next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE &&
+        a->kv_store == FA_STORE_NATIVE) {
         fa_idx begin, end;
         FA_NAME(key_range)(a, next->i0, next->i1, &begin, &end);
         h.q = (const T *)next->q + next->i0 * a->q_ls;
@@ -84,13 +85,23 @@ static void FA_NAME(fetch_ahead)(const fa_attn_args *a, const FA_NAME(ahead) *h,
     FA_NAME(prefetch_share)(h->k, h->k_rows, a->k_ss, a->E, a->k_es, part, parts);
 }
 
+/* Key and value tiles converted from their storage (fa_load_impl.h): KB
+ * rows of E and of Ev, also where a block of queries is converted; none
+ * when everything is stored as T. */
+static size_t FA_NAME(panels_work)(const fa_attn_args *a)
+{
+    if (a->kv_store == FA_STORE_NATIVE && a->q_store == FA_STORE_NATIVE) return 0;
+    return sizeof(T) * (size_t)FA_KB * (size_t)(FA_EP(a) + FA_EVP(a));
+}
+
 size_t FA_NAME(attn_work)(const fa_attn_args *a)
 {
     /* Qp E x QB, S^T and the mask tile KB x QB each, O^T Ev x QB, six vectors
-     * of QB, and the row kernel's scratch for repairs; QB columns are whole
-     * multiples of 64 bytes, so every row of these starts aligned */
+     * of QB, the converted tiles, and the row kernel's scratch for repairs;
+     * QB columns and panel rows are whole multiples of 64 bytes, so every
+     * row of these starts aligned */
     return sizeof(T) * (size_t)FA_QB * (size_t)(a->E + 2 * FA_KB + a->Ev + 6) +
-           FA_NAME(rows_work)(a) + FA_ALIGN;
+           FA_NAME(panels_work)(a) + FA_NAME(rows_work)(a) + FA_ALIGN;
 }
 
 /* st[r, j] = logit of query i0 + j and key s0 + r: the score through the
@@ -117,9 +128,9 @@ static int FA_NAME(block_edge)(const fa_attn_args *a, fa_idx i0, fa_idx nq, fa_i
     return s0 < FA_NAME(key_lo)(a, i0 + nq - 1) || s0 + nk - 1 > FA_NAME(key_hi)(a, i0);
 }
 
-static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
+static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const void *k,
                                  const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
-                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm)
+                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm, T *panel)
 {
     const T ninf = -(T)INFINITY;
     const int per_key = a->mask_kind != FA_MASK_NONE && a->m_ls == 0;
@@ -154,12 +165,13 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
         if (!any) return 0;
     }
 
+    const FA_NAME(tile) kt = FA_NAME(key_tile)(a, k, s0, nk, panel);
     for (fa_idx j = 0; j < ld; ++j) bm[j] = ninf;
     const int plain = !per_key && !tile && !edge && a->softcap == 0 && a->alibi_slope == 0;
     const fa_idx h = a->E >= 2 * FA_EC ? a->E / 2 : 0; /* features of the first half */
     for (fa_idx r = 0; r < nk; r += FA_MR) {
         const int mr = (int)(nk - r < FA_MR ? nk - r : FA_MR);
-        const T *kr = k + (s0 + r) * a->k_ss;
+        const T *kr = kt.p + r * kt.ss;
         for (fa_idx p = 0; p < ld; p += FA_NR) {
             T *c = st + r * ld + p;
             fa_idx lo, hi; /* the keys of the block these NR queries may see */
@@ -169,8 +181,8 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
                 continue;
             }
             if (h > 0)
-                FA_NAME(ukr)(mr, h, kr, a->k_ss, a->k_es, qp + p, ld, c, ld, (T)a->scale, 0, NULL);
-            FA_NAME(ukr)(mr, a->E - h, kr + h * a->k_es, a->k_ss, a->k_es, qp + h * ld + p, ld, c,
+                FA_NAME(ukr)(mr, h, kr, kt.ss, kt.es, qp + p, ld, c, ld, (T)a->scale, 0, NULL);
+            FA_NAME(ukr)(mr, a->E - h, kr + h * kt.es, kt.ss, kt.es, qp + h * ld + p, ld, c,
                          ld, (T)a->scale, h > 0, plain ? bm + p : NULL);
         }
     }
@@ -214,7 +226,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const T *k,
     return 1;
 }
 
-void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
+void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                    const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
                    const fa_attn_next *next, void *work)
 {
@@ -231,7 +243,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     T *alpha = ms + ld;         /* log of the rescale factor of a block */
     T *bl = alpha + ld;         /* block sum */
     T *bm = bl + ld;            /* block maximum */
-    T *rows_work = bm + ld;     /* the row kernel's scratch */
+    T *panel = bm + ld;         /* FA_KB x EP, then FA_KB x EvP: converted tiles */
+    T *vpanel = panel + FA_KB * FA_EP(a);
+    T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
     const FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, k, next);
 
     if (nq <= 0) return;
@@ -243,7 +257,14 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
     /* the scale multiplies the scores, not the queries: one rounding fewer
      * when it is not a power of two */
-    FA_NAME(pack_t)(nq, E, q + i0 * a->q_ls, a->q_ls, a->q_es, 1, qp, ld, 1);
+    if (a->q_store == FA_STORE_NATIVE) {
+        FA_NAME(pack_t)(nq, E, (const T *)q + i0 * a->q_ls, a->q_ls, a->q_es, 1, qp, ld, 1);
+    } else { /* converted row by row (FA_QB <= FA_KB rows fit the panel), then packed */
+        for (fa_idx j = 0; j < nq; ++j)
+            FA_NAME(load_row)(a->q_store, E, FA_NAME(st_at)(a->q_store, q, (i0 + j) * a->q_ls),
+                              a->q_es, panel + j * FA_EP(a));
+        FA_NAME(pack_t)(nq, E, panel, FA_EP(a), 1, 1, qp, ld, 1);
+    }
     for (fa_idx e = 0; e < E; ++e) /* padding columns */
         for (fa_idx j = nq; j < ld; ++j) qp[e * ld + j] = 0;
     for (fa_idx j = 0; j < ld; ++j) {
@@ -254,7 +275,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
 
     for (fa_idx s0 = s_begin; s0 < s_end; s0 += FA_KB) {
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
-        if (!FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm)) continue;
+        if (!FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel)) continue;
 
         int rescale = 0;
         for (fa_idx j = 0; j < ld; ++j) {
@@ -283,7 +304,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
         }
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
-        const T *vb = v + s0 * a->v_ss;
+        const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
         const fa_idx chunks = (Ev + FA_MR - 1) / FA_MR;
         for (fa_idx c = 0; c < Ev; c += FA_MR) {
             const int mr = (int)(Ev - c < FA_MR ? Ev - c : FA_MR);
@@ -298,7 +319,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
                 fa_idx lo = 0, hi = nk;
                 if (edge) FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
                 if (hi > lo)
-                    FA_NAME(ukr)(mr, hi - lo, vb + lo * a->v_ss + c * a->v_es, a->v_es, a->v_ss,
+                    FA_NAME(ukr)(mr, hi - lo, vt.p + lo * vt.ss + c * vt.es, vt.es, vt.ss,
                                  st + lo * ld + p, ld, ot + c * ld + p, ld, 1, 1, NULL);
             }
         }
@@ -323,7 +344,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const T *q, const T *k, const T *v,
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_KB) {
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
-                            FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm);
+                            FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel);
         if (visible) /* exp(z - m); bl is unused here */
             FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl,
                                FA_NAME(block_edge)(a, i0, nq, s0, nk) || a->mask_kind != FA_MASK_NONE);

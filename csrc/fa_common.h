@@ -21,6 +21,13 @@ typedef enum {
  * scaled scores; -inf hides the key whatever the score is. */
 typedef enum { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 } fa_mask_kind;
 
+/* How query, key and value elements are stored.  NATIVE: the kernel's own
+ * type (float or double).  The others are read by the float kernels only,
+ * converted exactly to float as they are loaded: F16 IEEE binary16, BF16
+ * bfloat16 (the top half of a float), I8 int8 codes whose row j stands for
+ * scale[j] * code (keys and values only; fa_attn_args holds the scales). */
+typedef enum { FA_STORE_NATIVE = 0, FA_STORE_F16 = 1, FA_STORE_BF16 = 2, FA_STORE_I8 = 3 } fa_store;
+
 /* Micro-tile: MR rows by NR columns, both set per path (fa_instantiate.h):
  * NR is two vectors (64 bytes on the portable and AVX2 paths, 128 bytes on
  * AVX-512, 32 bytes on NEON), MR what the registers hold (6 with 16 vector

@@ -3,6 +3,7 @@
  * header), FA_SIMD (its vector operations, if any), FA_MR (the micro-tile
  * height of the path), and FA_NR_F32 and FA_NR_F64 (its width). */
 #include <math.h>
+#include "fa_store.h"
 
 #define T float
 #define FA_SFX f32

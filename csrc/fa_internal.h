@@ -52,21 +52,33 @@
                                             fa_mask_kind mk, const void *mask, fa_idx ms, \
                                             T *out, fa_idx os, void *work);               \
     size_t FA_CAT4(fa, attn_work, SFX, ISA)(const fa_attn_args *a);                       \
-    void FA_CAT4(fa, attn, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,       \
-                                     const T *v, const void *mask, T *out, T *w, T *lse,  \
+    void FA_CAT4(fa, attn, SFX, ISA)(const fa_attn_args *a, const void *q, const void *k, \
+                                     const void *v, const void *mask, T *out, T *w, T *lse,  \
                                      fa_idx i0, fa_idx i1, const fa_attn_next *next,      \
                                      void *work);                                         \
-    void FA_CAT4(fa, attn_part, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k,  \
-                                          const T *v, const void *mask, fa_idx i0,        \
-                                          fa_idx i1, fa_idx s_lo, fa_idx s_hi, T *state,  \
-                                          void *work);                                    \
+    void FA_CAT4(fa, attn_part, SFX, ISA)(const fa_attn_args *a, const void *q,           \
+                                          const void *k, const void *v, const void *mask, \
+                                          fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi, \
+                                          T *state, void *work);                          \
     void FA_CAT4(fa, attn_merge, SFX, ISA)(const fa_attn_args *a, fa_idx nsplit,          \
                                            const T *states, T *out, T *ml, fa_idx i0,      \
                                            fa_idx i1);                                     \
-    void FA_CAT4(fa, attn_weights, SFX, ISA)(const fa_attn_args *a, const T *q, const T *k, \
-                                             const void *mask, const T *ml, T *w,          \
-                                             fa_idx i0, fa_idx i1, void *work);            \
+    void FA_CAT4(fa, attn_weights, SFX, ISA)(const fa_attn_args *a, const void *q,         \
+                                             const void *k, const void *mask, const T *ml, \
+                                             T *w, fa_idx i0, fa_idx i1, void *work);      \
     void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y);
+
+#define FA_DECLARE_NARROW(ISA) \
+    void FA_CAT4(fa, narrow, f32, ISA)(fa_store st, fa_idx n, const float *x, void *y);
+
+FA_DECLARE_NARROW(portable)
+#if FA_HAVE_X86_SIMD
+FA_DECLARE_NARROW(avx2)
+FA_DECLARE_NARROW(avx512)
+#endif
+#if FA_HAVE_NEON
+FA_DECLARE_NARROW(neon)
+#endif
 
 FA_DECLARE(float, f32, portable)
 FA_DECLARE(double, f64, portable)

@@ -3,6 +3,24 @@
  * defined. */
 #define FA_NAME(n) FA_CAT4(fa, n, FA_SFX, FA_ISA)
 
+/* Elements of an array stored as st (fa_store): its element size, the
+ * address of element off, and element i as T.  The double kernels only
+ * ever see NATIVE (fa_api.c checks). */
+static FA_ALWAYS_INLINE fa_idx FA_NAME(st_bytes)(const fa_store st)
+{
+    return st == FA_STORE_NATIVE ? (fa_idx)sizeof(T) : fa_store_size(st);
+}
+
+static FA_ALWAYS_INLINE const void *FA_NAME(st_at)(const fa_store st, const void *base, fa_idx off)
+{
+    return (const char *)base + off * FA_NAME(st_bytes)(st);
+}
+
+static FA_ALWAYS_INLINE T FA_NAME(st_get)(const fa_store st, const void *p, fa_idx i)
+{
+    return st == FA_STORE_NATIVE ? ((const T *)p)[i] : (T)fa_store_get(st, p, i);
+}
+
 #include FA_PRIMS
 
 /* sum of x[0..n) in eight interleaved partial sums: vectorises without
@@ -17,14 +35,20 @@ static T FA_NAME(sum)(fa_idx n, const T *x)
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-/* Ask the cache for a row of n elements ahead of its use, when they are
- * contiguous (es == 1); a prefetch never faults and changes no result. */
-static FA_ALWAYS_INLINE void FA_NAME(prefetch_row)(const T *x, fa_idx n, fa_idx es)
+/* Ask the cache for n bytes from x ahead of their use; a prefetch never
+ * faults and changes no result. */
+static FA_ALWAYS_INLINE void FA_NAME(prefetch_bytes)(const void *x, fa_idx n)
 {
-    if (es != 1) return;
-    for (fa_idx e = 0; e < n; e += 64 / (fa_idx)sizeof(T)) FA_PREFETCH(x + e);
+    for (fa_idx e = 0; e < n; e += 64) FA_PREFETCH((const char *)x + e);
 }
 
+/* The same for a row of n elements of T, when they are contiguous (es == 1). */
+static FA_ALWAYS_INLINE void FA_NAME(prefetch_row)(const T *x, fa_idx n, fa_idx es)
+{
+    if (es == 1) FA_NAME(prefetch_bytes)(x, n * (fa_idx)sizeof(T));
+}
+
+#include "fa_load_impl.h"
 #include "fa_gemm_impl.h"
 #include "fa_softmax_impl.h"
 #include "fa_scores_impl.h"

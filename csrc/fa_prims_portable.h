@@ -204,24 +204,41 @@ static void FA_NAME(vtanh)(fa_idx n, const T *x, T *y)
     for (fa_idx j = 0; j < n; ++j) y[j] = (T)tanh((double)x[j]);
 }
 
-/* sum over c of x[c] * y[c] (both contiguous), in eight interleaved partial sums */
-static T FA_NAME(dot)(fa_idx n, const T *x, const T *y)
+#if FA_IS_F32
+/* y[0..n) = x[0..n) rounded to nearest-even binary16 */
+static void FA_NAME(narrow_f16)(fa_idx n, const float *x, uint16_t *y)
+{
+    for (fa_idx j = 0; j < n; ++j) y[j] = fa_f32_f16(x[j]);
+}
+#endif
+
+/* dst[0..n) = a contiguous row stored as st, as T */
+static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, const void *src, T *dst)
+{
+    for (fa_idx j = 0; j < n; ++j) dst[j] = FA_NAME(st_get)(st, src, j);
+}
+
+/* sum over c of x[c] * y[c] (both contiguous, y stored as st), in eight
+ * interleaved partial sums */
+static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y)
 {
     T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     fa_idx c = 0;
     for (; c + 8 <= n; c += 8)
-        for (int t = 0; t < 8; ++t) part[t] += x[c + t] * y[c + t];
-    for (; c < n; ++c) part[0] += x[c] * y[c];
+        for (int t = 0; t < 8; ++t) part[t] += x[c + t] * FA_NAME(st_get)(st, y, c + t);
+    for (; c < n; ++c) part[0] += x[c] * FA_NAME(st_get)(st, y, c);
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-/* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, leaving out
- * the rows whose p[r] is exactly 0 (their x is never read). */
-static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, T *o)
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, x stored as
+ * st, leaving out the rows whose p[r] is exactly 0 (their x is never read). */
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, fa_idx n,
+                                                 const T *p, const void *x, fa_idx rs, T *o)
 {
     for (fa_idx r = 0; r < nk; ++r) {
-        if (p[r] == 0) continue;
-        const T *xr = x + r * rs;
-        for (fa_idx c = 0; c < n; ++c) o[c] += p[r] * xr[c];
+        const T pr = p[r]; /* held: o could alias p, as far as the compiler knows */
+        if (pr == 0) continue;
+        const void *xr = FA_NAME(st_at)(st, x, r * rs);
+        for (fa_idx c = 0; c < n; ++c) o[c] += pr * FA_NAME(st_get)(st, xr, c);
     }
 }

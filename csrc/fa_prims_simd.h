@@ -349,61 +349,100 @@ static void FA_NAME(normalize)(fa_idx n, fa_idx ld, T *o, const T *l, T *bad)
     }
 }
 
-/* sum over c of x[c] * y[c] (both contiguous) */
-static T FA_NAME(dot)(fa_idx n, const T *x, const T *y)
+/* VLEN elements of a row stored as st, from element i, as T */
+static FA_ALWAYS_INLINE V FA_NAME(vload_st)(const fa_store st, const void *p, fa_idx i)
+{
+#if FA_IS_F32
+    switch (st) {
+    case FA_STORE_F16: return VLOAD_F16((const uint16_t *)p + i);
+    case FA_STORE_BF16: return VLOAD_BF16((const uint16_t *)p + i);
+    case FA_STORE_I8: return VLOAD_I8((const int8_t *)p + i);
+    default: break;
+    }
+#else
+    (void)st;
+#endif
+    return VLOAD((const T *)p + i);
+}
+
+#if FA_IS_F32
+/* y[0..n) = x[0..n) rounded to nearest-even binary16 */
+static void FA_NAME(narrow_f16)(fa_idx n, const float *x, uint16_t *y)
+{
+    fa_idx j = 0;
+    for (; j + VLEN <= n; j += VLEN) VSTORE_F16(y + j, VLOAD(x + j));
+    for (; j < n; ++j) y[j] = fa_f32_f16(x[j]);
+}
+#endif
+
+/* dst[0..n) = a contiguous row stored as st, as T */
+static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, const void *src, T *dst)
+{
+    fa_idx j = 0;
+    for (; j + VLEN <= n; j += VLEN) VSTORE(dst + j, FA_NAME(vload_st)(st, src, j));
+    for (; j < n; ++j) dst[j] = FA_NAME(st_get)(st, src, j);
+}
+
+/* sum over c of x[c] * y[c], both contiguous, y stored as st: the same
+ * operations in the same order whatever st, so that converting y first
+ * gives the same bits */
+static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y)
 {
     fa_idx c = 0;
     V s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
     for (; c + 4 * VLEN <= n; c += 4 * VLEN) {
-        s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
-        s1 = VFMA(VLOAD(x + c + VLEN), VLOAD(y + c + VLEN), s1);
-        s2 = VFMA(VLOAD(x + c + 2 * VLEN), VLOAD(y + c + 2 * VLEN), s2);
-        s3 = VFMA(VLOAD(x + c + 3 * VLEN), VLOAD(y + c + 3 * VLEN), s3);
+        s0 = VFMA(VLOAD(x + c), FA_NAME(vload_st)(st, y, c), s0);
+        s1 = VFMA(VLOAD(x + c + VLEN), FA_NAME(vload_st)(st, y, c + VLEN), s1);
+        s2 = VFMA(VLOAD(x + c + 2 * VLEN), FA_NAME(vload_st)(st, y, c + 2 * VLEN), s2);
+        s3 = VFMA(VLOAD(x + c + 3 * VLEN), FA_NAME(vload_st)(st, y, c + 3 * VLEN), s3);
     }
-    for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), VLOAD(y + c), s0);
+    for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), FA_NAME(vload_st)(st, y, c), s0);
     T s = VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));
-    for (; c < n; ++c) s += x[c] * y[c];
+    for (; c < n; ++c) s += x[c] * FA_NAME(st_get)(st, y, c);
     return s;
 }
 
-/* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, leaving out
- * the rows whose p[r] is exactly 0 (their x is never read).  Up to 8
- * vectors of o stay in registers for the whole sweep over r. */
-static FA_ALWAYS_INLINE void
-FA_NAME(gemv_t_body)(const int nv, fa_idx nk, const T *p, const T *x, fa_idx rs, T *o)
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, x stored as
+ * st, leaving out the rows whose p[r] is exactly 0 (their x is never
+ * read).  Up to 8 vectors of o stay in registers for the whole sweep over r. */
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_body)(const int nv, const fa_store st, fa_idx nk,
+                                                  const T *p, const void *x, fa_idx rs, T *o)
 {
     V acc[8];
     for (int u = 0; u < nv; ++u) acc[u] = VLOAD(o + u * VLEN);
     for (fa_idx r = 0; r < nk; ++r) {
         if (p[r] == 0) continue;
         const V pr = VSET1(p[r]);
-        const T *xr = x + r * rs;
-        for (int u = 0; u < nv; ++u) acc[u] = VFMA(pr, VLOAD(xr + u * VLEN), acc[u]);
+        const void *xr = FA_NAME(st_at)(st, x, r * rs);
+        for (int u = 0; u < nv; ++u) acc[u] = VFMA(pr, FA_NAME(vload_st)(st, xr, u * VLEN), acc[u]);
     }
     for (int u = 0; u < nv; ++u) VSTORE(o + u * VLEN, acc[u]);
 }
 
-static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, T *o)
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, fa_idx n,
+                                                 const T *p, const void *x, fa_idx rs, T *o)
 {
     fa_idx c = 0;
-    for (; c + 8 * VLEN <= n; c += 8 * VLEN) FA_NAME(gemv_t_body)(8, nk, p, x + c, rs, o + c);
+    for (; c + 8 * VLEN <= n; c += 8 * VLEN)
+        FA_NAME(gemv_t_body)(8, st, nk, p, FA_NAME(st_at)(st, x, c), rs, o + c);
+    const void *xc = FA_NAME(st_at)(st, x, c);
     switch ((n - c) / VLEN) {
-    case 7: FA_NAME(gemv_t_body)(7, nk, p, x + c, rs, o + c); break;
-    case 6: FA_NAME(gemv_t_body)(6, nk, p, x + c, rs, o + c); break;
-    case 5: FA_NAME(gemv_t_body)(5, nk, p, x + c, rs, o + c); break;
-    case 4: FA_NAME(gemv_t_body)(4, nk, p, x + c, rs, o + c); break;
-    case 3: FA_NAME(gemv_t_body)(3, nk, p, x + c, rs, o + c); break;
-    case 2: FA_NAME(gemv_t_body)(2, nk, p, x + c, rs, o + c); break;
-    case 1: FA_NAME(gemv_t_body)(1, nk, p, x + c, rs, o + c); break;
+    case 7: FA_NAME(gemv_t_body)(7, st, nk, p, xc, rs, o + c); break;
+    case 6: FA_NAME(gemv_t_body)(6, st, nk, p, xc, rs, o + c); break;
+    case 5: FA_NAME(gemv_t_body)(5, st, nk, p, xc, rs, o + c); break;
+    case 4: FA_NAME(gemv_t_body)(4, st, nk, p, xc, rs, o + c); break;
+    case 3: FA_NAME(gemv_t_body)(3, st, nk, p, xc, rs, o + c); break;
+    case 2: FA_NAME(gemv_t_body)(2, st, nk, p, xc, rs, o + c); break;
+    case 1: FA_NAME(gemv_t_body)(1, st, nk, p, xc, rs, o + c); break;
     default: break;
     }
     c += (n - c) / VLEN * VLEN;
     for (fa_idx r = 0; c < n && r < nk; ++r) {
         if (p[r] == 0) continue;
-        for (fa_idx cc = c; cc < n; ++cc) o[cc] += p[r] * x[r * rs + cc];
+        const void *xr = FA_NAME(st_at)(st, x, r * rs);
+        for (fa_idx cc = c; cc < n; ++cc) o[cc] += p[r] * FA_NAME(st_get)(st, xr, cc);
     }
 }
-
 #undef V
 #undef VI
 #undef VMASK
@@ -436,6 +475,10 @@ static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx 
 #undef VI_AS
 #undef VAS_I
 #undef VREDUCE
+#undef VLOAD_F16
+#undef VLOAD_BF16
+#undef VLOAD_I8
+#undef VSTORE_F16
 #undef VSCALEF
 #undef VFMA_LANE
 #undef VTILE_T

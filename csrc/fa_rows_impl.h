@@ -7,7 +7,7 @@
  * the output.
  *
  * Needs T, FA_NAME, the per-score stage (fa_scores_impl.h) and the
- * primitives vexp, sum, dot, gemv_t, prefetch_row. */
+ * loaders of fa_load_impl.h, and vexp, sum, prefetch_bytes. */
 
 #define FA_RB 256       /* keys per block */
 /* How far ahead the key rows are prefetched: with rows of a few hundred
@@ -53,28 +53,25 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     return w;
 }
 
-/* The one place the row kernel loads keys and values.  Rows whose features
- * are strided are first copied contiguous, so that every layout of the same
- * numbers goes through the same vector arithmetic: results are bitwise the
- * same whatever the strides. */
+/* Where the row kernel loads keys and values (through fa_load_impl.h).
+ * Rows whose features are strided are first copied contiguous, so that
+ * every layout of the same numbers goes through the same vector arithmetic:
+ * results are bitwise the same whatever the strides. */
 
-/* Key row j, contiguous: in place, or copied into buf. */
-static const T *FA_NAME(key_row)(const fa_attn_args *a, const T *k, fa_idx j, T *buf)
-{
-    const T *row = k + j * a->k_ss;
-    if (a->k_es == 1) return row;
-    for (fa_idx e = 0; e < a->E; ++e) buf[e] = row[e * a->k_es];
-    return buf;
-}
-
-/* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB). */
-static void FA_NAME(rows_values)(const fa_attn_args *a, const T *v, fa_idx nq, fa_idx s0,
-                                 fa_idx nk, const T *s, T *o, T *buf)
+/* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB); an
+ * int8 row's scale is folded into its weights (s is changed then). */
+static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq, fa_idx s0,
+                                 fa_idx nk, T *s, T *o, T *buf)
 {
     const fa_idx Ev = a->Ev;
+    const fa_store st = a->kv_store;
+    if (st == FA_STORE_I8)
+        for (fa_idx t = 0; t < nq; ++t)
+            for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] *= (T)a->v_scale[(s0 + r) * a->vsc_s];
     if (a->v_es == 1) {
         for (fa_idx t = 0; t < nq; ++t)
-            FA_NAME(gemv_t)(nk, Ev, s + t * FA_RB, v + s0 * a->v_ss, a->v_ss, o + t * FA_EVP(a));
+            FA_NAME(gemv_t_st)(st, nk, Ev, s + t * FA_RB, FA_NAME(st_at)(st, v, s0 * a->v_ss),
+                               a->v_ss, o + t * FA_EVP(a));
         return;
     }
     /* the same products, a tile at a time: each output element still sums
@@ -83,10 +80,9 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const T *v, fa_idx nq, f
         const fa_idx nc = Ev - c0 < FA_VT_COLS ? Ev - c0 : FA_VT_COLS;
         for (fa_idx r0 = 0; r0 < nk; r0 += FA_VT_ROWS) {
             const fa_idx nr = nk - r0 < FA_VT_ROWS ? nk - r0 : FA_VT_ROWS;
-            for (fa_idx r = 0; r < nr; ++r) {
-                const T *vr = v + (s0 + r0 + r) * a->v_ss + c0 * a->v_es;
-                for (fa_idx c = 0; c < nc; ++c) buf[r * FA_VT_COLS + c] = vr[c * a->v_es];
-            }
+            for (fa_idx r = 0; r < nr; ++r)
+                FA_NAME(load_row)(st, nc, FA_NAME(st_at)(st, v, (s0 + r0 + r) * a->v_ss + c0 * a->v_es),
+                                  a->v_es, buf + r * FA_VT_COLS);
             for (fa_idx t = 0; t < nq; ++t)
                 FA_NAME(gemv_t)(nr, nc, s + t * FA_RB + r0, buf, FA_VT_COLS, o + t * FA_EVP(a) + c0);
         }
@@ -96,38 +92,48 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const T *v, fa_idx nq, f
 /* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;
  * w.qs holds the query rows. */
 static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
-                                 const T *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx s0,
+                                 const void *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx s0,
                                  fa_idx nk)
 {
     T *s = w->s;
     const T scale = (T)a->scale;
-    const fa_idx row_bytes = a->E * (fa_idx)sizeof(T); /* 0 when E = 0: nothing to fetch */
+    const fa_store st = a->kv_store;
+    const fa_idx row_bytes = a->E * FA_NAME(st_bytes)(st); /* 0 when E = 0: nothing to fetch */
     const fa_idx ahead = row_bytes == 0                   ? 0
                          : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
                                                          : 1;
-    for (fa_idx r = 0; r < nk; ++r) {
-        if (a->k_es == 1 && s0 + r + ahead < a->S) /* a contiguous key row, further on */
-            FA_NAME(prefetch_row)(k + (s0 + r + ahead) * a->k_ss, a->E, 1);
-        const T *krow = FA_NAME(key_row)(a, k, s0 + r, w->gather);
+    if (a->k_es == 1) { /* in place; rows further on asked for while these are read */
+        const fa_idx npf = a->S - s0 - ahead < 0 ? 0 : a->S - s0 - ahead;
+        FA_NAME(dots)(st, nq, nk, a->E, w->qs, FA_EP(a), FA_NAME(st_at)(st, k, s0 * a->k_ss),
+                      a->k_ss, s, FA_RB, ahead, npf < nk ? npf : nk, row_bytes);
+    } else { /* each key row copied contiguous first */
+        for (fa_idx r = 0; r < nk; ++r) {
+            FA_NAME(load_row)(st, a->E, FA_NAME(st_at)(st, k, (s0 + r) * a->k_ss), a->k_es,
+                              w->gather);
+            FA_NAME(dots)(FA_STORE_NATIVE, nq, 1, a->E, w->qs, FA_EP(a), w->gather, 0, s + r,
+                          FA_RB, 0, 0, 0);
+        }
+    }
+    for (fa_idx r = 0; r < nk; ++r) { /* int8: times the row's scale */
+        const T f = st == FA_STORE_I8 ? (T)a->k_scale[(s0 + r) * a->ksc_s] : 1;
         for (fa_idx t = 0; t < nq; ++t)
-            s[t * FA_RB + r] = scale * FA_NAME(dot)(a->E, w->qs + t * FA_EP(a), krow);
+            s[t * FA_RB + r] = scale * (st == FA_STORE_I8 ? f * s[t * FA_RB + r] : s[t * FA_RB + r]);
     }
     /* the rest of the per-score stage; nothing to do past the soft-cap
      * without a mask or ALiBi in a block the bounds leave whole */
     const int whole = a->mask_kind == FA_MASK_NONE && a->alibi_slope == 0 &&
                       s0 >= FA_NAME(key_lo)(a, i0 + nq - 1) && s0 + nk - 1 <= FA_NAME(key_hi)(a, i0);
     for (fa_idx t = 0; t < nq; ++t) {
-        T *st = s + t * FA_RB;
-        if (a->softcap > 0) FA_NAME(softcap)(a, nk, st);
-        for (fa_idx r = 0; !whole && r < nk; ++r)
-            st[r] = FA_NAME(modify)(a, mask, i0 + t, s0 + r, st[r]);
+        T *z = s + t * FA_RB;
+        if (a->softcap > 0) FA_NAME(softcap)(a, nk, z);
+        for (fa_idx r = 0; !whole && r < nk; ++r) z[r] = FA_NAME(modify)(a, mask, i0 + t, s0 + r, z[r]);
     }
 }
 
 /* Keys s_lo..s_hi-1 into the running state of nq rows: maximum m, sum l and
  * unnormalised output o (nq x Ev); w.qs holds the query rows. */
 static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
-                                     const T *k, const T *v, const void *mask, fa_idx i0,
+                                     const void *k, const void *v, const void *mask, fa_idx i0,
                                      fa_idx nq, fa_idx s_lo, fa_idx s_hi)
 {
     const fa_idx Ev = a->Ev;
@@ -156,11 +162,12 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
 }
 
 /* w.qs = the query rows; the state starts empty, or with the sink alone. */
-static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa_idx nq,
+static void FA_NAME(rows_start)(const fa_attn_args *a, const void *q, fa_idx i0, fa_idx nq,
                                 const FA_NAME(rows_scratch) *w, int with_sink)
 {
     for (fa_idx t = 0; t < nq; ++t) {
-        for (fa_idx e = 0; e < a->E; ++e) w->qs[t * FA_EP(a) + e] = q[(i0 + t) * a->q_ls + e * a->q_es];
+        FA_NAME(load_row)(a->q_store, a->E, FA_NAME(st_at)(a->q_store, q, (i0 + t) * a->q_ls),
+                          a->q_es, w->qs + t * FA_EP(a));
         for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] = 0;
         w->m[t] = -(T)INFINITY;
         w->l[t] = 0;
@@ -172,7 +179,7 @@ static void FA_NAME(rows_start)(const fa_attn_args *a, const T *q, fa_idx i0, fa
  * m and sum l (in ws): 0 where hidden or where no key was visible, NaN all
  * along a NaN row; ws.qs holds the query rows. */
 static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scratch) *ws,
-                                  const T *k, const void *mask, fa_idx i0, fa_idx nq, T *w)
+                                  const void *k, const void *mask, fa_idx i0, fa_idx nq, T *w)
 {
     const T ninf = -(T)INFINITY;
     const T *m = ws->m, *l = ws->l;
@@ -199,7 +206,7 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
     }
 }
 
-static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, const T *v,
+static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                                const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
                                T *work)
 {
@@ -223,7 +230,7 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const T *q, const T *k, co
 
 /* The state (m, l, o[0..Ev)) of rows i0..i1-1 over keys s_lo..s_hi-1 only,
  * nq x (Ev + 2) values in state; fa_attn_merge combines such pieces. */
-void FA_NAME(attn_part)(const fa_attn_args *a, const T *q, const T *k, const T *v,
+void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                         const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                         T *state, void *work)
 {
@@ -279,7 +286,7 @@ void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, 
 
 /* The weights of rows i0..i1-1 from their maximum and sum in ml (as left by
  * attn_merge): the weights of a call whose keys were split. */
-void FA_NAME(attn_weights)(const fa_attn_args *a, const T *q, const T *k, const void *mask,
+void FA_NAME(attn_weights)(const fa_attn_args *a, const void *q, const void *k, const void *mask,
                            const T *ml, T *w, fa_idx i0, fa_idx i1, void *work)
 {
     const fa_idx nq = i1 - i0;

@@ -42,6 +42,14 @@ static FA_ALWAYS_INLINE float fa_reduce_add_ps256(__m256 x)
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 #define VREDUCE(x) fa_reduce_add_ps256(x)
+/* VLEN elements stored in fewer bits, as floats (F16C, and AVX2 integer
+ * widening): exact conversions, one or two instructions each */
+#define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VLOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VLOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+/* VLEN floats rounded to nearest-even binary16 and stored */
+#define VSTORE_F16(p, x) _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
 #else
 #define V __m256d
 #define VI __m256i

@@ -36,6 +36,13 @@
 #define VAS_I(x) _mm512_castps_si512(x)
 #define VREDUCE(x) _mm512_reduce_add_ps(x) /* a tree of shuffles and adds */
 #define VSCALEF(x, n) _mm512_scalef_ps(x, n) /* x * 2^n, one rounding, subnormals too */
+/* VLEN elements stored in fewer bits, as floats: exact conversions */
+#define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VLOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+/* VLEN floats rounded to nearest-even binary16 and stored */
+#define VSTORE_F16(p, x) _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
 #else
 #define V __m512d
 #define VI __m512i

@@ -9,6 +9,8 @@
  * NEON's FMAX propagates NaN and FMAXNM returns the number, so neither alone
  * is the same; a compare and a bit select are. */
 #include <arm_neon.h>
+#include <stdint.h>
+#include <string.h>
 
 #if FA_IS_F32
 #define V float32x4_t
@@ -44,6 +46,23 @@
 #define VAS_I(x) vreinterpretq_s32_f32(x)
 #define VREDUCE(x) vaddvq_f32(x) /* pairwise: (x0 + x1) + (x2 + x3) */
 #define VTILE_T(r) fa_neon_transpose_f32(r)
+/* VLEN elements stored in fewer bits, as floats: exact conversions (FCVTL
+ * is ARMv8.0; bfloat16 is the upper half of a float) */
+#define VLOAD_F16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
+#define VLOAD_BF16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
+#define VLOAD_I8(p) fa_neon_load_i8(p)
+/* VLEN floats rounded to nearest-even binary16 and stored */
+#define VSTORE_F16(p, x) vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))) /* FPCR: nearest-even */
+#ifndef FA_NEON_LOAD_I8
+#define FA_NEON_LOAD_I8
+static FA_ALWAYS_INLINE float32x4_t fa_neon_load_i8(const int8_t *p)
+{
+    int32_t w;
+    memcpy(&w, p, sizeof w); /* 4 bytes, no more: the row may end there */
+    const int8x8_t b = vreinterpret_s8_s32(vdup_n_s32(w));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
+}
+#endif
 #ifndef FA_NEON_TRANSPOSE_F32
 #define FA_NEON_TRANSPOSE_F32
 /* r[u] = column u of the 4 x 4 tile whose rows were r[0..3] */

@@ -13,7 +13,7 @@
 
 /* ---- CPU ---------------------------------------------------------------- */
 
-/* 1 when the CPU and the OS support AVX2 and FMA, else 0. */
+/* 1 when the CPU and the OS support AVX2, FMA and F16C, else 0. */
 int fa_cpu_has_avx2_fma(void);
 /* 1 when they also support AVX-512 (foundation), else 0. */
 int fa_cpu_has_avx512(void);
@@ -84,6 +84,13 @@ typedef struct {
     fa_idx window_right;         /* >= 0: hidden when j > i' + window_right; -1: unbounded */
     fa_idx causal_offset;        /* 0: upper-left alignment, S - L: lower-right */
     double sink;                 /* a logit joining every row's softmax with no value; -inf: none */
+    /* Storage (fa_common.h), for the float kernels; the double kernels take
+     * NATIVE only.  Strides stay in elements of the storage type. */
+    fa_store q_store;            /* NATIVE, F16 or BF16 */
+    fa_store kv_store;           /* key and value: NATIVE, F16, BF16 or I8 */
+    const float *k_scale;        /* I8: key row j is k_scale[j * ksc_s] * its codes */
+    const float *v_scale;        /* I8: value row j is v_scale[j * vsc_s] * its codes */
+    fa_idx ksc_s, vsc_s;
 } fa_attn_args;
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
@@ -113,9 +120,10 @@ size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize);
  * written there too, and when lse is not NULL each row's log-sum-exp of
  * its logits (the sink included; -inf for a row with nothing visible).  A
  * key with zero weight never contributes its value row, so a non-finite
- * value at a hidden key cannot leak into the output. */
-int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                 const float *v, const void *mask, float *out, float *w, float *lse,
+ * value at a hidden key cannot leak into the output.  The float kernels
+ * read q as a->q_store and k and v as a->kv_store, a tile at a time. */
+int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                 const void *v, const void *mask, float *out, float *w, float *lse,
                  fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work);
 int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                  const double *v, const void *mask, double *out, double *w, double *lse,
@@ -133,8 +141,8 @@ fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
 /* The running maximum, sum and unnormalised output of rows i0..i1-1 over
  * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn_*); the piece with
  * s_lo = 0 holds the sink. */
-int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                     const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                     const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
                      fa_idx s_hi, float *state, void *work);
 int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                      const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
@@ -146,12 +154,19 @@ int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const fl
 int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
                       double *out, double *ml, fa_idx i0, fa_idx i1);
 /* The weights of rows i0..i1-1 (at most 4) from their maximum and sum. */
-int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
                         const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
                         void *work);
 int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                         const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                         void *work);
+
+/* ---- Outputs in 16 bits ------------------------------------------------- */
+
+/* y[0..n) = x[0..n) rounded to nearest-even F16 or BF16 (st), both
+ * contiguous: a float32 result returned in its inputs' 16-bit dtype.
+ * Returns 0, or -1 for another st or n < 0. */
+int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 
 /* ---- The exp used by softmax (error bound: fa_exp_consts.h) ------------ */
 

@@ -10,6 +10,11 @@ GPT2LMHeadModel's state-dict names (its Conv1D weights are stored
 fastattn.MultiHeadAttention, and generates greedily with one KVCache per
 layer.  No checkpoint is downloaded: the demo draws random weights, then
 checks that each cached step equals the matching row of a full causal pass.
+
+    python examples/gpt2.py --compare-storage --new-tokens 32
+
+decodes with the caches held in float32, float16, bfloat16 and int8
+(KVCache's storage) and compares the tokens and the logits of every step.
 """
 import argparse
 import math
@@ -96,9 +101,11 @@ class GPT2:
             i += 1
         self.lm_head = w.get("lm_head.weight", w["transformer.wte.weight"])
 
-    def new_caches(self, batch_size, capacity):
-        """One empty KVCache per layer."""
-        return [mha.new_cache(batch_size, capacity) for mha in self.attn]
+    def new_caches(self, batch_size, capacity, storage=None):
+        """One empty KVCache per layer, holding its keys and values in
+        storage (KVCache's: "float32", "float16", "bfloat16", "int8"; None:
+        the model's dtype)."""
+        return [mha.new_cache(batch_size, capacity, storage=storage) for mha in self.attn]
 
     def forward(self, input_ids, attention_mask=None, caches=None):
         """Logits (B, L, vocab_size) of L new tokens.
@@ -129,14 +136,14 @@ class GPT2:
         x = layer_norm(x, w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)
         return conv1d(x, self.lm_head.T, 0)
 
-    def generate(self, input_ids, max_new_tokens, attention_mask=None):
-        """Greedy decoding with one KVCache per layer: the prompt in one
-        step, then one token per step.  Prompts of unequal length are padded
-        on the left (attention_mask 0 there).  Returns the new tokens
-        (B, max_new_tokens) and the logits of every step
-        (B, max_new_tokens, vocab_size)."""
+    def generate(self, input_ids, max_new_tokens, attention_mask=None, storage=None):
+        """Greedy decoding with one KVCache per layer (in storage, as
+        new_caches): the prompt in one step, then one token per step.
+        Prompts of unequal length are padded on the left (attention_mask 0
+        there).  Returns the new tokens (B, max_new_tokens) and the logits of
+        every step (B, max_new_tokens, vocab_size)."""
         B, P = input_ids.shape
-        caches = self.new_caches(B, P + max_new_tokens)
+        caches = self.new_caches(B, P + max_new_tokens, storage)
         tokens, steps = [], []
         logits = self.forward(input_ids, attention_mask, caches)[:, -1]
         for _ in range(max_new_tokens):
@@ -150,6 +157,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-storage", action="store_true",
+                        help="decode with float32, float16, bfloat16 and int8 caches and "
+                             "compare their tokens and logits")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     vocab, n_pos, E, layers, heads = 101, 64, 64, 3, 4
@@ -159,6 +169,8 @@ def main(argv=None):
     prompt = rng.integers(0, vocab, (len(lengths), P))
     mask = (np.arange(P) >= P - np.array(lengths)[:, None]).astype(np.int64)  # left padding
     tokens, step_logits = model.generate(prompt, args.new_tokens, mask)
+    if args.compare_storage:
+        return compare_storage(model, prompt, mask, tokens, step_logits)
 
     full_ids = np.concatenate([prompt, tokens], axis=1)
     full_mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
@@ -173,6 +185,30 @@ def main(argv=None):
           f"(logits up to {np.abs(full).max():.1f}): {'agree' if ok else 'DIFFER'} "
           f"within 1e-4")
     return 0 if ok else 1
+
+
+def compare_storage(model, prompt, mask, tokens, logits):
+    """Greedy decoding with each cache storage against the float32 cache's
+    tokens and logits; 0 when the 16-bit caches give the same tokens."""
+    print(f"greedy decoding of {tokens.shape[1]} tokens, {tokens.shape[0]} prompts, against a "
+          f"float32 cache (logits up to {np.abs(logits).max():.1f}):")
+    same16 = True
+    for storage in ("float16", "bfloat16", "int8"):
+        t, lg = model.generate(prompt, tokens.shape[1], mask, storage=storage)
+        agree = int((t == tokens).all(axis=1).sum())
+        first = np.flatnonzero((t != tokens).any(axis=0))
+        # logits compared while the tokens agree (after a differing token the inputs differ)
+        upto = first[0] + 1 if first.size else t.shape[1]
+        diff = np.abs(lg[:, :upto] - logits[:, :upto])
+        where = ""
+        if first.size:  # a near-tie of the float32 logits there: the two best within the error
+            top2 = np.sort(logits[:, first[0]], axis=-1)[:, -2:]
+            margin = float((top2[:, 1] - top2[:, 0])[(t != tokens)[:, first[0]]].min())
+            where = f" (first difference at step {first[0]}, where the two best logits differ by {margin:.1e})"
+        print(f"  {storage:8s} cache: {agree} of {len(t)} sequences with the same tokens{where}"
+              + f"; |logit difference| max {diff.max():.2e}, RMS {np.sqrt((diff ** 2).mean()):.2e}")
+        same16 &= storage == "int8" or agree == len(t)
+    return 0 if same16 else 1
 
 
 if __name__ == "__main__":

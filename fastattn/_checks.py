@@ -12,6 +12,8 @@ import numpy as np
 from numpy.ma import MaskedArray
 from numpy.typing import DTypeLike, NDArray
 
+from . import _core
+
 Shape = Tuple[int, ...]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -51,10 +53,19 @@ def require_ndim(x: NDArray[Any], name: str, min_ndim: int, layout: str) -> None
                          f"got shape {shape_str(x.shape)}")
 
 
+def is_half(dtype: np.dtype[Any]) -> bool:
+    """float16, or bfloat16 (ml_dtypes' dtype, the one JAX and PyTorch's
+    converters use): stored in 16 bits, computed in float32."""
+    # itemsize first: dtype.name is a Python property, about 1.5 us a call
+    return dtype.itemsize == 2 and (dtype == np.float16 or dtype.name == "bfloat16")
+
+
 def unsupported_float_hint(dtype: np.dtype[Any], name: str) -> str:
-    """The fix for a half-precision array, to end a dtype error ('' otherwise)."""
-    if dtype.name in ("float16", "bfloat16"):
-        return f"; {dtype.name} is not supported yet: pass {name}.astype(np.float32)"
+    """The fix for a half-precision array where only float32 and float64 are
+    taken, to end a dtype error ('' otherwise)."""
+    if is_half(dtype):
+        return (f"; {dtype.name} is taken by scaled_dot_product_attention and "
+                f"MultiHeadAttention only: pass {name}.astype(np.float32)")
     return ""
 
 
@@ -64,21 +75,43 @@ def common_float_dtype(**arrays: NDArray[Any]) -> np.dtype[Any]:
         if a.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {a.dtype}; expected float32 or float64 "
                             f"(native byte order){unsupported_float_hint(a.dtype, name)}")
+    return _one_dtype(arrays, "float32 or float64")
+
+
+def attention_dtype(**arrays: NDArray[Any]) -> np.dtype[Any]:
+    """The one dtype of the arrays of an attention call: float32, float64,
+    float16 or bfloat16 (native byte order)."""
+    for name, a in arrays.items():
+        if a.dtype not in FLOAT_DTYPES and not (is_half(a.dtype) and a.dtype.isnative):
+            raise TypeError(f"{name} has dtype {a.dtype}; expected float32, float64, float16 or "
+                            "bfloat16 (native byte order)")
+    return _one_dtype(arrays, "float32, float64, float16 or bfloat16")
+
+
+def _one_dtype(arrays: Mapping[str, NDArray[Any]], allowed: str) -> np.dtype[Any]:
     dtypes = {a.dtype for a in arrays.values()}
     if len(dtypes) > 1:
         seen = ", ".join(f"{n} {a.dtype}" for n, a in arrays.items())
-        raise TypeError(f"dtypes differ ({seen}); pass arrays of one dtype, float32 or float64")
+        raise TypeError(f"dtypes differ ({seen}); pass arrays of one dtype, {allowed}")
     return dtypes.pop()
 
 
-def check_float_dtype(dtype: DTypeLike, name: str) -> np.dtype[Any]:
-    """numpy.dtype(dtype) when it is float32 or float64, else a TypeError."""
+def compute_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype the kernels compute an array of this dtype in."""
+    return np.dtype(np.float32) if is_half(dtype) else dtype
+
+
+def check_float_dtype(dtype: DTypeLike, name: str, half: bool = False) -> np.dtype[Any]:
+    """numpy.dtype(dtype) when it is float32 or float64 (or, with half,
+    float16 or bfloat16), else a TypeError."""
     try:
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
-    if dt is None or dt not in FLOAT_DTYPES:  # (a dtype compares equal to None: float64)
-        raise TypeError(f"{name} must be float32 or float64, got {dtype!r}")
+    # (a dtype compares equal to None: float64)
+    if dt is None or not (dt in FLOAT_DTYPES or (half and is_half(dt) and dt.isnative)):
+        allowed = "float32, float64, float16 or bfloat16" if half else "float32 or float64"
+        raise TypeError(f"{name} must be {allowed}, got {dtype!r}")
     return dt
 
 
@@ -86,14 +119,21 @@ def kernel_view(a: NDArray[Any]) -> NDArray[Any]:
     """a itself when the kernels can read it in place (aligned, every stride a
     whole number of elements), else an aligned contiguous copy."""
     flags = a.flags
-    if flags.aligned and (flags.c_contiguous or all(s % a.itemsize == 0 for s in a.strides)):
+    itemsize = a.itemsize  # 1 (a bool mask): every stride is whole, broadcast ones too
+    if flags.aligned and (flags.c_contiguous or itemsize == 1
+                          or all(s % itemsize == 0 for s in a.strides)):
         return a
     return np.array(a, order="C")  # a fresh array; ascontiguousarray keeps a misaligned one
 
 
 def broadcast_view(a: NDArray[Any], shape: Shape) -> NDArray[Any]:
     """a seen with shape (stride 0 on broadcast axes), without a copy."""
-    return a if a.shape == shape else np.broadcast_to(a, shape)
+    if a.shape == shape:
+        return a
+    extra = len(shape) - a.ndim
+    if extra > 0 and shape[extra:] == a.shape and shape[:extra] == (1,) * extra:
+        return a[(None,) * extra]  # leading axes of 1 only: a tenth of broadcast_to's time
+    return np.broadcast_to(a, shape)
 
 
 def broadcast_shapes(named_shapes: Sequence[tuple[str, Shape]], what: str) -> Shape:
@@ -225,13 +265,13 @@ def mask_kind_and_array(mask: Optional[NDArray[Any]], dtype: np.dtype[Any],
                         name: str) -> tuple[int, Optional[NDArray[Any]]]:
     """(kind, array) of a mask: bool masks stay bool (True = keep); floating
     masks are converted to dtype (added to the scores, -inf hides)."""
-    from . import _core
-
     if mask is None:
         return _core.MASK_NONE, None
     require_array(mask, name)
     if mask.dtype == np.bool_:
         return _core.MASK_BOOL, kernel_view(mask)
+    if mask.dtype is dtype:  # no conversion, so nothing can overflow
+        return _core.MASK_ADD, kernel_view(mask)
     if np.issubdtype(mask.dtype, np.floating):
         with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
             return _core.MASK_ADD, kernel_view(mask.astype(dtype, copy=False))

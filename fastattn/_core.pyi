@@ -13,6 +13,10 @@ ISA_NEON: int
 MASK_NONE: int
 MASK_BOOL: int
 MASK_ADD: int
+STORE_NATIVE: int
+STORE_F16: int
+STORE_BF16: int
+STORE_I8: int
 ATTN_MAX_FEATURES: int
 
 def cpu_has_avx2_fma() -> bool: ...
@@ -29,7 +33,9 @@ def attention(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
               scale: float, nthreads: int, window_left: int = ..., window_right: int = ...,
               softcap: float = ..., slopes: Optional[NDArray[np.float64]] = ...,
               sinks: Optional[NDArray[np.float64]] = ...,
-              lse: Optional[NDArray[Any]] = ...) -> None: ...
+              lse: Optional[NDArray[Any]] = ..., q_store: int = ..., kv_store: int = ...,
+              k_scale: Optional[NDArray[np.float32]] = ...,
+              v_scale: Optional[NDArray[np.float32]] = ...) -> None: ...
 def varlen(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDArray[Any],
            lse: Optional[NDArray[Any]], cu_q: NDArray[np.int64], cu_k: NDArray[np.int64],
            group: int, causal: bool, lower_right: bool, scale: float, nthreads: int,
@@ -40,4 +46,5 @@ def softmax_rows(isa: int, x: NDArray[Any], mask: Optional[NDArray[Any]], mask_k
 def matmul(isa: int, a: NDArray[Any], bm: NDArray[Any], out: NDArray[Any],
            nthreads: int) -> None: ...
 def merge_heads(x: NDArray[Any], out: NDArray[Any], nthreads: int) -> None: ...
+def narrow(isa: int, store: int, x: NDArray[np.float32], out: NDArray[Any], nthreads: int) -> None: ...
 def exp(isa: int, x: NDArray[np.floating[Any]], out: NDArray[np.floating[Any]]) -> None: ...

@@ -50,6 +50,11 @@ cdef extern from "fastattn.h" nogil:
         FA_MASK_NONE
         FA_MASK_BOOL
         FA_MASK_ADD
+    ctypedef enum fa_store:
+        FA_STORE_NATIVE
+        FA_STORE_F16
+        FA_STORE_BF16
+        FA_STORE_I8
     ctypedef struct fa_gemm_args:
         fa_idx M, N, K
         fa_idx rs_a, cs_a, rs_b, cs_b, rs_c, cs_c
@@ -62,6 +67,10 @@ cdef extern from "fastattn.h" nogil:
         int causal
         fa_idx window_left, window_right, causal_offset
         double sink
+        fa_store q_store, kv_store
+        const float *k_scale
+        const float *v_scale
+        fa_idx ksc_s, vsc_s
 
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
@@ -87,16 +96,16 @@ cdef extern from "fastattn.h" nogil:
         const void *q
         const void *k
         fa_idx i0, i1
-    int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                    const float *v, const void *mask, float *out, float *w, float *lse,
+    int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                    const void *v, const void *mask, float *out, float *w, float *lse,
                     fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
     int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                     const double *v, const void *mask, double *out, double *w, double *lse,
                     fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
     fa_idx fa_attn_splits(const fa_attn_args *a)
     fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
-    int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
-                         const float *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+    int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                         const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
                          fa_idx s_hi, float *state, void *work)
     int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                          const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
@@ -105,12 +114,13 @@ cdef extern from "fastattn.h" nogil:
                           float *out, float *ml, fa_idx i0, fa_idx i1)
     int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
                           double *out, double *ml, fa_idx i0, fa_idx i1)
-    int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const float *q, const float *k,
+    int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
                             const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
                             void *work)
     int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                             const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                             void *work)
+    int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
     void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y)
 
@@ -123,6 +133,10 @@ ISA_NEON = <int>FA_ISA_NEON
 MASK_NONE = <int>FA_MASK_NONE
 MASK_BOOL = <int>FA_MASK_BOOL
 MASK_ADD = <int>FA_MASK_ADD
+STORE_NATIVE = <int>FA_STORE_NATIVE
+STORE_F16 = <int>FA_STORE_F16
+STORE_BF16 = <int>FA_STORE_BF16
+STORE_I8 = <int>FA_STORE_I8
 ATTN_MAX_FEATURES = FA_ATTN_MAX_FEATURES
 
 
@@ -272,6 +286,8 @@ cdef struct Operands:
     char *lse      # (..., L): each row's log-sum-exp
     char *slope    # float64 per item: ALiBi slopes
     char *sink     # float64 per item: sink logits
+    char *ksc      # float32 per key/value item and position: int8 key scales
+    char *vsc      # and value scales
     fa_idx qs[MAXDIM]
     fa_idx ks[MAXDIM]
     fa_idx vs[MAXDIM]
@@ -281,7 +297,11 @@ cdef struct Operands:
     fa_idx lses[MAXDIM]
     fa_idx slopes[MAXDIM]
     fa_idx sinks[MAXDIM]
-    int elsize   # of q, k, v, out and weights
+    fa_idx kscs[MAXDIM]
+    fa_idx vscs[MAXDIM]
+    int elsize   # of out, weights and lse: the kernel's type
+    int qsize    # of q, and of k and v: their storage
+    int kvsize
     int msize    # of the mask
     fa_idx group  # query heads per key/value head
 
@@ -295,15 +315,15 @@ cdef inline void *at(char *base, int size, const Batch *b, const fa_idx *strides
 
 
 cdef inline void *q_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.q, o.elsize, b, o.qs, item, 1)
+    return at(o.q, o.qsize, b, o.qs, item, 1)
 
 
 cdef inline void *k_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.k, o.elsize, b, o.ks, item, o.group)
+    return at(o.k, o.kvsize, b, o.ks, item, o.group)
 
 
 cdef inline void *v_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.v, o.elsize, b, o.vs, item, o.group)
+    return at(o.v, o.kvsize, b, o.vs, item, o.group)
 
 
 cdef inline void *m_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
@@ -324,9 +344,12 @@ cdef inline void *lse_at(const Operands *o, const Batch *b, fa_idx item) noexcep
 
 cdef inline fa_attn_args item_args(const fa_attn_args *a, const Operands *o, const Batch *b,
                                    fa_idx item) noexcept nogil:
-    """The arguments of one (batch, head) item: a's, with its ALiBi slope
-    and sink."""
+    """The arguments of one (batch, head) item: a's, with its ALiBi slope,
+    sink and int8 scales."""
     cdef fa_attn_args r = a[0]
+    if o.ksc != NULL:
+        r.k_scale = <const float *>at(o.ksc, 4, b, o.kscs, item, o.group)
+        r.v_scale = <const float *>at(o.vsc, 4, b, o.vscs, item, o.group)
     if o.slope != NULL:
         r.alibi_slope = (<double *>at(o.slope, 8, b, o.slopes, item, 1))[0]
     if o.sink != NULL:
@@ -352,13 +375,17 @@ cdef inline fa_attn_next task_rows(const Operands *o, const Batch *b, fa_idx t, 
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
               double scale, int nthreads, fa_idx window_left=-1, fa_idx window_right=-1,
-              double softcap=0, object slopes=None, object sinks=None, object lse=None):
+              double softcap=0, object slopes=None, object sinks=None, object lse=None,
+              int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
+              object v_scale=None):
     """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
 
     All arrays have the same number of dimensions; the axes before the last
     two are batch axes, equal to out's except that k and v have out's last
     batch axis divided by group.  slopes and sinks (float64) have out's
-    batch shape, lse (out's dtype) its batch shape and L."""
+    batch shape, lse (out's dtype) its batch shape and L.  q, and k and v,
+    are stored as q_store and kv_store (out float32 unless both are native);
+    with int8, k_scale and v_scale (float32) have k's batch shape and S."""
     cdef int nd = q.ndim - 2
     cdef Batch b
     cdef Operands o
@@ -369,7 +396,9 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     fill_batch(&b, out, nd)
     o.q, o.k, o.v, o.o = (<char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(k),
                           <char *>cnp.PyArray_DATA(v), <char *>cnp.PyArray_DATA(out))
-    o.elsize, o.msize, o.group = cnp.PyArray_ITEMSIZE(q), 1, group
+    o.elsize, o.msize, o.group = cnp.PyArray_ITEMSIZE(out), 1, group
+    o.qsize, o.kvsize = cnp.PyArray_ITEMSIZE(q), cnp.PyArray_ITEMSIZE(k)
+    a.q_store, a.kv_store = <fa_store>q_store, <fa_store>kv_store
     fill_strides(o.qs, q, nd)
     fill_strides(o.ks, k, nd)
     fill_strides(o.vs, v, nd)
@@ -411,6 +440,15 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         o.lse = <char *>cnp.PyArray_DATA(x_arr)
         fill_strides(o.lses, x_arr, nd)
         a.lse_s = estride(x_arr, nd)
+    if k_scale is not None:
+        x_arr = k_scale
+        o.ksc = <char *>cnp.PyArray_DATA(x_arr)
+        fill_strides(o.kscs, x_arr, nd)
+        a.ksc_s = estride(x_arr, nd)
+        x_arr = v_scale
+        o.vsc = <char *>cnp.PyArray_DATA(x_arr)
+        fill_strides(o.vscs, x_arr, nd)
+        a.vsc_s = estride(x_arr, nd)
 
     cdef fa_idx qb = fa_attn_query_block(o.elsize)
     cdef fa_idx nqb = (a.L + qb - 1) // qb
@@ -829,6 +867,26 @@ def merge_heads(cnp.ndarray x, cnp.ndarray out, int nthreads):
         merge_heads_loop[float](x, out, nthreads)
     else:
         merge_heads_loop[double](x, out, nthreads)
+
+
+def narrow(int isa, int store, cnp.ndarray x, cnp.ndarray out, int nthreads):
+    """out (16-bit, stored as store) = x (float32) rounded to nearest-even;
+    both C-contiguous, of one size."""
+    DEF CHUNK = 65536
+    cdef fa_idx n = x.size, nchunks = (n + CHUNK - 1) // CHUNK, c, lo
+    cdef const float *src = <const float *>cnp.PyArray_DATA(x)
+    cdef char *dst = <char *>cnp.PyArray_DATA(out)
+    cdef int err = 0
+    cdef int *errp = &err
+    if nchunks == 0:
+        return
+    with nogil:
+        for c in prange(nchunks, schedule="static", num_threads=min(nthreads, nchunks)):
+            lo = c * CHUNK
+            if fa_narrow_f32(<fa_isa>isa, <fa_store>store, min(CHUNK, n - lo), src + lo,
+                             dst + 2 * lo) != 0:
+                errp[0] = 2
+    raise_on(err, "narrow")
 
 
 def exp(int isa, cnp.ndarray x, cnp.ndarray out):

@@ -159,9 +159,14 @@ def resolve_threads(num_threads: Optional[int]) -> int:
     """Thread count for one call: the argument if given, else the global one
     (1 where get_num_threads says so, whatever the argument)."""
     global _team_started
-    n = get_num_threads() if num_threads is None else _check_threads(num_threads, "num_threads")
-    if not _core.have_openmp() or _forked_after_team:
-        return 1
+    if num_threads is None:
+        n = get_num_threads()  # 1 already where a team cannot run
+    elif type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:  # the common count
+        n = num_threads
+    else:
+        n = _check_threads(num_threads, "num_threads")
     if n > 1:
+        if not _core.have_openmp() or _forked_after_team:
+            return 1
         _team_started = True
     return n

@@ -20,6 +20,9 @@ class Variants(NamedTuple):
     sinks: Optional[NDArray[np.float64]]   # sink logit per item, the batch shape
 
 
+NONE = Variants(-1, -1, 0.0, None, None)  # no variant: what the kernels take by default
+
+
 def window(window_size: object, L: int, S: int) -> tuple[int, int]:
     """(left, right) as the kernels take them: each >= -1, and -1 for a side
     that hides nothing at these lengths (so the kernels' arithmetic stays
@@ -59,6 +62,8 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.f
 def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[Any]],
           softcap: Optional[float], sinks: Optional[NDArray[Any]], batch: C.Shape, L: int,
           S: int) -> Variants:
+    if window_size is None and alibi_slopes is None and softcap is None and sinks is None:
+        return NONE  # the common call: nothing to check or convert
     left, right = (-1, -1) if window_size is None else window(window_size, L, S)
     cap = 0.0
     if softcap is not None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, Sequence, Union, overload
+from typing import Any, Literal, NamedTuple, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -17,6 +17,11 @@ Result = Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]],
 
 _ALIGNMENTS = {"upper_left", "lower_right"}
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
+# how the kernels read 16-bit inputs (converted to float32 a tile at a time)
+_STORE = {"float16": _core.STORE_F16, "bfloat16": _core.STORE_BF16}
+# The dtypes of _common_call, with the most elements one array of each holds.
+_COMMON_DTYPES = {dt: C.max_elements(dt) for dt in (np.dtype(np.float32), np.dtype(np.float64))}
+_BOOL = np.dtype(np.bool_)
 
 
 def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
@@ -29,6 +34,76 @@ def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
     shape = C.shape_str((target[0],) + (1,) * (len(target) - 2) + (target[-1],))
     return (f"; for a (B, S) key padding mask (True = may attend) pass attn_mask{index}, "
             f"of shape {shape}")
+
+
+def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+                 attn_mask: Optional[MaskArray], dropout_p: object, is_causal: object,
+                 scale: object, causal_alignment: object,
+                 num_threads: Optional[int]) -> Optional[NDArray[Float]]:
+    """scaled_dot_product_attention for the common call, or None for a call
+    to leave to the general path.  A tiny call is mostly its checks: these
+    take a fraction of the general path's time (plain type, identity and
+    tuple tests, no message built).  The caller has seen plain ndarrays and
+    out, the variants, enable_gqa, need_weights and return_lse at their
+    defaults (the kernel's defaults are those of _variants.NONE, and the
+    native storage of float32 and float64).
+
+    It takes only calls that the general path accepts, and passes the kernel
+    what the general path passes, so the result is bitwise the same.  It
+    raises only where the general path raises the same error:
+    resolve_threads is called once every check the general path makes
+    before it has passed here.  Anything else is None, and the general path
+    gives the error."""
+    dtype = query.dtype
+    limit = _COMMON_DTYPES.get(dtype)
+    if limit is None or key.dtype is not dtype or value.dtype is not dtype:
+        return None
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if len(qs) < 2 or len(ks) != len(qs) or len(vs) != len(qs):
+        return None
+    batch = qs[:-2]  # the same leading axes: no broadcast
+    L, E, S, Ev = qs[-2], qs[-1], ks[-2], vs[-1]
+    if (batch != ks[:-2] or batch != vs[:-2] or ks[-1] != E or vs[-2] != S
+            or E > _MAX_FEATURES or Ev > _MAX_FEATURES):
+        return None
+    if (type(dropout_p) is not float and type(dropout_p) is not int) or dropout_p != 0:
+        return None
+    if (is_causal is not False and is_causal is not True) or type(causal_alignment) is not str:
+        return None
+    if causal_alignment == "upper_left":
+        offset = 0
+    elif causal_alignment == "lower_right":
+        offset = S - L
+    else:
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    elif type(scale) is not float or not -math.inf < scale < math.inf:
+        return None
+    if math.prod(batch) * (L or 1) * (S or 1) * ((E if E > Ev else Ev) or 1) > limit:
+        return None
+    if attn_mask is None:
+        kind, mask = _core.MASK_NONE, None
+    else:
+        if type(attn_mask) is not np.ndarray:
+            return None
+        if attn_mask.dtype is _BOOL:
+            kind = _core.MASK_BOOL
+        elif attn_mask.dtype is dtype:
+            kind = _core.MASK_ADD
+        else:
+            return None
+        try:
+            mask = C.broadcast_view(C.kernel_view(attn_mask), batch + (L, S))
+        except ValueError:
+            return None
+    nthreads = _runtime.resolve_threads(num_threads)
+    out = np.empty(batch + (L, Ev), dtype)
+    if out.size:
+        _core.attention(_runtime.isa(), C.kernel_view(query), C.kernel_view(key),
+                        C.kernel_view(value), mask, kind, out, None, 1, is_causal, offset,
+                        scale, nthreads)
+    return out
 
 
 @overload
@@ -229,10 +304,44 @@ def scaled_dot_product_attention(
 
     The caller's arrays are never modified.
     """
+    # the common call first: see _common_call
+    if (type(query) is np.ndarray and type(key) is np.ndarray and type(value) is np.ndarray
+            and out is None and enable_gqa is False and need_weights is False
+            and return_lse is False and window_size is None and alibi_slopes is None
+            and softcap is None and sinks is None):
+        result = _common_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              causal_alignment, num_threads)
+        if result is not None:
+            return result
+    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      causal_alignment, need_weights, return_lse, window_size, alibi_slopes,
+                      softcap, sinks, out, num_threads)
+
+
+class StoredKV(NamedTuple):
+    """How a KVCache stores its keys and values when not in query's dtype:
+    the kernels' storage kind (_core.STORE_*) and, for int8, the float32
+    scale of every row, shaped like key and value without their last axis."""
+    store: int
+    key_scale: Optional[NDArray[np.float32]] = None
+    value_scale: Optional[NDArray[np.float32]] = None
+
+
+def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
+               attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
+               scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
+               need_weights: bool, return_lse: bool, window_size: Optional[tuple[int, int]],
+               alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
+               sinks: Optional[NDArray[Any]], out: Optional[NDArray[Any]],
+               num_threads: Optional[int], stored: Optional[StoredKV] = None) -> Result[Any]:
+    """scaled_dot_product_attention's work; with stored, key and value are a
+    KVCache's buffers in that storage (query's dtype is then the only one
+    checked)."""
     for name, a in (("query", query), ("key", key), ("value", value)):
         C.require_array(a, name)
         C.require_ndim(a, name, 2, "(..., length, features)")
-    dtype = C.common_float_dtype(query=query, key=key, value=value)
+    dtype = (C.attention_dtype(query=query, key=key, value=value) if stored is None
+             else C.attention_dtype(query=query))
     L, E = query.shape[-2:]
     S, Ek = key.shape[-2:]
     Sv, Ev = value.shape[-2:]
@@ -291,7 +400,8 @@ def scaled_dot_product_attention(
                                ("the output", batch + (L, Ev)),
                                ("the attention scores (..., Hq, L, S)", batch + (L, S))],
                               dtype.itemsize)
-    kind, mask = C.mask_kind_and_array(attn_mask, dtype, "attn_mask")
+    compute = C.compute_dtype(dtype)  # float32 for the 16-bit dtypes
+    kind, mask = C.mask_kind_and_array(attn_mask, compute, "attn_mask")
     if mask is not None:
         target = batch + (L, S)
         try:
@@ -305,24 +415,48 @@ def scaled_dot_product_attention(
 
     out_shape = batch + (L, Ev)
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
-    if out is None:
-        out = np.empty(out_shape, dtype)
-    else:
+    if out is not None:
         C.check_out(out, out_shape, dtype, inputs)
-    weights = np.empty(batch + (L, S), dtype) if weights_wanted else None
-    lse = np.empty(batch + (L,), dtype) if lse_wanted else None
+    # the kernels write float32 for 16-bit inputs, rounded to them at the end
+    result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
+    weights = np.empty(batch + (L, S), compute) if weights_wanted else None
+    lse = np.empty(batch + (L,), compute) if lse_wanted else None
 
     q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
     k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, E))
     v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, Ev))
     offset = S - L if causal_alignment == "lower_right" else 0
-    if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
-        _core.attention(_runtime.isa(), q, k, v, mask, kind, out, weights, group, causal,
+    store = _STORE.get(dtype.name, _core.STORE_NATIVE) if compute != dtype else _core.STORE_NATIVE
+    kv_store, k_scale, v_scale = store, None, None
+    if stored is not None:
+        kv_store = stored.store
+        if stored.key_scale is not None and stored.value_scale is not None:
+            k_scale = C.broadcast_view(stored.key_scale, kv_batch + (S,))
+            v_scale = C.broadcast_view(stored.value_scale, kv_batch + (S,))
+    if result.size or (weights is not None and weights.size) or (lse is not None and lse.size):
+        _core.attention(_runtime.isa(), q, k, v, mask, kind, result, weights, group, causal,
                         offset, scale, nthreads, window_left=variants.window_left,
                         window_right=variants.window_right, softcap=variants.softcap,
-                        slopes=variants.slopes, sinks=variants.sinks, lse=lse)
-    results = (out,) + tuple(x for x in (weights, lse) if x is not None)
-    return results[0] if len(results) == 1 else results  # type: ignore[return-value]
+                        slopes=variants.slopes, sinks=variants.sinks, lse=lse,
+                        q_store=store, kv_store=kv_store, k_scale=k_scale, v_scale=v_scale)
+    half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
+    out = narrow(result, dtype, nthreads, out) if half else result
+    results = (out,) + tuple(narrow(x, dtype, nthreads) if half else x
+                             for x in (weights, lse) if x is not None)
+    return results[0] if len(results) == 1 else results
+
+
+def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,
+           out: Optional[NDArray[Any]] = None) -> NDArray[Any]:
+    """x (float32) rounded to nearest-even dtype (float16 or bfloat16), into
+    out when given: what NumPy's and ml_dtypes' astype give, on the threads."""
+    x = np.ascontiguousarray(x)
+    y = out if out is not None and out.flags.c_contiguous else np.empty(x.shape, dtype)
+    _core.narrow(_runtime.isa(), _STORE[dtype.name], x, y, nthreads)
+    if out is not None and y is not out:
+        np.copyto(out, y)
+        return out
+    return y
 
 
 def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Float]]

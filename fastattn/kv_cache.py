@@ -8,9 +8,28 @@ from typing import Any, Literal, Optional, Union, cast, overload
 import numpy as np
 
 from . import _checks as C
-from . import _masks
+from . import _core, _masks, _runtime
 from ._typing import DTypeLike, Float, MaskArray, NDArray, Scalar
-from .attention import scaled_dot_product_attention
+from .attention import StoredKV, _attention, narrow
+
+# storage -> (its NumPy dtype's name, the kernels' kind)
+_STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _core.STORE_NATIVE),
+             "float16": ("float16", _core.STORE_F16), "bfloat16": ("bfloat16", _core.STORE_BF16),
+             "int8": ("int8", _core.STORE_I8)}
+
+_LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}  # their largest finite values
+
+
+def _storage_dtype(storage: str) -> np.dtype[Any]:
+    if storage == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ImportError("storage='bfloat16' needs the ml_dtypes package "
+                              "(pip install ml_dtypes)") from None
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
+    return np.dtype(_STORAGES[storage][0])
 
 
 def _read_only(a: NDArray[Scalar]) -> NDArray[Scalar]:
@@ -45,35 +64,75 @@ class KVCache:
     value_dim : int or None
         Size of a value head; None means head_dim.
     dtype : float32 or float64
+        Of the keys and values appended and of the queries: what attention
+        computes in.
+    storage : {"float32", "float16", "bfloat16", "int8"} or None
+        How the keys and values are held (float32 dtype only; None: as
+        dtype).  Decoding reads the whole cache at every step, so fewer
+        bytes per element decode faster and hold longer sequences in the
+        same memory; the kernel converts a row or a tile at a time as it
+        reads, never the whole cache.
+
+        - "float16" (IEEE binary16, llama.cpp's default f16 cache) and
+          "bfloat16" (ml_dtypes' dtype; needs the ml_dtypes package): each
+          element rounded to nearest-even on ``append``.  Relative error
+          at most 2**-11 and 2**-8 of each element; float16 holds
+          magnitudes up to 65504 (a larger finite value is a ValueError).
+        - "int8": symmetric absmax quantisation of each row of head_dim
+          (value_dim) features of one position and head, with a float32
+          scale per row: ``scale = max|x| / 127``, ``code =
+          round_half_even(x / scale)``, read as ``scale * code``; the error
+          of each element is at most scale / 2 = max|x| / 254.  The scheme
+          of llama.cpp's q8_0 (which takes blocks of 32 elements with a
+          float16 scale) with one scale per row, the per-token granularity
+          of ONNX Runtime's quantised KV cache and KIVI's value cache
+          (Liu et al. 2024).  Only finite values can be stored.
 
     Raises
     ------
     TypeError for non-int sizes or another dtype; ValueError for sizes < 1
-    (value_dim and head_dim may be 0) or buffers larger than any address
-    space; MemoryError, with the sizes and bytes, when they cannot be
-    allocated.
+    (value_dim and head_dim may be 0), a storage not among those above (or
+    other than "float64" with float64), or buffers larger than any address
+    space; ImportError for "bfloat16" without ml_dtypes; MemoryError, with
+    the sizes and bytes, when they cannot be allocated.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int, *,
-                 value_dim: Optional[int] = None, dtype: DTypeLike = np.float32) -> None:
+                 value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
+                 storage: Optional[str] = None) -> None:
         batch_size = C.check_index(batch_size, "batch_size", 1)
         num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
         capacity = C.check_index(capacity, "capacity", 1)
         head_dim = C.check_index(head_dim, "head_dim", 0)
         value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
         dtype = C.check_float_dtype(dtype, "dtype")
+        storage = dtype.name if storage is None else storage
+        allowed = ("float64",) if dtype == np.float64 else ("float32", "float16", "bfloat16", "int8")
+        if storage not in allowed:  # (also what is not a str)
+            raise ValueError(f"storage must be one of {', '.join(map(repr, allowed))} for a "
+                             f"{dtype.name} KVCache, got {storage!r}")
+        stored = _storage_dtype(storage)
         shapes = [(batch_size, num_kv_heads, capacity, head_dim),
                   (batch_size, num_kv_heads, capacity, value_dim), (batch_size, capacity)]
-        nbytes = sum(math.prod(s) for s in shapes[:2]) * dtype.itemsize + math.prod(shapes[2])
+        scales = 2 * 4 * batch_size * num_kv_heads * capacity if storage == "int8" else 0
+        nbytes = (sum(math.prod(s) for s in shapes[:2]) * stored.itemsize + math.prod(shapes[2])
+                  + scales)
         sizes = (f"batch_size={batch_size}, num_kv_heads={num_kv_heads}, capacity={capacity}, "
-                 f"head_dim={head_dim}, value_dim={value_dim}, {dtype.name}")
-        if not all(C.addressable(s, dtype.itemsize) for s in shapes):
+                 f"head_dim={head_dim}, value_dim={value_dim}, {dtype.name}, storage={storage}")
+        if not all(C.addressable(s, max(stored.itemsize, 4)) for s in shapes):  # scales: 4 bytes
             raise ValueError(f"KVCache of {sizes} would need buffers larger than any address "
                              f"space; lower capacity")
+        self._dtype = dtype
+        self._storage = storage
         try:  # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
-            self._key: NDArray[np.floating[Any]] = np.zeros(shapes[0], dtype)
-            self._value: NDArray[np.floating[Any]] = np.zeros(shapes[1], dtype)
+            self._key: NDArray[Any] = np.zeros(shapes[0], stored)
+            self._value: NDArray[Any] = np.zeros(shapes[1], stored)
             self._real: NDArray[np.bool_] = np.zeros(shapes[2], bool)  # True = a real token, may be attended
+            # int8: the scale of each (sequence, head, position) row
+            self._key_scale: Optional[NDArray[np.float32]] = (
+                np.zeros(shapes[0][:3], np.float32) if storage == "int8" else None)
+            self._value_scale: Optional[NDArray[np.float32]] = (
+                np.zeros(shapes[1][:3], np.float32) if storage == "int8" else None)
         except MemoryError:
             raise MemoryError(f"KVCache of {sizes} needs {nbytes / 2**30:.1f} GiB, which could "
                               f"not be allocated; lower capacity") from None
@@ -103,7 +162,20 @@ class KVCache:
 
     @property
     def dtype(self) -> np.dtype[np.floating[Any]]:
-        return self._key.dtype
+        """The dtype of the keys and values appended and of the queries."""
+        return self._dtype
+
+    @property
+    def storage(self) -> str:
+        """How the keys and values are held: "float32", "float64", "float16",
+        "bfloat16" or "int8"."""
+        return self._storage
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers (keys, values, int8 scales, padding flags)."""
+        scales = [a.nbytes for a in (self._key_scale, self._value_scale) if a is not None]
+        return int(self._key.nbytes + self._value.nbytes + self._real.nbytes + sum(scales))
 
     @property
     def length(self) -> int:
@@ -118,13 +190,25 @@ class KVCache:
 
     @property
     def key(self) -> NDArray[np.floating[Any]]:
-        """Read-only view of the keys held, (batch_size, num_kv_heads, length, head_dim)."""
-        return _read_only(self._key[:, :, :self._length])
+        """The keys held, (batch_size, num_kv_heads, length, head_dim), in the
+        cache's dtype: a read-only view when stored so, else a new array of
+        what attention reads (the stored values converted, int8 times its
+        scales)."""
+        return self._read(self._key, self._key_scale)
 
     @property
     def value(self) -> NDArray[np.floating[Any]]:
-        """Read-only view of the values held, (batch_size, num_kv_heads, length, value_dim)."""
-        return _read_only(self._value[:, :, :self._length])
+        """The values held, (batch_size, num_kv_heads, length, value_dim); as ``key``."""
+        return self._read(self._value, self._value_scale)
+
+    def _read(self, buf: NDArray[Any], scale: Optional[NDArray[np.float32]]
+              ) -> NDArray[np.floating[Any]]:
+        held = buf[:, :, :self._length]
+        if held.dtype == self._dtype:
+            return _read_only(held)
+        if scale is None:
+            return held.astype(self._dtype)
+        return held.astype(self._dtype) * scale[:, :, :self._length, None]
 
     @property
     def attn_mask(self) -> Optional[NDArray[np.bool_]]:
@@ -136,7 +220,8 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"capacity={self.capacity}, head_dim={self.head_dim}, "
-                f"value_dim={self.value_dim}, dtype={self.dtype.name}, length={self.length})")
+                f"value_dim={self.value_dim}, dtype={self.dtype.name}, storage={self.storage}, "
+                f"length={self.length})")
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept for the next sequence)."""
@@ -158,7 +243,8 @@ class KVCache:
         key : ndarray, (batch_size, num_kv_heads, L, head_dim), the cache's dtype
         value : ndarray, (batch_size, num_kv_heads, L, value_dim)
             Any strides (for example head views of a projection); copied
-            into the buffers, never kept.
+            into the buffers in the cache's storage (rounded or quantised,
+            see the class), never kept.
         key_padding_mask : bool ndarray (batch_size, L) or None
             nn.MultiheadAttention's convention: True = padding, never
             attended by any later query.
@@ -166,17 +252,18 @@ class KVCache:
         Raises
         ------
         TypeError for non-arrays, a dtype other than the cache's or a
-        non-bool mask; ValueError for shapes that do not match the cache or
-        when the L positions do not fit in the remaining capacity (nothing
-        is written then).
+        non-bool mask; ValueError for shapes that do not match the cache,
+        when the L positions do not fit in the remaining capacity, or for
+        values the storage cannot hold (a finite value beyond float16's
+        range, a non-finite value in int8).  Nothing is written then.
         """
         B, Hkv, D, Dv = self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim
         for name, a, last, last_name in (("key", key, D, "head_dim"),
                                          ("value", value, Dv, "value_dim")):
             C.require_array(a, name)
             if a.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {a.dtype}; this KVCache holds {self.dtype}"
-                                f"{C.unsupported_float_hint(a.dtype, name)}")
+                raise TypeError(f"{name} has dtype {a.dtype}; this KVCache holds "
+                                f"{self.dtype}{self._half_hint(a.dtype, name)}")
             if a.ndim != 4 or a.shape[:2] != (B, Hkv) or a.shape[3] != last:
                 raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
                                  f"(batch_size, num_kv_heads, L, {last_name}) = "
@@ -199,14 +286,50 @@ class KVCache:
             raise ValueError(f"KVCache capacity exceeded: it holds {n} of {self.capacity} "
                              f"positions and {L} more were appended; create it with a larger "
                              "capacity or reset() it")
-        self._key[:, :, n:n + L] = key
-        self._value[:, :, n:n + L] = value
+        keys, key_scale = self._encode(key, "key")
+        values, value_scale = self._encode(value, "value")
+        self._key[:, :, n:n + L] = keys
+        self._value[:, :, n:n + L] = values
+        if self._key_scale is not None and self._value_scale is not None:
+            self._key_scale[:, :, n:n + L] = key_scale
+            self._value_scale[:, :, n:n + L] = value_scale
         if key_padding_mask is None:
             self._real[:, n:n + L] = True
         else:
             np.logical_not(key_padding_mask, out=self._real[:, n:n + L])
             self._padded = self._padded or bool(key_padding_mask.any())
         self._length = n + L
+
+    def _half_hint(self, dtype: np.dtype[Any], name: str) -> str:
+        """The fix for 16-bit arrays given to a cache, to end a dtype error."""
+        if not C.is_half(dtype):
+            return ""
+        return (f"; pass {name}.astype(np.{self.dtype.name}): a KVCache computes in float32 "
+                f"and holds its keys and values in {dtype.name} with storage='{dtype.name}'")
+
+    def _encode(self, x: NDArray[np.floating[Any]], name: str
+                ) -> tuple[NDArray[Any], Optional[NDArray[np.float32]]]:
+        """x in the storage, and its int8 row scales (None otherwise); a
+        ValueError for what the storage cannot hold."""
+        stored = self._key.dtype
+        if stored == x.dtype:
+            return x, None
+        if self._storage != "int8":  # rounded as astype rounds, on the kernels' threads
+            y = narrow(x, stored, _runtime.resolve_threads(None))
+            overflow = np.isfinite(x) & ~np.isfinite(y.astype(np.float32))
+            if overflow.any():
+                raise ValueError(f"{name} holds {x[overflow].flat[0]}, beyond the range of this "
+                                 f"KVCache's {self._storage} storage (largest finite "
+                                 f"{_LARGEST[self._storage]:g}); use storage='float32'")
+            return y, None
+        if not np.isfinite(x).all():
+            raise ValueError(f"{name} holds a non-finite value, which int8 storage cannot hold; "
+                             "use storage='float32' (or 'float16')")
+        scale = (np.abs(x).max(axis=-1, initial=0) / 127).astype(np.float32)
+        with np.errstate(invalid="ignore", divide="ignore"):  # 0 / 0 for an all-zero row
+            codes = np.rint(x / scale[..., None])
+        codes = np.clip(np.nan_to_num(codes, nan=0.0), -127, 127).astype(np.int8)
+        return codes, scale
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
@@ -269,8 +392,8 @@ class KVCache:
         """
         C.require_array(query, "query")
         if query.dtype != self.dtype:
-            raise TypeError(f"query has dtype {query.dtype}; this KVCache holds {self.dtype}"
-                            f"{C.unsupported_float_hint(query.dtype, 'query')}")
+            raise TypeError(f"query has dtype {query.dtype}; this KVCache holds "
+                            f"{self.dtype}{self._half_hint(query.dtype, 'query')}")
         if query.ndim != 4 or query.shape[0] != self.batch_size or query.shape[3] != self.head_dim:
             raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
                              f"(batch_size, Hq, L, head_dim) = ({self.batch_size}, Hq, L, "
@@ -284,11 +407,13 @@ class KVCache:
                              "positions held; append their keys and values first")
         mask = _masks.both(attn_mask, "attn_mask", self.attn_mask, "the cache's padding",
                            self.dtype)
-        # the buffers have query's dtype (checked above)
-        key = cast("NDArray[Float]", self._key[:, :, :self._length])
-        value = cast("NDArray[Float]", self._value[:, :, :self._length])
-        return scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
-            causal_alignment="lower_right", need_weights=need_weights, window_size=window_size,
-            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, out=out,
-            num_threads=num_threads)
+        n = self._length
+        key, value = self._key[:, :, :n], self._value[:, :, :n]
+        stored = None
+        if key.dtype != self._dtype:  # read in its storage by the kernel
+            stored = StoredKV(_STORAGES[self._storage][1],
+                              None if self._key_scale is None else self._key_scale[:, :, :n],
+                              None if self._value_scale is None else self._value_scale[:, :, :n])
+        return cast("Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]", _attention(
+            query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
+            False, window_size, alibi_slopes, softcap, sinks, out, num_threads, stored))

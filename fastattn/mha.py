@@ -9,7 +9,7 @@ import numpy as np
 from . import _checks as C
 from . import _masks, _runtime
 from ._typing import DTypeLike, MaskArray, NDArray
-from .attention import scaled_dot_product_attention
+from .attention import narrow, scaled_dot_product_attention
 from .kv_cache import KVCache
 from .ops import split_heads
 
@@ -50,8 +50,14 @@ class MultiHeadAttention:
     batch_first : bool
         Inputs and output are (N, L, E) when True, (L, N, E) when False.
         True by default here; PyTorch's default is False.
-    dtype : float32 or float64
-        Of the weights; inputs must have it too.
+    dtype : float32, float64, float16 or bfloat16
+        Of the weights, the inputs and the output.  float16 and bfloat16
+        (ml_dtypes' dtype) are computed in float32, as PyTorch computes a
+        half-precision module on the CPU: the projections with float32
+        copies of the weights, made when weights are set (the 16-bit
+        arrays themselves are then read-only: change them with
+        ``load_state_dict``), the attention reading float32 projections;
+        only the output (and the weights returned) are rounded to dtype.
     rng : numpy.random.Generator, int or None
         Source of the initial weights, drawn as PyTorch draws them: Xavier
         uniform for the input projections (Glorot & Bengio 2010), uniform
@@ -87,7 +93,8 @@ class MultiHeadAttention:
                              else C.check_index(num_kv_heads, "num_kv_heads", 1))
         bias = C.check_bool(bias, "bias")
         self.batch_first = C.check_bool(batch_first, "batch_first")
-        self.dtype = C.check_float_dtype(dtype, "dtype")
+        self.dtype = C.check_float_dtype(dtype, "dtype", half=True)
+        self._compute = C.compute_dtype(self.dtype)  # float32 for the 16-bit dtypes
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim ({self.embed_dim}) must be a multiple of num_heads "
                              f"({self.num_heads})")
@@ -99,8 +106,20 @@ class MultiHeadAttention:
         self._params: dict[str, Array] = {
             name: np.zeros(shape, self.dtype) for name, shape in self._param_shapes(bias).items()}
         self._init_weights(np.random.default_rng(rng))
+        self._set_compute_weights()
 
     # ---- parameters -------------------------------------------------------
+    def _set_compute_weights(self) -> None:
+        """The weights the products read: the parameters themselves, or
+        float32 copies of 16-bit ones (which become read-only, so that no
+        change escapes the copies)."""
+        if self._compute == self.dtype:
+            self._weights = self._params
+            return
+        self._weights = {name: a.astype(self._compute) for name, a in self._params.items()}
+        for a in self._params.values():
+            a.flags.writeable = False
+
     @property
     def kv_dim(self) -> int:
         """Rows of the key and value projections, num_kv_heads * head_dim."""
@@ -216,6 +235,7 @@ class MultiHeadAttention:
                                  f"expected {C.shape_str(shape)}")
             new[name] = np.array(a, dtype=self.dtype, copy=True)
         self._params.update(new)
+        self._set_compute_weights()
 
     @classmethod
     def from_torch(cls, module: Any) -> MultiHeadAttention:
@@ -247,11 +267,17 @@ class MultiHeadAttention:
                 f"{extra}, bias={self.in_proj_bias is not None}, "
                 f"batch_first={self.batch_first}, dtype={self.dtype.name})")
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+    def new_cache(self, batch_size: int, capacity: int, *,
+                  storage: Optional[str] = None) -> KVCache:
         """An empty KVCache sized for this layer: (batch_size, num_kv_heads,
-        capacity, head_dim) in the layer's dtype.  Raises the errors of
-        KVCache for a bad batch_size or capacity."""
-        return KVCache(batch_size, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype)
+        capacity, head_dim) in the dtype the layer computes in (float32 for
+        a 16-bit layer).  storage: as KVCache's ("float32", "float16",
+        "bfloat16", "int8"); None holds it in the layer's dtype.  Raises the
+        errors of KVCache for a bad batch_size, capacity or storage."""
+        if storage is None and self._compute != self.dtype:
+            storage = self.dtype.name
+        return KVCache(batch_size, self.num_kv_heads, capacity, self.head_dim,
+                       dtype=self._compute, storage=storage)
 
     # ---- forward ----------------------------------------------------------
     def forward(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None,
@@ -372,11 +398,14 @@ class MultiHeadAttention:
 
         variants: dict[str, Any] = dict(window_size=window_size, alibi_slopes=alibi_slopes,
                                         softcap=softcap, sinks=sinks)
+        if self._compute != self.dtype:  # the projections in float32, one copy per array
+            converted = {id(a): a.astype(self._compute) for a in (query, key, value)}
+            query, key, value = converted[id(query)], converted[id(key)], converted[id(value)]
         q, k, v = self._project(query, key, value, self_attention)
         q_h = self._heads(q, self.num_heads, seq_first)
         k_h = self._heads(k, self.num_kv_heads, seq_first)
         v_h = self._heads(v, self.num_kv_heads, seq_first)
-        concat = np.empty(query.shape[:-1] + (self.embed_dim,), self.dtype)
+        concat = np.empty(query.shape[:-1] + (self.embed_dim,), self._compute)
         out_h = self._heads(concat, self.num_heads, seq_first)  # attention writes here
         if cache is not None:
             length = cache.length
@@ -390,16 +419,21 @@ class MultiHeadAttention:
                 raise
         else:
             if kpm is not None:
-                kpm = _masks.from_mha(kpm, "key_padding_mask", self.dtype)[:, None, None, :]
+                kpm = _masks.from_mha(kpm, "key_padding_mask", self._compute)[:, None, None, :]
             result = scaled_dot_product_attention(
                 q_h, k_h, v_h, attn_mask=_masks.both(mask, "attn_mask", kpm, "key_padding_mask",
-                                                     self.dtype),
+                                                     self._compute),
                 is_causal=is_causal, enable_gqa=True, need_weights=need_weights, out=out_h,
                 num_threads=num_threads, **variants)
-        output = _linear(concat, self.out_proj_weight, self.out_proj_bias)
+        w = self._weights
+        output = _linear(concat, w["out_proj.weight"], w.get("out_proj.bias"))
         weights = result[1] if isinstance(result, tuple) else None  # need_weights
         if weights is not None and average:
             weights = weights.mean(axis=1)
+        if self._compute != self.dtype:  # rounded once to the layer's 16-bit dtype
+            nthreads = _runtime.resolve_threads(num_threads)
+            output = narrow(output, self.dtype, nthreads)
+            weights = None if weights is None else narrow(weights, self.dtype, nthreads)
         if not batched:
             return output[0], None if weights is None else weights[0]
         return output, weights
@@ -416,8 +450,11 @@ class MultiHeadAttention:
         for name, a in arrays.items():
             C.require_array(a, name)
             if a.dtype != self.dtype:
+                hint = (f"; for {a.dtype} inputs make the layer {a.dtype} (dtype= of "
+                        f"MultiHeadAttention) or pass {name}.astype(np.{self.dtype.name})"
+                        if C.is_half(a.dtype) or C.is_half(self.dtype) else "")
                 raise TypeError(f"{name} has dtype {a.dtype}; this MultiHeadAttention has "
-                                f"{self.dtype} weights{C.unsupported_float_hint(a.dtype, name)}")
+                                f"{self.dtype} weights{hint}")
         if query.ndim not in (2, 3):
             layout = "(N, L, E)" if self.batch_first else "(L, N, E)"
             raise ValueError(f"query must be {layout} or unbatched (L, E), got shape "
@@ -439,12 +476,12 @@ class MultiHeadAttention:
     def _check_cache(self, cache: KVCache, N: int) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a fastattn.KVCache, got {type(cache).__name__}")
-        want = (N, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
+        want = (N, self.num_kv_heads, self.head_dim, self.head_dim, self._compute)
         have = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.value_dim, cache.dtype)
         if have != want:
             raise ValueError(f"cache {cache!r} does not fit this layer: it needs batch_size={N}, "
                              f"num_kv_heads={self.num_kv_heads}, head_dim=value_dim="
-                             f"{self.head_dim}, dtype={self.dtype.name}")
+                             f"{self.head_dim}, dtype={self._compute.name}")
 
     def _check_key_padding_mask(self, kpm: Optional[MaskArray], N: int, S: int,
                                 with_cache: bool) -> Optional[MaskArray]:
@@ -474,15 +511,15 @@ class MultiHeadAttention:
         else:
             raise ValueError(f"attn_mask has shape {C.shape_str(mask.shape)}; expected (L, S) = "
                              f"({L}, {S}) or (N * num_heads, L, S) = ({N * H}, {L}, {S})")
-        return _masks.from_mha(mask, "attn_mask", self.dtype)
+        return _masks.from_mha(mask, "attn_mask", self._compute)
 
     def _project(self, query: Array, key: Array, value: Array,
                  self_attention: bool) -> tuple[Array, Array, Array]:
         """The input projections, (..., embed_dim) and twice (..., kv_dim),
         each a product with NumPy's BLAS (one when query = key = value)."""
-        E, kv, b = self.embed_dim, self.kv_dim, self.in_proj_bias
+        p = self._weights
+        E, kv, b = self.embed_dim, self.kv_dim, p.get("in_proj_bias")
         bq, bk, bv = (None,) * 3 if b is None else (b[:E], b[E:E + kv], b[E + kv:])
-        p = self._params
         if not self._qkv_same_embed_dim:
             return (_linear(query, p["q_proj_weight"], bq), _linear(key, p["k_proj_weight"], bk),
                     _linear(value, p["v_proj_weight"], bv))

@@ -119,12 +119,28 @@ def test_shape_work():
     assert ALL_SHAPES["long-16384"].scores_bytes == 8 * 16384 ** 2 * 4
     assert [s.name for s in SHAPES] == ["bert-base", "minilm-batch", "encoder-512",
                                         "causal-2048", "decode-4096", "long-8192", "head-128",
-                                        "window-8192", "causal-8192", "packed-16"]
+                                        "window-8192", "causal-8192", "packed-16",
+                                        "decode-8192", "decode-8192-float16",
+                                        "decode-8192-bfloat16", "decode-8192-int8"]
+    rows = 32 * 8192  # (head, position) rows of key and of value
+    assert [ALL_SHAPES[f"decode-8192{x}"].kv_bytes for x in ("", "-float16", "-int8")] == [
+        2 * rows * 128 * 4, 2 * rows * 128 * 2, 2 * rows * (128 + 4)]
     w = ALL_SHAPES["window-8192"]  # row i sees min(i + 1, 1025) keys
     assert w.flops == 4 * 4 * 64 * (1025 * 1026 // 2 + (8192 - 1025) * 1025)
     p = ALL_SHAPES["packed-16"]
     assert len(p.seqlens) == 16 and min(p.seqlens) == 32 and max(p.seqlens) == 1024
     assert p.L == p.S == sum(p.seqlens)
+
+
+@pytest.mark.parametrize("storage", ["float16", "int8"])
+def test_stored_kv_is_what_a_cache_step_reads(storage):
+    """The read bandwidth of a storage's decoding case is measured on the
+    bytes its cache holds: codes, and int8's scales."""
+    from fastattn.bench.shapes import Shape
+    s = Shape("d", 1, 2, 1, 64, 8, kind="decode", storage=storage)
+    arrays = s.stored_kv()
+    assert all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+    assert sum(a.nbytes for a in arrays) == s.kv_bytes
 
 
 @pytest.mark.parametrize("isa", fastattn.available_simd_paths())

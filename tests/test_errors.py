@@ -90,12 +90,11 @@ HOSTILE = [
     row("dtype", sdpa, (f32, f32.astype(np.uint8), f32), {}, TypeError, "key has dtype uint8"),
     row("dtype", sdpa, (f32.astype(bool),) * 3, {}, TypeError, "query has dtype bool"),
     row("dtype", sdpa, (f32.astype(np.complex64),) * 3, {}, TypeError, "query has dtype complex64"),
-    row("dtype", sdpa, (f32.astype(np.float16),) * 3, {}, TypeError,
-        "query has dtype float16; expected float32 or float64 (native byte order); float16 is not "
-        "supported yet: pass query.astype(np.float32)"),
     row("dtype", sdpa, (f32, f32.astype(np.float16), f32), {}, TypeError,
-        "key has dtype float16; expected float32 or float64 (native byte order); float16 is not "
-        "supported yet: pass key.astype(np.float32)"),
+        "dtypes differ (query float32, key float16, value float32); pass arrays of one dtype, "
+        "float32, float64, float16 or bfloat16"),
+    row("dtype", sdpa, (f32.astype(">f2"),) * 3, {}, TypeError,
+        "query has dtype >f2; expected float32, float64, float16 or bfloat16 (native byte order)"),
     row("dtype", sdpa, (f32.astype(np.longdouble),) * 3, {}, TypeError, "query has dtype float128"),
     row("dtype", sdpa, (f32.astype(object),) * 3, {}, TypeError, "query has dtype object"),
     row("dtype", sdpa, (f32.astype(">f4"),) * 3, {}, TypeError, "query has dtype >f4"),
@@ -106,19 +105,21 @@ HOSTILE = [
     row("dtype", fastattn.softmax, (f32.astype(np.complex128),), {}, TypeError, "x has dtype complex128"),
     row("dtype", fastattn.merge_heads, (f32.astype(np.int16),), {}, TypeError, "x has dtype int16"),
     row("dtype", fastattn.merge_heads, (f32.astype(np.float16),), {}, TypeError,
-        "x has dtype float16; expected float32 or float64 (native byte order); float16 is not "
-        "supported yet: pass x.astype(np.float32)"),
+        "x has dtype float16; expected float32 or float64 (native byte order); float16 is taken "
+        "by scaled_dot_product_attention and MultiHeadAttention only: pass x.astype(np.float32)"),
     row("dtype", fastattn.matmul, (z(3, 4), z(4, 5, dtype=np.float16)), {}, TypeError,
-        "float16 is not supported yet: pass b.astype(np.float32)"),
+        "float16 is taken by scaled_dot_product_attention and MultiHeadAttention only: pass "
+        "b.astype(np.float32)"),
     row("dtype", mha, (z(2, 3, 8, dtype=np.float16),), {}, TypeError,
-        "query has dtype float16; this MultiHeadAttention has float32 weights; float16 is not "
-        "supported yet: pass query.astype(np.float32)"),
+        "query has dtype float16; this MultiHeadAttention has float32 weights; for float16 "
+        "inputs make the layer float16 (dtype= of MultiHeadAttention) or pass "
+        "query.astype(np.float32)"),
     row("dtype", mha, (z(2, 3, 8), z(2, 5, 8), z(2, 5, 8, dtype=np.float16)), {}, TypeError,
-        "value has dtype float16; this MultiHeadAttention has float32 weights; float16 is not "
-        "supported yet: pass value.astype(np.float32)"),
+        "value has dtype float16; this MultiHeadAttention has float32 weights; for float16"),
     row("dtype", cache.append, (kv16, kv16), {}, TypeError,
-        "key has dtype float16; this KVCache holds float32; float16 is not supported yet: "
-        "pass key.astype(np.float32)"),
+        "key has dtype float16; this KVCache holds float32; pass key.astype(np.float32): a "
+        "KVCache computes in float32 and holds its keys and values in float16 with "
+        "storage='float16'"),
     # -- dimensions and shapes ------------------------------------------------------------
     row("shape", sdpa, (z(3),) * 3, {}, ValueError, "query must have at least 2 dimensions"),
     row("shape", sdpa, (np.zeros((), np.float32),) * 3, {}, ValueError, "query must have at least 2 dimensions"),

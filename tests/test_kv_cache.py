@@ -228,15 +228,21 @@ def test_cache_errors(method, args, kwargs, exc, msg):
     ((1, 1, 1, 1.5), {}, TypeError, "head_dim must be an int, got float"),
     ((1, 1, 1, 1), {"dtype": np.int32}, TypeError, "dtype must be float32 or float64"),
     ((1, 8, 2**62, 64), {}, ValueError, "KVCache of batch_size=1, num_kv_heads=8, "
-     "capacity=4611686018427387904, head_dim=64, value_dim=64, float32 would need buffers "
-     "larger than any address space; lower capacity"),
+     "capacity=4611686018427387904, head_dim=64, value_dim=64, float32, storage=float32 would "
+     "need buffers larger than any address space; lower capacity"),
+    ((1, 1, 1, 1), {"storage": "float8"}, ValueError, "storage must be one of 'float32', "
+     "'float16', 'bfloat16', 'int8' for a float32 KVCache, got 'float8'"),
+    ((1, 1, 1, 1), {"dtype": np.float64, "storage": "int8"}, ValueError,
+     "storage must be one of 'float64' for a float64 KVCache, got 'int8'"),
+    ((1, 1, 1, 1), {"storage": np.float16}, ValueError, "storage must be one of"),
     # empty heads: NumPy still refuses the shape
     ((1, 1, 2**62, 0), {"value_dim": 0}, ValueError, "capacity=4611686018427387904, head_dim=0, "
-     "value_dim=0, float32 would need buffers larger than any address space"),
+     "value_dim=0, float32, storage=float32 would need buffers larger than any address space"),
     ((1, 2**62, 2, 0), {"value_dim": 0}, ValueError, "num_kv_heads=4611686018427387904"),
     # 36 PiB: within a 64-bit size, beyond any address space a process gets
     ((1, 8, 10**13, 64), {}, MemoryError, "capacity=10000000000000, head_dim=64, value_dim=64, "
-     "float32 needs 38156285.9 GiB, which could not be allocated; lower capacity"),
+     "float32, storage=float32 needs 38156285.9 GiB, which could not be allocated; lower "
+     "capacity"),
 ])
 def test_cache_constructor_errors(args, kwargs, exc, msg):
     with pytest.raises(exc) as info:

@@ -267,8 +267,8 @@ BAD_CTOR = [
      "num_heads (4) must be a multiple of num_kv_heads (3)"),
     ((E, 0), {}, ValueError, "num_heads must be >= 1, got 0"),
     ((E, 4.0), {}, TypeError, "num_heads must be an int, got float"),
-    ((E, 4), {"dtype": np.float16}, TypeError, "dtype must be float32 or float64"),
-    ((E, 4), {"dtype": "nonsense"}, TypeError, "dtype must be float32 or float64, got 'nonsense'"),
+    ((E, 4), {"dtype": np.int8}, TypeError, "dtype must be float32, float64, float16 or bfloat16"),
+    ((E, 4), {"dtype": "nonsense"}, TypeError, "dtype must be float32, float64, float16 or bfloat16, got 'nonsense'"),
     ((E, 4), {"bias": 1}, TypeError, "bias must be a bool, got int"),
     ((E, 4), {"kdim": 0}, ValueError, "kdim must be >= 1, got 0"),
 ]

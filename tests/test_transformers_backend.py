@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("fastattn.integrations.transformers",
                          reason="needs transformers with AttentionMaskInterface")
 from fastattn.integrations._hf_masks import CausalMask, fastattn_mask  # noqa: E402
+from transformers.masking_utils import (sdpa_mask,  # noqa: E402
+                                        sliding_window_causal_mask_function)
 
 hf.register()
 VOCAB = 97
@@ -56,7 +58,11 @@ def decoder(kind, dtype=torch.float32, **extra):
     else:
         config_class, model_class = {
             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+            "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}[kind]
         config = config_class(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                               num_key_value_heads=2, max_position_embeddings=128, **common,
                               **extra)
@@ -78,12 +84,13 @@ def prompts(batch):
 
 
 def generate(model, impl, ids, mask, cache, new_tokens=8):
+    before = model.config._attn_implementation
     model.set_attn_implementation(impl)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                              do_sample=False, cache_implementation=cache,
                              output_logits=True, return_dict_in_generate=True)
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(before)
     return out.sequences, torch.stack(out.logits, 1)
 
 
@@ -182,22 +189,84 @@ def test_chunks_on_a_cache(cache, calls):
     assert calls[-1]["is_causal"] and calls[-1]["causal_alignment"] == "lower_right"
 
 
+# A window of 5 positions (each query sees itself and the 4 before it) in models whose
+# every layer (Mistral), second layer (Qwen2 with use_sliding_window, Gemma 3) or first
+# layer (Gemma 2 with its soft-capping, gpt-oss with its sinks) slides; all but Mistral
+# and Qwen2 with a hybrid cache.
+SLIDING = {"mistral": dict(sliding_window=5),
+           "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+           "gemma2": dict(sliding_window=5, head_dim=16, query_pre_attn_scalar=16),
+           "gemma3": dict(sliding_window=5, head_dim=16, query_pre_attn_scalar=16,
+                          layer_types=["full_attention", "sliding_attention"]),
+           "gpt_oss": dict(sliding_window=5, head_dim=16, num_local_experts=4,
+                           num_experts_per_tok=2)}
+SLIDING_LAYER = {"mistral": {0, 1}, "qwen2": {1}, "gemma2": {0}, "gemma3": {1}, "gpt_oss": {0}}
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_mistral_sliding_window_falls_back_visibly(cache, calls):
-    """A window (8) shorter than the context (12 + 8): fastattn has no window
-    option yet, so the calls where the window hides keys run on SDPA, with one
-    warning.  The one-token steps attend to a sliding cache that holds the
-    window and no more: those run on fastattn.  The tokens are SDPA's."""
-    model = decoder("mistral", sliding_window=8)
-    ids, mask = prompts(3)
-    ref_tokens, _ = generate(model, "sdpa", ids, mask, cache)
-    with pytest.warns(hf.FastattnFallbackWarning, match="sliding_window=8") as record:
-        tokens, _ = generate(model, "fastattn", ids, mask, cache)
-    assert len([w for w in record if w.category is hf.FastattnFallbackWarning]) == 1
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3", "gemma2", "gpt_oss"])
+def test_sliding_window_generate_matches_sdpa(kind, batch, cache, calls):
+    """A window (5) shorter than the context (12 + 8): SDPA's tokens and logits
+    (eager attention's for Gemma 2 and gpt-oss, whose soft-capping and sinks
+    SDPA lacks), every call on fastattn.  The prompt's sliding layers pass
+    window_size=(4, 0), never a dense mask; the one-token steps attend to the
+    window the sliding cache holds (5 keys), the full layers to every key."""
+    model = decoder(kind, **SLIDING[kind])
+    ids, mask = prompts(batch)
+    reference = "eager" if kind in ("gemma2", "gpt_oss") else "sdpa"
+    ref_tokens, ref_logits = generate(model, reference, ids, mask, cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hf.FastattnFallbackWarning)
+        tokens, logits = generate(model, "fastattn", ids, mask, cache)
     assert torch.equal(tokens, ref_tokens)
-    # one-token steps only: a group's 2 query heads as the 2 rows of one block
-    assert all(call["query"].shape[1:3] == (2, 2) for call in calls)
-    assert len(calls) == 2 * 7
+    assert (logits - ref_logits).abs().max() <= 2e-5 * ref_logits.abs().max()
+    assert len(calls) == 2 * 8
+    for n, call in enumerate(calls):
+        sliding, step = n % 2 in SLIDING_LAYER[kind], n // 2
+        assert call["mask"] is None or call["mask"].shape[-2] == 1
+        if step == 0:  # the prompt: 12 queries, 12 keys
+            assert call["window_size"] == ((4, 0) if sliding else None)
+            assert call["key"].shape[2] == 12 and call["is_causal"]
+        else:
+            assert call["window_size"] is None
+            assert call["key"].shape[2] == (5 if sliding else 12 + step)
+
+
+@pytest.mark.parametrize("cache", ["sliding", "full", "static"])
+def test_sliding_window_chunks_on_a_cache(cache, calls):
+    """A padded prompt, 4 tokens at once, then 1, on a Mistral cache that keeps
+    the window (DynamicCache with the config), every key (DynamicCache without
+    it) or a static one: SDPA's logits.  With every key kept, the window hides
+    keys from the one-token step: those are left out (the keys passed are the
+    window), so that the grouped-query heads stay packed as one block."""
+    model = decoder("mistral", **SLIDING["mistral"])
+    ids, mask = prompts(3)
+    more = torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
+    ones = torch.ones_like(more)
+    logits = {}
+    for impl in ["sdpa", "fastattn"]:
+        model.set_attn_implementation(impl)
+        past = {"sliding": transformers.DynamicCache(config=model.config),
+                "full": transformers.DynamicCache(),
+                "static": transformers.StaticCache(config=model.config, max_cache_len=24)}[cache]
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", hf.FastattnFallbackWarning)
+            model(ids, attention_mask=mask, cache=past, use_cache=True)
+            chunk = model(more[:, :4], attention_mask=torch.cat([mask, ones[:, :4]], 1),
+                          cache=past, use_cache=True).logits
+            step = model(more[:, 4:], attention_mask=torch.cat([mask, ones], 1),
+                         cache=past, use_cache=True).logits
+        logits[impl] = torch.cat([chunk, step], 1)
+    model.set_attn_implementation("sdpa")
+    assert (logits["fastattn"] - logits["sdpa"]).abs().max() <= 1e-5
+    chunk_call, step_call = calls[-4], calls[-1]
+    assert chunk_call["query"].shape[2] == 4 and chunk_call["window_size"] == (4, 0)
+    assert chunk_call["is_causal"] and chunk_call["causal_alignment"] == "lower_right"
+    # keys 12..15 for queries 12..15 (kept: positions 8..15; a full cache's 0..7 are cut)
+    assert chunk_call["key"].shape[2] == 8
+    assert step_call["window_size"] is None and step_call["key"].shape[2] == 5
+    assert step_call["query"].shape[1:3] == (2, 2)  # one block per key/value head
 
 
 def test_mistral_window_longer_than_context_runs_on_fastattn(calls):
@@ -210,6 +279,30 @@ def test_mistral_window_longer_than_context_runs_on_fastattn(calls):
             tokens, _ = generate(model, "fastattn", ids, mask, "dynamic")
         assert torch.equal(tokens, ref_tokens)
     assert len(calls) == 2 * 2 * 8
+
+
+def test_modernbert_bidirectional_windows_run_on_fastattn(calls):
+    """ModernBERT's local layers (a bidirectional window, |q - k| <= 3): transformers'
+    dense mask, applied by fastattn, no fallback."""
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, local_attention=6, global_attn_every_n_layers=2,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        cls_token_id=1, sep_token_id=2)
+    model = transformers.ModernBertModel(config).eval()
+    ids, mask = prompts(3)
+    right = torch.stack([torch.roll(r, -int((m == 0).sum())) for r, m in zip(ids, mask)])
+    right_mask = torch.stack([torch.roll(m, -int((m == 0).sum())) for m in mask])
+    states = {}
+    for impl in ["sdpa", "fastattn"]:
+        model.set_attn_implementation(impl)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", hf.FastattnFallbackWarning)
+            states[impl] = model(right, attention_mask=right_mask).last_hidden_state
+    real = right_mask.bool()
+    assert (states["fastattn"] - states["sdpa"])[real].abs().max() <= 1e-5
+    assert len(calls) == 2 and calls[1]["mask"].shape == (3, 1, 12, 12)  # the local layer
 
 
 def test_t5_position_bias(calls):
@@ -313,6 +406,69 @@ def test_causal_mask_with_offset_and_padding(dtype):
     torch.testing.assert_close(out[rows], ref[rows], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("q_length, kv_length, q_offset, kv_offset, window", [
+    (12, 12, 0, 0, 4),    # a prompt longer than the window
+    (4, 8, 12, 8, 4),     # 4 tokens on a full sliding cache (the window - 1 kept)
+    (4, 16, 12, 0, 4),    # the same on a cache that keeps every key
+    (1, 21, 20, 0, 4),    # one token on it: keys 16..20 only
+    (1, 5, 20, 16, -1),   # one token on a full sliding cache: nothing hidden
+    (3, 5, 0, 0, -1),     # a static sliding cache not yet full: nothing hidden
+])
+def test_sliding_window_mask(q_length, kv_length, q_offset, kv_offset, window, calls):
+    """transformers' sliding-window mask function (window 5: key k seen from
+    query q when q - 5 < k <= q) becomes a CausalMask with window 4 (-1 when
+    the window hides nothing at these positions) whose dense() is transformers'
+    dense mask; attention on it, on a copy of it and its weights are those of
+    that dense mask, and so is SDPA's on the fallback path."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    q, k, v = qkv(length=q_length, keys=kv_length, dtype=torch.float64)
+    padding = torch.ones(2, q_offset + q_length, dtype=torch.bool)
+    padding[1, kv_offset + 1] = False  # a hole in the second sequence
+    args = dict(batch_size=2, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, attention_mask=padding)
+    function = sliding_window_causal_mask_function(5)
+    compact = fastattn_mask(**args, mask_function=function, local_size=5)
+    dense = sdpa_mask(**args, mask_function=function, local_size=5)
+    length = q_offset + q_length - kv_offset  # keys later than the last query are dropped
+    assert isinstance(compact, CausalMask) and compact.shape == (2, 1, 1, length)
+    assert compact.window == window
+    assert torch.equal(compact.dense(q_length), dense[..., :length])
+    assert not dense[..., length:].any()
+    module = Module(groups=2)
+    seen = dense.any(-1)[:, 0]  # (B, L): rows with a visible key (SDPA's others are NaN)
+    ref = sdpa_reference(module, q, k, v, dense)[seen]
+    additive = torch.zeros(dense.shape, dtype=q.dtype).masked_fill(~dense, -torch.inf)
+    _, ref_weights = eager_attention_forward(module, q, k, v, additive, scaling=8 ** -0.5)
+    for mask in [compact, compact.clone(), compact[..., :length]]:
+        out, weights = hf.attention_forward(module, q, k, v, mask, output_attentions=True)
+        assert weights.shape == (2, 4, q_length, kv_length)
+        torch.testing.assert_close(out[seen], ref, rtol=1e-14, atol=1e-14)
+        rows = seen[:, None].expand(2, 4, q_length)
+        # eager attention takes its softmax in float32
+        torch.testing.assert_close(weights[rows], ref_weights[rows], rtol=1e-6, atol=1e-7)
+        assert not weights[~dense.expand(2, 4, -1, -1)].any()
+    if q_length == 1 and window >= 0:  # only the window's keys were passed
+        assert calls[-1]["key"].shape[2] == window + 1 and calls[-1]["window_size"] is None
+    else:
+        assert calls[-1]["window_size"] == (None if window < 0 else (window, 0))
+    with pytest.warns(hf.FastattnFallbackWarning, match="dropout"):  # SDPA on dense()
+        theirs, _ = hf.attention_forward(module, q, k, v, compact, dropout=1e-30)
+    torch.testing.assert_close(theirs[seen], ref, rtol=1e-14, atol=1e-14)
+
+
+def test_masks_that_stay_dense():
+    """Queries past the keys given, and chunked attention (Llama 4): transformers'
+    dense mask, which fastattn applies as it is."""
+    from transformers.masking_utils import chunked_causal_mask_function
+    args = dict(batch_size=1, q_length=2, kv_length=3, q_offset=5)
+    mask = fastattn_mask(**args)
+    assert not isinstance(mask, CausalMask) and torch.equal(mask, sdpa_mask(**args))
+    args = dict(batch_size=1, q_length=6, kv_length=6, local_size=4,
+                mask_function=chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)))
+    mask = fastattn_mask(**args)
+    assert not isinstance(mask, CausalMask) and torch.equal(mask, sdpa_mask(**args))
+
+
 def test_zero_copy_in_and_out(calls):
     q, k, v = qkv()
     out, _ = hf.attention_forward(Module(groups=2), q, k, v, None)
@@ -338,9 +494,6 @@ def test_fallbacks_warn_once_and_match_sdpa(calls):
         hf.attention_forward(module, q_grad, k, v, None)
     with pytest.warns(hf.FastattnFallbackWarning, match="dropout"):
         hf.attention_forward(module, q, k, v, None, dropout=0.1)
-    with pytest.warns(hf.FastattnFallbackWarning, match="bfloat16"):
-        out, _ = hf.attention_forward(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
-    assert out.dtype == torch.bfloat16
     assert calls == []
     # a causal key mask is made dense for SDPA: the same numbers as on fastattn
     mask = fastattn_mask(batch_size=2, q_length=5, kv_length=9, q_offset=4,
@@ -349,6 +502,111 @@ def test_fallbacks_warn_once_and_match_sdpa(calls):
     with pytest.warns(hf.FastattnFallbackWarning):
         theirs, _ = hf.attention_forward(module, q, k, v, mask, dropout=1e-30)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_without_ml_dtypes_falls_back(monkeypatch, calls):
+    """NumPy has no bfloat16 of its own: without ml_dtypes, bfloat16 calls run on
+    SDPA with a warning that says what to install; float16 needs nothing."""
+    monkeypatch.setattr(hf, "ml_dtypes", None)
+    module = Module(groups=2)
+    q, k, v = (t.bfloat16() for t in qkv())
+    with pytest.warns(hf.FastattnFallbackWarning, match="pip install ml_dtypes"):
+        out, _ = hf.attention_forward(module, q, k, v, None)
+    assert out.dtype == torch.bfloat16 and calls == []
+    assert torch.equal(out, sdpa_reference(module, q, k, v, None))
+    out, _ = hf.attention_forward(module, *(t.half() for t in qkv()), None)
+    assert out.dtype == torch.float16 and len(calls) == 1
+
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_is_the_float32_result_rounded(dtype, calls):
+    """16-bit tensors are read where they are (bfloat16 through ml_dtypes' view
+    of the same bits), computed in float32 and rounded once: the output and the
+    weights are exactly the float32 call's on the same values, rounded to
+    dtype.  So their error against float64 is no larger than SDPA's in that
+    dtype, which rounds along the way (fastattn's README, "Low precision")."""
+    pytest.importorskip("ml_dtypes")
+    module = Module(groups=2)
+    padding = torch.tensor([[1] * 9, [0, 0] + [1] * 7]).bool()
+    q, k, v = (t.to(dtype) for t in qkv(keys=9))
+    window = fastattn_mask(batch_size=2, q_length=5, kv_length=9, q_offset=4,
+                           attention_mask=padding, local_size=3,
+                           mask_function=sliding_window_causal_mask_function(3))
+    one = fastattn_mask(batch_size=2, q_length=1, kv_length=9, q_offset=8,
+                        attention_mask=padding, local_size=3,
+                        mask_function=sliding_window_causal_mask_function(3))
+    for mask, rows in [(None, slice(None)), (window, slice(None)), (one, slice(0, 1))]:
+        q_, mask_ = q[:, :, rows], mask
+        out, weights = hf.attention_forward(module, q_, k, v, mask_, output_attentions=True)
+        assert out.dtype == weights.dtype == dtype and out.is_contiguous()
+        assert calls[-1]["query"].__array_interface__["data"][0] == q_.data_ptr()
+        out32, weights32 = hf.attention_forward(module, q_.float(), k.float(), v.float(), mask_,
+                                                output_attentions=True)
+        assert torch.equal(out, out32.to(dtype)) and torch.equal(weights, weights32.to(dtype))
+        dense = None if mask is None else mask.dense(q_.shape[2])
+        exact = sdpa_reference(module, q_.double(), k.double(), v.double(), dense)
+        theirs = sdpa_reference(module, q_, k, v, dense)
+        error = {name: (o.double() - exact).pow(2).mean().sqrt() for name, o in
+                 [("fastattn", out), ("sdpa", theirs)]}
+        assert error["fastattn"] <= error["sdpa"]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_half_precision_models_match_sdpa(kind, dtype, calls):
+    """A float16 or bfloat16 model (Mistral with a window of 5) on fastattn and
+    on SDPA in the same dtype, each against the float32 model.  The two round
+    differently (fastattn rounds attention's float32 result once, PyTorch at
+    its own points) and both errors come mostly from the rest of the model
+    (its matrix products and norms in the dtype): measured over 6 random
+    models, fastattn's RMS logit error against float32 is 0.94-1.1 times
+    SDPA's, their logits differ by at most 2.2 eps * max|logit| (eps the
+    dtype's, 2**-10 or 2**-7) and each is within 5.2 eps * max|logit| of
+    float32.  So: fastattn's RMS error at most 1.15 times SDPA's, logits
+    within TOL = 4 eps * max|logit| of SDPA's, over the padded prompts and 16
+    greedy steps, with the same tokens up to the first step where the float32
+    logits of the two tokens chosen differ by less than TOL (a near-tie,
+    decided by rounding), and none of those before it."""
+    pytest.importorskip("ml_dtypes")
+    extra = SLIDING["mistral"] if kind == "mistral" else {}
+    reference, model = decoder(kind, **extra), decoder(kind, dtype, **extra)
+    ids, mask = prompts(3)
+    real = mask.bool()
+    with torch.no_grad():
+        exact = reference(ids, attention_mask=mask).logits[real]
+    tol = 4 * torch.finfo(dtype).eps * exact.abs().max()
+    logits = {}
+    for impl in ["sdpa", "fastattn"]:
+        model.set_attn_implementation(impl)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", hf.FastattnFallbackWarning)
+            logits[impl] = model(ids, attention_mask=mask).logits[real]
+    model.set_attn_implementation("sdpa")
+    assert logits["fastattn"].dtype == dtype and calls and all(
+        c["query"].dtype == (np.float16 if dtype == torch.float16 else hf.ml_dtypes.bfloat16)
+        for c in calls)
+    rms = {impl: (x.float() - exact).pow(2).mean().sqrt() for impl, x in logits.items()}
+    assert rms["fastattn"] <= 1.15 * rms["sdpa"]
+    assert (logits["fastattn"].float() - logits["sdpa"].float()).abs().max() <= tol
+
+    ref_tokens, ref_logits = generate(model, "sdpa", ids, mask, "dynamic", new_tokens=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hf.FastattnFallbackWarning)
+        tokens, step_logits = generate(model, "fastattn", ids, mask, "dynamic", new_tokens=16)
+    differ = (tokens != ref_tokens).any(0).nonzero().flatten().tolist()
+    first = differ[0] if differ else tokens.shape[1]  # the first step that differs
+    steps = first - ids.shape[1] + 1  # the steps up to it, it included: same prefix
+    assert (step_logits[:, :steps].float() - ref_logits[:, :steps].float()).abs().max() <= tol
+    if differ:  # a near-tie of the float32 model on the common prefix
+        full_mask = torch.cat([mask, torch.ones(3, first - ids.shape[1], dtype=mask.dtype)], 1)
+        with torch.no_grad():
+            at = reference(tokens[:, :first], attention_mask=full_mask).logits[:, -1]
+        for row in (tokens[:, first] != ref_tokens[:, first]).nonzero().flatten().tolist():
+            ours, theirs = tokens[row, first], ref_tokens[row, first]
+            assert (at[row, ours] - at[row, theirs]).abs() < tol, (row, first)
 
 
 def test_other_devices_fall_back(calls):

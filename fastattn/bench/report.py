@@ -178,7 +178,7 @@ def format_table(report):
                 f"{_fmt(c.get('other_cores'), '5.2f'):>5}")
     lines += [""] + textwrap.wrap(
               f"time: {stat} per call.  speed: 4·B·H·L·S·E FLOP (halved when causal) per "
-              "second, or for decode-4096 bytes of key+value per second.  xNumPy, xPyTorch, "
+              "second, or for decoding the bytes of key+value (in their storage) per second.  xNumPy, xPyTorch, "
               "xORT: that library's time / this row's (> 1: this row is faster), ORT: the faster "
               "of its two key/value layouts, BSD = (B, S, H·E), BHSD = (B, H, S, E).  %peak: of "
               "the FMA peak at that thread count, for fastattn of its row's SIMD path, for the "

@@ -44,6 +44,8 @@ class Runner:
             return f"{', '.join(absent)} not installed ({self.install})"
         if shape is not None and shape.mask() is not None and not self.masks:
             return "no sliding window, packed sequences or (L, S) mask in this runner"
+        if shape is not None and shape.storage != "float32" and self.name != "fastattn":
+            return f"a {shape.storage} key/value cache is fastattn's (the others: float32)"
         return None
 
 
@@ -57,6 +59,12 @@ def _fastattn(q, k, v, shape, num_threads):
         yield Prepared(lambda: fastattn.varlen_attention(*packed, cu, cu, is_causal=shape.causal,
                                                          num_threads=num_threads),
                        lambda out: out.transpose(1, 0, 2)[None])
+        return
+    if shape.storage != "float32":  # a decoding step over a cache in that storage
+        cache = fastattn.KVCache(shape.B, shape.H, shape.S, shape.E, value_dim=shape.Ev,
+                                 storage=shape.storage)
+        cache.append(k, v)
+        yield Prepared(lambda: cache.attend(q, num_threads=num_threads), lambda out: out)
         return
     window = (shape.window, 0) if shape.window >= 0 else None
 

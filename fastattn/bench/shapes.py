@@ -17,7 +17,9 @@ class Shape:
     window >= 0: a causal sliding window, each query sees itself and the
     window keys before it (window_size=(window, 0)).  seqlens: packed
     sequences of these lengths, L = S = their sum, each attending to its
-    own positions only (causally when causal)."""
+    own positions only (causally when causal).  storage: how a decoding
+    case holds its keys and values, a fastattn KVCache's storage ("float32",
+    "float16", "bfloat16" or "int8"); only fastattn runs the others."""
     name: str
     B: int
     H: int
@@ -28,6 +30,7 @@ class Shape:
     kind: str = "compute"
     window: int = -1
     seqlens: Tuple[int, ...] = ()
+    storage: str = "float32"
 
     @property
     def Ev(self):
@@ -63,8 +66,27 @@ class Shape:
 
     @property
     def kv_bytes(self):
-        """Bytes of key and value (float32): what a decoding step must read."""
-        return 4 * self.B * self.H * self.S * (self.E + self.Ev)
+        """Bytes of key and value in their storage (int8: with a float32
+        scale per row): what a decoding step must read."""
+        rows = self.B * self.H * self.S
+        if self.storage == "int8":
+            return rows * (self.E + self.Ev + 8)
+        return STORAGE_BYTES[self.storage] * rows * (self.E + self.Ev)
+
+    def stored_kv(self, seed=0):
+        """The arrays a decoding step reads (key, value, and int8's scales),
+        as float32 views of their bytes (for the read bandwidth on the same
+        bytes): a fastattn KVCache of this storage filled with inputs()."""
+        import fastattn
+
+        _, k, v = self.inputs(seed)
+        if self.storage == "float32":
+            return [k, v]
+        cache = fastattn.KVCache(self.B, self.H, self.S, self.E, value_dim=self.Ev,
+                                 storage=self.storage)
+        cache.append(k, v)
+        held = [cache._key, cache._value, cache._key_scale, cache._value_scale]
+        return [a.reshape(-1).view(np.float32) for a in held if a is not None]
 
     @property
     def io_bytes(self):
@@ -79,6 +101,7 @@ class Shape:
 
     def describe(self):
         return (f"B={self.B} H={self.H} L={self.L} S={self.S} E=Ev={self.E}"
+                + (f" {self.storage} cache" if self.storage != "float32" else "")
                 + (" causal" if self.causal else "")
                 + (f" window {self.window}" if self.window >= 0 else "")
                 + (f" {len(self.seqlens)} packed sequences of {min(self.seqlens)}.."
@@ -96,6 +119,8 @@ class Shape:
         return q, k, v
 
 
+# bytes per element of each storage of a key/value cache (int8 adds its scales)
+STORAGE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 # 16 sequences of 32..1024 tokens, as a server packs them
 PACKED = tuple(int(n) for n in np.linspace(32, 1024, 16).round())
 # The benchmark table.
@@ -111,6 +136,9 @@ SHAPES = (
     Shape("window-8192", 1, 4, 8192, 8192, 64, causal=True, window=1024),
     Shape("causal-8192", 1, 4, 8192, 8192, 64, causal=True),
     Shape("packed-16", 1, 8, sum(PACKED), sum(PACKED), 64, causal=True, seqlens=PACKED),
+    # a decoding step over a long cache in each storage
+    *(Shape(f"decode-8192{'' if st == 'float32' else '-' + st}", 1, 32, 1, 8192, 128,
+            kind="decode", storage=st) for st in STORAGE_BYTES),
 )
 # Call time where the work is negligible: what the Python side costs.
 TINY = Shape("tiny", 1, 1, 4, 4, 8, kind="overhead")

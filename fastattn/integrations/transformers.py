@@ -11,17 +11,19 @@ are needed: without the mask function transformers builds no mask at all
 and padding is silently ignored.  Tested with transformers 5.24 and
 torch 2.13 (CPU).
 
-What runs on fastattn: float32 and float64 CPU tensors without autograd,
-causal and bidirectional attention, padding (key masks, never a dense
+What runs on fastattn: float32, float64, float16 and bfloat16 CPU tensors
+without autograd (bfloat16 needs the ml_dtypes package; 16-bit inputs are
+read as they are, computed in float32 and rounded once), causal and
+bidirectional attention, sliding windows (Mistral, Gemma 2/3, gpt-oss: the
+window option, never a dense mask), padding (key masks, never a dense
 (B, 1, L, S) mask), dynamic and static caches, grouped-query attention
 (key/value heads shared, never repeated), T5's ``position_bias``, and the
 attention weights when a model asks for them (``output_attentions=True``).  The
 rest runs on transformers' SDPA function with a one-time
 ``FastattnFallbackWarning`` naming the reason: autograd, dropout in
-training, non-CPU tensors, other dtypes, and sliding windows that hide keys
-(not yet wired to fastattn's window option).  Soft-capping (Gemma 2's
-``softcap``) and attention sinks (gpt-oss's ``s_aux``) run on fastattn's
-own options, which SDPA lacks.
+training, non-CPU tensors, other dtypes, bfloat16 without ml_dtypes.
+Soft-capping (Gemma 2's ``softcap``) and attention sinks (gpt-oss's
+``s_aux``) run on fastattn's own options, which SDPA lacks.
 """
 from __future__ import annotations
 
@@ -50,11 +52,17 @@ import numpy as np
 
 import fastattn
 
-from ._hf_masks import CausalMask, SlidingWindowMask, fastattn_mask
+from ._hf_masks import CausalMask, fastattn_mask
+
+try:  # NumPy's bfloat16 (optional: bfloat16 models fall back to SDPA without it)
+    import ml_dtypes
+except ImportError:  # pragma: no cover - depends on the environment
+    ml_dtypes = None
 
 __all__ = ["register", "attention_forward", "fastattn_mask", "FastattnFallbackWarning"]
 
-_FLOATS = (torch.float32, torch.float64)
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class FastattnFallbackWarning(UserWarning):
@@ -97,22 +105,23 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention-function signature (that of ``sdpa_attention_forward``).
 
     query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev), any
-    strides; Hq a multiple of Hkv (grouped-query attention, the module's
-    ``num_key_value_groups``).  ``attention_mask`` is what
-    ``fastattn_mask`` returned (or a 4-D bool/additive mask given by the
-    caller).  ``position_bias`` (B or 1, Hq, L, S) is added to the scaled
+    strides, one dtype: float32, float64, float16 or bfloat16 (read without
+    a copy, computed in float32 for the 16-bit ones); Hq a multiple of Hkv
+    (grouped-query attention, the module's ``num_key_value_groups``).
+    ``attention_mask`` is what ``fastattn_mask`` returned (or a 4-D
+    bool/additive mask given by the caller; a 16-bit additive one is read as
+    float32).  ``position_bias`` (B or 1, Hq, L, S) is added to the scaled
     scores.  Returns ``(output, weights)``: output a new contiguous
-    (B, L, Hq, Ev) tensor of query's dtype, written in place by the kernel;
-    weights (B, Hq, L, S) when the model passes ``output_attentions=True``
-    (SDPA gives none), else None.
+    (B, L, Hq, Ev) tensor of query's dtype, written by the kernel; weights
+    (B, Hq, L, S), query's dtype, when the model passes
+    ``output_attentions=True`` (SDPA gives none), else None.
 
     ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks, (Hq,)) become
     fastattn's ``softcap`` and ``sinks``.
 
     Raises ValueError when Hq is not ``module.num_key_value_groups`` times Hkv.
     """
-    reason = _fallback_reason(query, key, value, attention_mask, dropout, position_bias,
-                              kwargs.get("sliding_window"))
+    reason = _fallback_reason(query, key, value, dropout, position_bias)
     if reason is not None:
         return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling,
                      is_causal, position_bias, **kwargs)
@@ -124,33 +133,39 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"query has {hq} heads and key {hkv}: expected {hkv} x "
                          f"num_key_value_groups ({groups}) query heads")
 
-    causal, alignment, mask = False, "upper_left", None
+    causal, alignment, mask, window = False, "upper_left", None, -1
     if attention_mask is None:  # transformers' rule: the module's is_causal, upper-left
         causal = q_len > 1 and (is_causal if is_causal is not None
                                 else getattr(module, "is_causal", True))
         length = q_len if causal else key.shape[2]  # an empty static cache: keys past L unseen
     elif isinstance(attention_mask, CausalMask):
         causal, alignment = q_len > 1, "lower_right"
-        length, key_mask = _causal_mask_parts(attention_mask)
+        length, key_mask, window = _causal_mask_parts(attention_mask)
         if key_mask is not None:
             mask = key_mask.numpy()
     elif isinstance(attention_mask, torch.Tensor):
-        length, mask = key.shape[2], _numpy(attention_mask.as_subclass(torch.Tensor))
+        length, mask = key.shape[2], _real(attention_mask.as_subclass(torch.Tensor))
     else:
         raise TypeError(f"attention_mask must be None or a torch.Tensor, got "
                         f"{type(attention_mask).__name__}: is the mask function registered "
                         "under the same name (fastattn.integrations.transformers.register)?")
     q_np, k_np, v_np = _numpy(query), _numpy(key), _numpy(value)
     keys = k_np.shape[2]
-    if length < keys:
-        k_np, v_np = k_np[:, :, :length], v_np[:, :, :length]
+    # keys before the first query's window are hidden from every query: not passed
+    first = max(length - q_len - window, 0) if window >= 0 else 0
+    if q_len == 1:
+        window = -1  # the keys left are the window
+    if first > 0 or length < keys:
+        k_np, v_np = k_np[:, :, first:length], v_np[:, :, first:length]
+        if mask is not None:  # a key mask over the first length keys
+            mask = mask[..., first:]
         if position_bias is not None:
-            position_bias = position_bias[..., :length]
+            position_bias = position_bias[..., first:length]
     if position_bias is not None:
-        mask = _add_bias(mask, _numpy(position_bias))
+        mask = _add_bias(mask, _real(position_bias))
 
     batch = max(batch, key.shape[0], value.shape[0], 1 if mask is None else mask.shape[0])
-    out = np.empty((batch, q_len, hq, ev), q_np.dtype)
+    out = np.empty((batch, q_len, hq, ev), q_np.dtype)  # what the model gets, as a view
     out_heads = out.transpose(0, 2, 1, 3)
     if q_len == 1 and hq != hkv and (mask is None or mask.shape[1] == 1) and (
             kwargs.get("s_aux") is None):  # sinks are per query head
@@ -164,30 +179,47 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     result = fastattn.scaled_dot_product_attention(
         q_np, k_np, v_np, mask, is_causal=causal, scale=scaling,
         enable_gqa=q_np.shape[1] != hkv, causal_alignment=alignment, need_weights=need_weights,
+        window_size=None if window < 0 else (window, 0),
         softcap=None if softcap is None else float(softcap),
-        sinks=None if sinks is None else _numpy(sinks), out=out_heads,
+        sinks=None if sinks is None else _real(sinks), out=out_heads,
         num_threads=torch.get_num_threads())
     if not need_weights:
-        return torch.from_numpy(out), None
-    weights = torch.from_numpy(result[1].reshape(batch, hq, q_len, -1))
-    # zero for the keys cut off (later than every query)
-    return torch.from_numpy(out), torch.nn.functional.pad(weights, (0, keys - weights.shape[-1]))
+        return _torch(out), None
+    weights = _torch(result[1].reshape(batch, hq, q_len, -1))
+    # zero for the keys cut off (before every query's window, later than every query)
+    return _torch(out), torch.nn.functional.pad(weights, (first, keys - length))
 
 
-def _causal_mask_parts(mask: CausalMask) -> tuple[int, Optional[torch.Tensor]]:
-    """(length, plain (B, 1, 1, length) bool key mask or None) of a CausalMask."""
+def _causal_mask_parts(mask: CausalMask) -> tuple[int, Optional[torch.Tensor], int]:
+    """(length, plain (B, 1, 1, length) bool key mask or None, window) of a CausalMask."""
     try:
-        return mask.length, mask.keys
-    except AttributeError:  # made by an operation on one: its values and shape say it all
+        return mask.length, mask.keys, mask.window
+    except AttributeError:  # made by an operation on one: its values and shape say the rest
         plain = mask.as_subclass(torch.Tensor)
         if plain.dtype != torch.bool:
             raise TypeError(f"fastattn's causal key mask must stay bool, got {plain.dtype}")
-        return plain.shape[-1], plain
+        return plain.shape[-1], plain, getattr(mask, "window", -1)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor (no copy)."""
-    return (t.detach() if t.requires_grad else t).numpy()
+    """A NumPy view of a CPU tensor (no copy); bfloat16 as ml_dtypes.bfloat16."""
+    t = t.detach() if t.requires_grad else t
+    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: the same bits seen as ml_dtypes'
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _real(t: torch.Tensor) -> np.ndarray:
+    """A mask, bias or sink tensor for NumPy: float32 when 16-bit (additive masks and
+    biases as fastattn computes them), else a view."""
+    return _numpy(t.float() if t.dtype in _HALF else t)
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    """The tensor on a NumPy array's memory (no copy); ml_dtypes.bfloat16 as torch.bfloat16."""
+    if ml_dtypes is not None and a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _add_bias(mask: Optional[np.ndarray], bias: np.ndarray) -> np.ndarray:
@@ -200,18 +232,17 @@ def _add_bias(mask: Optional[np.ndarray], bias: np.ndarray) -> np.ndarray:
 
 
 def _fallback_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: Any, dropout: float, position_bias: Optional[torch.Tensor],
-                     window: Optional[int]) -> Optional[str]:
+                     dropout: float, position_bias: Optional[torch.Tensor]) -> Optional[str]:
     """Why this call cannot run on fastattn, or None when it can."""
     tensors = (query, key, value) if position_bias is None else (query, key, value, position_bias)
-    if isinstance(attention_mask, SlidingWindowMask):
-        return (f"a sliding window (sliding_window={window}) hides keys in this pass "
-                "and fastattn has no window option yet")
     if not all(t.is_cpu for t in tensors):
         return f"tensors on {query.device.type}: fastattn runs on the CPU"
     if query.dtype not in _FLOATS or key.dtype != query.dtype or value.dtype != query.dtype:
-        return (f"dtype {query.dtype}: fastattn computes in float32 or float64 "
-                "(load the model with dtype=torch.float32)")
+        return (f"dtypes query {query.dtype}, key {key.dtype}, value {value.dtype}: fastattn "
+                "takes one of float32, float64, float16 and bfloat16")
+    if query.dtype == torch.bfloat16 and ml_dtypes is None:
+        return ("dtype torch.bfloat16 needs the ml_dtypes package, NumPy's bfloat16 "
+                "(pip install ml_dtypes, or 'fastattn[bfloat16]')")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return ("gradients are needed and fastattn has no backward pass "
                 "(run inference under torch.no_grad() or torch.inference_mode())")

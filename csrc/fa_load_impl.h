@@ -1,0 +1,149 @@
+/* The one place the attention kernels read query, key and value elements,
+ * whatever their storage (fa_store): in place when stored as T, else
+ * converted to T a row or a tile at a time, never as a whole copy.  Every
+ * conversion is exact, and the dot products and weighted sums read
+ * converted and native rows with the same operations in the same order, so
+ * a stored array gives the bits its conversion to T would.
+ *
+ * int8 rows (I8) stand for scale * codes: the row kernel multiplies a key's
+ * dot product by its scale and a value row's weight by its scale, the block
+ * kernel its converted tiles.
+ *
+ * Needs T, FA_NAME, prefetch_bytes and the primitives cvt_body, dot_body,
+ * gemv_t_any. */
+
+/* dst[0..n) = elements src[e * es] of a row stored as st, as T */
+static void FA_NAME(load_row)(fa_store st, fa_idx n, const void *src, fa_idx es, T *dst)
+{
+    if (es == 1) {
+        switch (st) {
+        case FA_STORE_F16: FA_NAME(cvt_body)(FA_STORE_F16, n, src, dst); return;
+        case FA_STORE_BF16: FA_NAME(cvt_body)(FA_STORE_BF16, n, src, dst); return;
+        case FA_STORE_I8: FA_NAME(cvt_body)(FA_STORE_I8, n, src, dst); return;
+        default: FA_NAME(cvt_body)(FA_STORE_NATIVE, n, src, dst); return;
+        }
+    }
+    for (fa_idx e = 0; e < n; ++e) dst[e] = FA_NAME(st_get)(st, src, e * es);
+}
+
+/* s[t * ld + r] = sum over c < n of x[t * ldx + c] * y_r[c], for the nq
+ * rows of x and the nr rows y_r = y + r * rs (each contiguous, stored as
+ * st): each row of y is read once for all the rows of x.  As row r is read,
+ * the cache is asked for pf_bytes of row r + ahead, for r < npf.  One loop
+ * for all the rows, so that its bounds and strides stay in registers. */
+static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_idx nr, fa_idx n,
+                                               const T *x, fa_idx ldx, const void *y,
+                                               fa_idx rs, T *s, fa_idx ld, fa_idx ahead,
+                                               fa_idx npf, fa_idx pf_bytes)
+{
+    const fa_idx rb = rs * FA_NAME(st_bytes)(st);
+    for (fa_idx r = 0; r < nr; ++r) {
+        const char *row = (const char *)y + r * rb;
+        if (r < npf) FA_NAME(prefetch_bytes)(row + ahead * rb, pf_bytes);
+        for (fa_idx t = 0; t < nq; ++t) s[t * ld + r] = FA_NAME(dot_body)(st, n, x + t * ldx, row);
+    }
+}
+
+static void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *x, fa_idx ldx,
+                          const void *y, fa_idx rs, T *s, fa_idx ld, fa_idx ahead, fa_idx npf,
+                          fa_idx pf_bytes)
+{
+#if FA_IS_F32
+    switch (st) {
+    case FA_STORE_F16:
+        FA_NAME(dots_any)(FA_STORE_F16, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        return;
+    case FA_STORE_BF16:
+        FA_NAME(dots_any)(FA_STORE_BF16, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        return;
+    case FA_STORE_I8:
+        FA_NAME(dots_any)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        return;
+    default: break;
+    }
+#else
+    (void)st;
+#endif
+    FA_NAME(dots_any)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+}
+
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c] (rows contiguous), for
+ * c < n, skipping rows of weight exactly 0; x stored as T, or as st */
+static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, T *o)
+{
+    FA_NAME(gemv_t_any)(FA_STORE_NATIVE, nk, n, p, x, rs, o);
+}
+
+static void FA_NAME(gemv_t_st)(fa_store st, fa_idx nk, fa_idx n, const T *p, const void *x,
+                               fa_idx rs, T *o)
+{
+#if FA_IS_F32
+    switch (st) {
+    case FA_STORE_F16: FA_NAME(gemv_t_any)(FA_STORE_F16, nk, n, p, x, rs, o); return;
+    case FA_STORE_BF16: FA_NAME(gemv_t_any)(FA_STORE_BF16, nk, n, p, x, rs, o); return;
+    case FA_STORE_I8: FA_NAME(gemv_t_any)(FA_STORE_I8, nk, n, p, x, rs, o); return;
+    default: break;
+    }
+#else
+    (void)st;
+#endif
+    FA_NAME(gemv_t_any)(FA_STORE_NATIVE, nk, n, p, x, rs, o);
+}
+
+/* A tile of key or value rows as T, read through p + r * ss + e * es. */
+typedef struct {
+    const T *p;
+    fa_idx ss, es;
+} FA_NAME(tile);
+
+/* Rows s0..s0+nk-1 (n features each) of the key or value x with strides
+ * ss, es and I8 row scales scale[j * sc_s]: in place when stored as T, else
+ * converted into panel (nk x ld), int8 rows times their scale. */
+static FA_NAME(tile) FA_NAME(load_tile)(const fa_attn_args *a, const void *x, fa_idx ss,
+                                        fa_idx es, fa_idx n, const float *scale, fa_idx sc_s,
+                                        fa_idx s0, fa_idx nk, T *panel, fa_idx ld)
+{
+    FA_NAME(tile) t = {panel, ld, 1};
+    if (a->kv_store == FA_STORE_NATIVE) {
+        t.p = (const T *)x + s0 * ss;
+        t.ss = ss;
+        t.es = es;
+        return t;
+    }
+    for (fa_idx r = 0; r < nk; ++r) {
+        T *row = panel + r * ld;
+        FA_NAME(load_row)(a->kv_store, n, FA_NAME(st_at)(a->kv_store, x, (s0 + r) * ss), es, row);
+        if (a->kv_store == FA_STORE_I8) {
+            const T f = (T)scale[(s0 + r) * sc_s];
+            for (fa_idx e = 0; e < n; ++e) row[e] *= f;
+        }
+    }
+    return t;
+}
+
+static FA_NAME(tile) FA_NAME(key_tile)(const fa_attn_args *a, const void *k, fa_idx s0, fa_idx nk,
+                                       T *panel)
+{
+    return FA_NAME(load_tile)(a, k, a->k_ss, a->k_es, a->E, a->k_scale, a->ksc_s, s0, nk, panel,
+                              FA_PAD(a->E, (fa_idx)sizeof(T)));
+}
+
+static FA_NAME(tile) FA_NAME(value_tile)(const fa_attn_args *a, const void *v, fa_idx s0,
+                                         fa_idx nk, T *panel)
+{
+    return FA_NAME(load_tile)(a, v, a->v_ss, a->v_es, a->Ev, a->v_scale, a->vsc_s, s0, nk, panel,
+                              FA_PAD(a->Ev, (fa_idx)sizeof(T)));
+}
+
+#if FA_IS_F32
+/* The other way, for outputs: y[0..n) = x[0..n) rounded to nearest-even F16
+ * or BF16 (contiguous). */
+void FA_NAME(narrow)(fa_store st, fa_idx n, const float *x, void *y)
+{
+    if (st == FA_STORE_F16) {
+        FA_NAME(narrow_f16)(n, x, (uint16_t *)y);
+        return;
+    }
+    for (fa_idx j = 0; j < n; ++j) ((uint16_t *)y)[j] = fa_f32_bf16(x[j]);
+}
+#endif

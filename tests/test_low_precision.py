@@ -1,0 +1,310 @@
+"""16-bit inputs and 16- and 8-bit key/value caches.
+
+The kernels convert float16 and bfloat16 exactly to float32 as they read
+them, so a call on 16-bit arrays must give the bits of the same call on
+their float32 conversions, rounded once to the 16-bit dtype: that is checked
+bit for bit under hypothesis on every SIMD path, and the float32 call itself
+against the float64 reference by the rest of the suite.  Against the
+reference directly, the bound is that final rounding (half an ulp: 2**-11
+relative for float16, 2**-8 for bfloat16) plus the float32 bound of
+conftest.  A cache in int8 holds scale * code with |error| <= max|row| / 254
+per element; attention over it is checked against the reference over what
+it holds (``cache.key``, ``cache.value``)."""
+import numpy as np
+import pytest
+from conftest import assert_close, simd_path, tolerance
+from hypothesis import given
+from hypothesis import strategies as st
+from test_properties import BATCH, FEATURES, KEYS, LENGTHS, PATHS, SEEDS, random_array, random_mask
+from test_variants import variants
+
+import fastattn
+from fastattn import reference as ref
+
+try:  # bfloat16 is ml_dtypes' (an optional dependency); float16 is tested without it
+    import ml_dtypes
+    HALF = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+except ImportError:
+    HALF = [np.dtype(np.float16)]
+sdpa = fastattn.scaled_dot_product_attention
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}  # half an ulp, relative
+SMALLEST = {"float16": 2.0**-25, "bfloat16": 2.0**-134}      # half the smallest subnormal
+
+
+def f32(*arrays):
+    return [None if a is None else a.astype(np.float32) for a in arrays]
+
+
+def assert_rounded_close(actual, expected, dtype, n, magnitude):
+    """actual (16-bit) within its rounding of expected (float64) plus the
+    float32 bound of a length-n computation."""
+    assert actual.dtype == dtype
+    err = np.abs(actual.astype(np.float64) - expected)
+    bound = (UNIT_ROUNDOFF[dtype.name] * np.abs(expected) + SMALLEST[dtype.name]
+             + tolerance(np.float32, n) * max(1.0, magnitude))
+    assert np.all((err <= bound) | (np.isnan(actual.astype(np.float64)) & np.isnan(expected)))
+
+
+@given(st.data())
+def test_half_inputs_give_the_bits_of_their_float32_conversion(data):
+    draw = data.draw
+    dtype = draw(st.sampled_from(HALF))
+    rng = np.random.default_rng(draw(SEEDS))
+    B, H = draw(BATCH), draw(st.integers(1, 3))
+    L, S, E, Ev = draw(LENGTHS), draw(KEYS), draw(FEATURES), draw(FEATURES)
+    q = random_array(draw, rng, (B, H, L, E), dtype)
+    k = random_array(draw, rng, (B, H, S, E), dtype, minus_inf=draw(st.sampled_from([0, 0.01])))
+    v = random_array(draw, rng, (B, H, S, Ev), dtype)
+    kwargs = dict(draw(variants(rng, B, H, L, S)),
+                  attn_mask=random_mask(draw, rng, (B, H, L, S), np.float32),
+                  is_causal=draw(st.booleans()),
+                  causal_alignment=draw(st.sampled_from(["upper_left", "lower_right"])))
+    with simd_path(draw(PATHS)):
+        out, w, lse = sdpa(q, k, v, need_weights=True, return_lse=True, **kwargs)
+        o32, w32, lse32 = sdpa(*f32(q, k, v), need_weights=True, return_lse=True, **kwargs)
+        outbuf = np.full(out.shape, np.nan, dtype)
+        sdpa(q, k, v, out=outbuf, num_threads=draw(st.integers(1, 3)), **kwargs)
+    for got, want in ((out, o32), (w, w32), (lse, lse32), (outbuf, o32)):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+def test_outputs_are_rounded_as_numpy_rounds(simd, dtype):
+    """The kernels' float32 -> 16-bit rounding (nearest-even; subnormals,
+    overflow, NaN) gives NumPy's and ml_dtypes' bits: random bit patterns
+    and every float around the subnormal and overflow edges of float16."""
+    rng = np.random.default_rng(5)
+    bits = np.concatenate([
+        rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+        np.arange(0x32FFFFF0, 0x38800010, 97, dtype=np.uint32),   # 2**-25 .. 2**-14
+        np.arange(0x477FE000, 0x47801000, dtype=np.uint32),       # around 65504 .. 65536
+        np.array([0, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7F800001], np.uint32)])
+    bits = np.concatenate([bits, bits | 0x80000000])
+    x = bits.view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = x.astype(dtype)
+    got = fastattn.attention.narrow(x, dtype, 2)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got.view(np.uint16)[~nan], expected.view(np.uint16)[~nan])
+    assert np.isnan(got[nan].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+@pytest.mark.parametrize("L", [1, 5])  # the row kernel and the block kernel's tiles
+def test_every_16_bit_pattern_is_read_exactly(simd, dtype, L):
+    """All 65536 patterns, as values (one key of weight 1: the output is the
+    value row) and, the finite ones, as keys (one-hot queries: the score,
+    returned as the log-sum-exp of the one key, is the key element); rows
+    of 16, so that the vector loads convert them."""
+    pattern = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(dtype)
+    exact = pattern.astype(np.float32)
+    v = pattern.reshape(4096, 1, 1, 16)
+    q = np.zeros((4096, 1, L, 16), dtype)
+    out = sdpa(q, np.zeros((4096, 1, 1, 16), dtype), v, scale=1.0).astype(np.float32)
+    for row in np.moveaxis(out, 2, 0):
+        same = (row.reshape(-1) == exact) | (np.isnan(row.reshape(-1)) & np.isnan(exact))
+        assert same.all()
+    finite = pattern[np.isfinite(exact)]
+    k = np.zeros((finite.size, 1, 1, 16), dtype)
+    k[:, 0, 0, 3] = finite
+    q = np.zeros((finite.size, 1, L, 16), dtype)
+    q[..., 3] = 1
+    _, lse = sdpa(q, k, np.zeros_like(k), scale=1.0, return_lse=True)
+    np.testing.assert_array_equal(lse.astype(np.float32)[:, 0, 0], finite.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+@pytest.mark.parametrize("L,S,E", [(1, 4096, 64), (3, 300, 128), (70, 200, 64), (130, 130, 32)])
+def test_half_inputs_against_the_float64_reference(simd, dtype, L, S, E):
+    rng = np.random.default_rng(L + S + E)
+    q, k, v = (rng.standard_normal((2, 3, n, E)).astype(dtype) for n in (L, S, S))
+    mask = rng.random((L, S)) < 0.9
+    out = sdpa(q, k, v, attn_mask=mask, is_causal=True, causal_alignment="lower_right")
+    expected = ref.scaled_dot_product_attention(
+        *(a.astype(np.float64) for a in (q, k, v)), attn_mask=mask, is_causal=True,
+        causal_alignment="lower_right")
+    assert_rounded_close(out, expected, dtype, E + S, float(np.abs(v.astype(np.float32)).max()))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+def test_half_inputs_keep_the_guards(simd, dtype):
+    """A row with every key hidden gives zeros, a NaN score NaN, a
+    non-finite value at a hidden key nothing."""
+    q = np.ones((1, 1, 3, 8), dtype)
+    k = np.ones((1, 1, 5, 8), dtype)
+    v = np.ones((1, 1, 5, 8), dtype)
+    mask = np.ones((3, 5), bool)
+    mask[0] = False
+    mask[1, 4] = False
+    k[..., 2, 0] = np.nan
+    v[..., 4, :] = np.inf
+    out = sdpa(q, k, v, attn_mask=mask).astype(np.float32)
+    assert np.all(out[0, 0, 0] == 0)
+    assert np.all(np.isnan(out[0, 0, 1:]))
+    k[..., 2, 0] = 1
+    assert np.all(sdpa(q, k, v, attn_mask=mask).astype(np.float32)[0, 0, 1] == 1)
+
+
+def test_half_out_must_have_the_inputs_dtype():
+    q = np.zeros((1, 4, 8), np.float16)
+    with pytest.raises(TypeError, match="out"):
+        sdpa(q, q, q, out=np.zeros((1, 4, 8), np.float32))
+
+
+@pytest.mark.skipif(not fastattn.available_simd_paths(), reason="no path")
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+def test_half_inputs_against_pytorch(dtype):
+    """Not worse than PyTorch's CPU attention in the same dtype: both against
+    the float64 reference, RMS error of fastattn at most PyTorch's (plus the
+    last rounding, the least either can do)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 4, 256, 64)).astype(dtype) for _ in range(3))
+    expected = ref.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)),
+                                                is_causal=True)
+    tdt = torch.float16 if dtype == np.float16 else torch.bfloat16
+    t = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(a.astype(np.float32)).to(tdt) for a in (q, k, v)), is_causal=True)
+    ours = sdpa(q, k, v, is_causal=True).astype(np.float64)
+    rms = lambda x: float(np.sqrt(np.mean((x - expected) ** 2)))  # noqa: E731
+    floor = rms(expected.astype(dtype).astype(np.float64))
+    assert rms(ours) <= max(rms(t.float().numpy().astype(np.float64)), floor) * 1.05
+
+
+# ---- the cache in 16 and 8 bits ---------------------------------------------------------
+
+STORAGES = ["float16", "int8"] + (["bfloat16"] if len(HALF) == 2 else [])
+
+
+def filled_cache(storage, rng, B=2, Hkv=2, S=37, D=24, Dv=16, scale=1.0):
+    cache = fastattn.KVCache(B, Hkv, S + 8, D, value_dim=Dv, storage=storage)
+    k = (rng.standard_normal((B, Hkv, S, D)) * scale).astype(np.float32)
+    v = (rng.standard_normal((B, Hkv, S, Dv)) * scale).astype(np.float32)
+    k[0, 1, 5] = 0  # an all-zero row: int8 scale 0
+    cache.append(k[:, :, :S - 3], v[:, :, :S - 3])
+    cache.append(k[:, :, S - 3:], v[:, :, S - 3:])
+    return cache, k, v
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_cache_holds_what_its_storage_says(storage):
+    rng = np.random.default_rng(1)
+    cache, k, v = filled_cache(storage, rng, scale=3.0)
+    assert cache.key.dtype == np.float32 and cache.key.shape == k.shape
+    if storage == "int8":
+        for held, x in ((cache.key, k), (cache.value, v)):
+            bound = np.abs(x).max(axis=-1, keepdims=True) / 254
+            assert np.all(np.abs(held - x) <= bound * (1 + 1e-6))
+        assert np.all(cache.key[0, 1, 5] == 0)  # a row of zeros: scale 0, codes 0
+    else:
+        for held, x in ((cache.key, k), (cache.value, v)):
+            np.testing.assert_array_equal(held, x.astype(cache._key.dtype).astype(np.float32))
+    scales = 2 * 4 * 2 * 2 * 45 if storage == "int8" else 0
+    item = 1 if storage == "int8" else 2
+    assert cache.nbytes == item * 2 * 2 * 45 * (24 + 16) + 2 * 45 + scales
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("L", [1, 3, 37])
+def test_cache_attention_reads_its_storage(simd, storage, L):
+    """Decoding (L <= 4, keys split when long) and a block of queries over a
+    16- or 8-bit cache: the reference over what the cache holds, every
+    thread count giving the same bits."""
+    rng = np.random.default_rng(L)
+    cache, _, _ = filled_cache(storage, rng, S=2500 if L == 1 else 37)
+    q = rng.standard_normal((2, 4, L, 24)).astype(np.float32)  # GQA: 4 query heads on 2
+    out = cache.attend(q, need_weights=False)
+    for threads in (1, 2, 3):
+        np.testing.assert_array_equal(cache.attend(q, num_threads=threads), out)
+    held_k = np.repeat(cache.key.astype(np.float64), 2, axis=1)
+    held_v = np.repeat(cache.value.astype(np.float64), 2, axis=1)
+    expected = ref.scaled_dot_product_attention(q.astype(np.float64), held_k, held_v,
+                                                is_causal=True, causal_alignment="lower_right")
+    S = cache.length
+    assert_close(out, expected, np.float32, 24 + S, magnitude=float(np.abs(held_v).max()))
+    out_w, w = cache.attend(q, need_weights=True)
+    np.testing.assert_array_equal(out_w, out)
+    assert w.shape == (2, 4, L, S) and np.allclose(w.sum(-1), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", [s for s in STORAGES if s != "int8"])
+def test_cache_keeps_nan_and_padding(storage):
+    rng = np.random.default_rng(2)
+    cache = fastattn.KVCache(1, 1, 8, 4, storage=storage)
+    k = rng.standard_normal((1, 1, 3, 4)).astype(np.float32)
+    k[0, 0, 1, 2] = np.nan
+    cache.append(k, k, key_padding_mask=np.array([[False, False, True]]))
+    q = np.ones((1, 1, 1, 4), np.float32)
+    assert np.isnan(cache.attend(q)).all()
+    cache.reset()
+    cache.append(k[:, :, :1], k[:, :, :1], key_padding_mask=np.array([[True]]))
+    assert (cache.attend(q) == 0).all()  # nothing visible: zeros
+
+
+def test_cache_refuses_what_its_storage_cannot_hold():
+    cache = fastattn.KVCache(1, 1, 8, 2, storage="float16")
+    big = np.array([[[[1.0, 70000.0]]]], np.float32)
+    with pytest.raises(ValueError, match="70000.0, beyond the range of this KVCache's float16"):
+        cache.append(big, big * 0)
+    assert cache.length == 0
+    cache.append(np.full((1, 1, 1, 2), np.inf, np.float32), big * 0)  # inf is kept as inf
+    q8 = fastattn.KVCache(1, 1, 8, 2, storage="int8")
+    with pytest.raises(ValueError, match="non-finite value, which int8 storage cannot hold"):
+        q8.append(big * 0, np.array([[[[1.0, np.nan]]]], np.float32))
+    assert q8.length == 0
+
+
+def test_bfloat16_storage_needs_ml_dtypes(monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_ml_dtypes(name, *args, **kwargs):
+        if name == "ml_dtypes":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ml_dtypes)
+    with pytest.raises(ImportError, match="pip install ml_dtypes"):
+        fastattn.KVCache(1, 1, 8, 2, storage="bfloat16")
+
+
+# ---- the layer in 16 bits -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+def test_half_layer_is_the_float32_layer_rounded(dtype):
+    """A 16-bit MultiHeadAttention computes in float32 with its weights
+    converted: the float32 layer's output, rounded once."""
+    rng = np.random.default_rng(3)
+    half = fastattn.MultiHeadAttention(32, 4, num_kv_heads=2, dtype=dtype, rng=0)
+    full = fastattn.MultiHeadAttention(32, 4, num_kv_heads=2, rng=0)
+    full.load_state_dict({n: a.astype(np.float32) for n, a in half.state_dict().items()})
+    x = rng.standard_normal((2, 9, 32)).astype(dtype)
+    y, w = half(x, need_weights=True, is_causal=True)
+    y32, w32 = full(x.astype(np.float32), need_weights=True, is_causal=True)
+    np.testing.assert_array_equal(y.view(np.uint16), y32.astype(dtype).view(np.uint16))
+    np.testing.assert_array_equal(w.view(np.uint16), w32.astype(dtype).view(np.uint16))
+    assert not half.in_proj_weight.flags.writeable  # the float32 copies would not see a change
+    with pytest.raises(ValueError, match="read-only"):
+        half.in_proj_weight[0, 0] = 1
+    state = {n: a.astype(np.float32) * 2 for n, a in half.state_dict().items()}
+    half.load_state_dict(state)
+    full.load_state_dict(state)
+    np.testing.assert_array_equal(half(x)[0].view(np.uint16),
+                                  full(x.astype(np.float32))[0].astype(dtype).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+@pytest.mark.parametrize("storage", [None, "float32", "int8"])
+def test_half_layer_decodes_with_its_cache(dtype, storage):
+    rng = np.random.default_rng(4)
+    layer = fastattn.MultiHeadAttention(32, 4, dtype=dtype, rng=1)
+    x = rng.standard_normal((2, 6, 32)).astype(dtype)
+    full, _ = layer(x, is_causal=True)
+    cache = layer.new_cache(2, 8, storage=storage)
+    assert cache.dtype == np.float32 and cache.storage == (storage or dtype.name)
+    steps = np.concatenate([layer(x[:, t:t + 1], cache=cache)[0] for t in range(6)], axis=1)
+    assert steps.dtype == dtype
+    # the cache's own rounding (16 bits) or quantisation (int8) of k and v
+    tol = 0.02 if storage == "int8" else 2 * UNIT_ROUNDOFF[dtype.name] * 4
+    np.testing.assert_allclose(steps.astype(np.float32), full.astype(np.float32), atol=tol)
