@@ -36,8 +36,8 @@ static void FA_NAME(prefetch_share)(const T *x, fa_idx rows, fa_idx rs, fa_idx n
         FA_NAME(prefetch_row)(x + r * rs, n, es);
 }
 
-/* The next call's queries and keys (their first block), asked for while
- * the values of this call's last key block are summed: the hardware
+/* The next call's queries and keys (the first block it reads), asked for
+ * while the values of this call's last key block are summed: the hardware
  * prefetcher cannot guess where a new head starts.  Measured at 1 thread on
  * minilm-batch (B=32, H=12, L=S=128, E=32): 5.4 -> 5.0 ms.  (Asked for any
  * earlier, they push this call's keys out of L1: bert-base 2 % slower.) */
@@ -49,13 +49,33 @@ typedef struct {
 static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const void *k, const fa_attn_next *next)
 {
     FA_NAME(ahead) h = {NULL, NULL, 0, 0};
-    if (next != NULL && a->q_store == FA_STORE_NATIVE && a->kv_store == FA_STORE_NATIVE) {
+    if (next != NULL && next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE &&
+        a->kv_store == FA_STORE_NATIVE) {
+        fa_idx begin, end;
+        FA_NAME(key_range)(a, next->i0, next->i1, &begin, &end);
         h.q = (const T *)next->q + next->i0 * a->q_ls;
         h.q_rows = next->i1 - next->i0;
-        h.k = (const T *)next->k;
-        h.k_rows = h.k == k ? 0 : a->S < FA_KB ? a->S : FA_KB; /* the same keys: in cache */
+        h.k = (const T *)next->k + begin * a->k_ss;
+        /* the same keys: in cache */
+        h.k_rows = next->k == k ? 0 : end - begin < FA_KB ? end - begin : FA_KB;
     }
     return h;
+}
+
+/* Share `part` of `parts` of the next call's queries and of this call's
+ * output rows i0..i1-1, asked into L2 only (L1 keeps this call's keys) while
+ * the values of the key blocks before the last are summed, a few lines per
+ * product (a burst waits for fill buffers): with a short sweep (a sliding
+ * window of 1024: 9 key blocks) the misses on both, left to the last block
+ * and to the output's transpose, were 2 % of the time (AVX-512, 1 thread). */
+static void FA_NAME(fetch_early)(const fa_attn_args *a, const FA_NAME(ahead) *h, const T *out,
+                                 fa_idx i0, fa_idx i1, fa_idx part, fa_idx parts)
+{
+    const fa_idx step = 64 / (fa_idx)sizeof(T), nq = i1 - i0;
+    for (fa_idx r = h->q_rows * part / parts; a->q_es == 1 && r < h->q_rows * (part + 1) / parts; ++r)
+        for (fa_idx e = 0; e < a->E; e += step) FA_PREFETCH_L2(h->q + r * a->q_ls + e);
+    for (fa_idx r = nq * part / parts; a->o_es == 1 && r < nq * (part + 1) / parts; ++r)
+        for (fa_idx e = 0; e < a->Ev; e += step) FA_PREFETCH_L2(out + (i0 + r) * a->o_ls + e);
 }
 
 static void FA_NAME(fetch_ahead)(const fa_attn_args *a, const FA_NAME(ahead) *h, fa_idx part,
@@ -182,13 +202,27 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const void 
         }
         if (a->alibi_slope != 0)
             for (fa_idx j = 0; j < ld; ++j) z[j] = z[j] + FA_NAME(alibi)(a, i0 + j, key);
-        if (edge) { /* the rows that see this key: key_lo(i) <= key <= key_hi(i) */
-            fa_idx j = 0;
-            for (; j < ld && key > FA_NAME(key_hi)(a, i0 + j); ++j) z[j] = ninf;
-            for (j = ld; j > 0 && key < FA_NAME(key_lo)(a, i0 + j - 1); --j) z[j - 1] = ninf;
+        if (edge) { /* only the rows lo..hi-1 see this key */
+            fa_idx lo, hi;
+            FA_NAME(key_rows)(a, key, i0, ld, &lo, &hi);
+            for (fa_idx j = 0; j < lo; ++j) z[j] = ninf;
+            for (fa_idx j = hi; j < ld; ++j) z[j] = ninf;
         }
-        for (fa_idx j = 0; j < ld; ++j) bm[j] = z[j] > bm[j] ? z[j] : bm[j];
     }
+    /* the maximum down each column, eight rows at a time held in registers
+     * (a row at a time, every store to bm waits for the one before) */
+    fa_idx r = 0;
+    for (; r + 8 <= nk; r += 8)
+        for (fa_idx j = 0; j < ld; ++j) {
+            T mx = bm[j];
+            for (int u = 0; u < 8; ++u) {
+                const T z = st[(r + u) * ld + j];
+                mx = z > mx ? z : mx;
+            }
+            bm[j] = mx;
+        }
+    for (; r < nk; ++r)
+        for (fa_idx j = 0; j < ld; ++j) bm[j] = st[r * ld + j] > bm[j] ? st[r * ld + j] : bm[j];
     return 1;
 }
 
@@ -258,15 +292,27 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
             for (fa_idx c = 0; c < Ev; ++c)
                 for (fa_idx j = 0; j < ld; ++j) ot[c * ld + j] *= alpha[j];
         }
-        FA_NAME(exp_block)(nk, ld, st, ms, bl);
+        const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
+        if (edge) { /* only the keys each NR queries may see, as below */
+            for (fa_idx p = 0; p < ld; p += FA_NR) {
+                fa_idx lo, hi;
+                FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
+                FA_NAME(exp_block)(lo, hi, FA_NR, ld, st + p, ms + p, bl + p, 1);
+            }
+        } else {
+            FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl, a->mask_kind != FA_MASK_NONE);
+        }
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
         const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
-        const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
+        const fa_idx chunks = (Ev + FA_MR - 1) / FA_MR;
         for (fa_idx c = 0; c < Ev; c += FA_MR) {
             const int mr = (int)(Ev - c < FA_MR ? Ev - c : FA_MR);
             if (s0 + FA_KB >= s_end) /* the last block: this call's keys are done with */
-                FA_NAME(fetch_ahead)(a, &ahead, c / FA_MR, (Ev + FA_MR - 1) / FA_MR);
+                FA_NAME(fetch_ahead)(a, &ahead, c / FA_MR, chunks);
+            else
+                FA_NAME(fetch_early)(a, &ahead, out, i0, i1, (s0 - s_begin) / FA_KB * chunks + c / FA_MR,
+                                     (s_end - s_begin - 1) / FA_KB * chunks);
             for (fa_idx p = 0; p < ld; p += FA_NR) {
                 /* only the keys these NR queries may see: the others have
                  * weight 0, whose products add nothing */
@@ -299,7 +345,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
                             FA_NAME(block_logits)(a, qp, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel);
-        if (visible) FA_NAME(exp_block)(nk, ld, st, ms, bl); /* exp(z - m); bl is unused here */
+        if (visible) /* exp(z - m); bl is unused here */
+            FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl,
+                               FA_NAME(block_edge)(a, i0, nq, s0, nk) || a->mask_kind != FA_MASK_NONE);
         for (fa_idx j = 0; j < nq; ++j) {
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;
             const int zero = !visible || l[j] == 0;

@@ -47,8 +47,10 @@ typedef enum { FA_STORE_NATIVE = 0, FA_STORE_F16 = 1, FA_STORE_BF16 = 2, FA_STOR
  * result. */
 #if defined(__GNUC__) || defined(__clang__)
 #define FA_PREFETCH(p) __builtin_prefetch(p)
+#define FA_PREFETCH_L2(p) __builtin_prefetch(p, 0, 2) /* into L2, not L1 */
 #else
 #define FA_PREFETCH(p) ((void)(p))
+#define FA_PREFETCH_L2(p) ((void)(p))
 #endif
 
 #define FA_CAT3_(a, b, c) a##_##b##_##c

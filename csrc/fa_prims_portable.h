@@ -149,19 +149,29 @@ static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
     for (fa_idx j = 0; j < n; ++j) y[j] = FA_NAME(exp1)(x[j]);
 }
 
-/* For each column j of the nk x ld block z (row stride ld):
- * z[r, j] = exp(z[r, j] - m[j]) and sum[j] = sum over r of the new z[r, j]. */
-static void FA_NAME(exp_block)(fa_idx nk, fa_idx ld, T *z, const T *m, T *sum)
+/* For each column j < nc of the block z (row stride ld), rows r0..r1-1:
+ * z[r, j] = exp(z[r, j] - m[j]) and sum[j] = sum over r of the new z[r, j],
+ * in four parts by r & 3 (a quarter of the rounding), so that a range of
+ * rows sums to the bits of the whole block whose other rows are hidden.
+ * hidden: the rows may hold -inf (hidden keys); their 0 then skips exp1,
+ * whose underflow costs x86 a microcode assist (the same bits either way). */
+static void FA_NAME(exp_block)(fa_idx r0, fa_idx r1, fa_idx nc, fa_idx ld, T *z, const T *m,
+                               T *sum, int hidden)
 {
-    for (fa_idx j = 0; j < ld; ++j) sum[j] = 0;
-    for (fa_idx r = 0; r < nk; ++r) {
+    for (fa_idx r = r0; r < r1; ++r) {
         T *zr = z + r * ld;
-        for (fa_idx j = 0; j < ld; ++j) zr[j] = FA_NAME(exp1)(zr[j] - m[j]);
+        if (hidden) {
+            for (fa_idx j = 0; j < nc; ++j) {
+                const T x = zr[j] - m[j];
+                zr[j] = x == -(T)INFINITY ? 0 : FA_NAME(exp1)(x);
+            }
+        } else {
+            for (fa_idx j = 0; j < nc; ++j) zr[j] = FA_NAME(exp1)(zr[j] - m[j]);
+        }
     }
-    /* four interleaved sums down each column: a quarter of the rounding */
-    for (fa_idx j = 0; j < ld; ++j) {
+    for (fa_idx j = 0; j < nc; ++j) {
         T part[4] = {0, 0, 0, 0};
-        for (fa_idx r = 0; r < nk; ++r) part[r & 3] += z[r * ld + j];
+        for (fa_idx r = r0; r < r1; ++r) part[r & 3] += z[r * ld + j];
         sum[j] = (part[0] + part[1]) + (part[2] + part[3]);
     }
 }

@@ -34,6 +34,18 @@ static fa_idx FA_NAME(key_hi)(const fa_attn_args *a, fa_idx i)
     return right < 0 ? a->S - 1 : i + a->causal_offset + right;
 }
 
+/* Rows i0 + lo .. i0 + hi - 1 of the n rows from i0: those the bounds let
+ * see key (key_lo and key_hi inverted: both grow with i, one for one). */
+static void FA_NAME(key_rows)(const fa_attn_args *a, fa_idx key, fa_idx i0, fa_idx n, fa_idx *lo,
+                              fa_idx *hi)
+{
+    const fa_idx right = a->causal ? 0 : a->window_right, d = key - a->causal_offset - i0;
+    const fa_idx first = right < 0 ? 0 : d - right;            /* key <= key_hi(i) */
+    const fa_idx end = a->window_left < 0 ? n : d + a->window_left + 1; /* key >= key_lo(i) */
+    *lo = first < 0 ? 0 : first > n ? n : first;
+    *hi = end < *lo ? *lo : end > n ? n : end;
+}
+
 /* Keys begin..end-1: every key that one of the queries i0..i1-1 (i1 > i0)
  * may see; empty (begin == end) when none. */
 static void FA_NAME(key_range)(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx *begin,

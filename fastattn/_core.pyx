@@ -359,13 +359,15 @@ cdef inline fa_attn_args item_args(const fa_attn_args *a, const Operands *o, con
 
 # Task t of the attention loop: head by head, so that the threads share one
 # head's keys and values in cache; within a head the largest causal blocks
-# come first.
+# come first, except under a window's left bound (ascending), where blocks
+# cost about the same and the keys new to each block then continue the
+# ascending stream of the one before, which the hardware prefetcher follows.
 cdef inline fa_attn_next task_rows(const Operands *o, const Batch *b, fa_idx t, fa_idx nqb,
-                                   fa_idx qb, fa_idx L) noexcept nogil:
+                                   fa_idx qb, fa_idx L, bint ascending) noexcept nogil:
     cdef fa_attn_next r
     cdef fa_idx item = t // nqb
     r.q, r.k = q_at(o, b, item), k_at(o, b, item)
-    r.i0 = (nqb - 1 - t % nqb) * qb
+    r.i0 = (t % nqb if ascending else nqb - 1 - t % nqb) * qb
     r.i1 = r.i0 + qb if r.i0 + qb < L else L
     return r
 
@@ -477,12 +479,12 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
             if work == NULL or stopped(&stop):
                 continue
             item = t // nqb
-            cur = task_rows(&o, &b, t, nqb, qb, a.L)
+            cur = task_rows(&o, &b, t, nqb, qb, a.L, a.window_left >= 0)
             # the task this thread most likely takes next: prefetched as
             # this one ends (only a hint; no result depends on it)
             hint = NULL
             if t + nthreads < ntasks:
-                nxt = task_rows(&o, &b, t + nthreads, nqb, qb, a.L)
+                nxt = task_rows(&o, &b, t + nthreads, nqb, qb, a.L, a.window_left >= 0)
                 hint = &nxt
             ai = item_args(&a, &o, &b, item)
             if o.elsize == 4:
@@ -653,7 +655,7 @@ def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
         x_arr = sinks   # C-contiguous (Hq,)
         sink = <const double *>cnp.PyArray_DATA(x_arr)
     # the tasks: (sequence, head, first query row), longest sequences' heads
-    # interleaved as they come; within a head the largest causal blocks first
+    # interleaved as they come; within a head in task_rows' order
     cdef fa_idx ntasks = 0, bi, h, nqb, t, i0
     for bi in range(nseq):
         ntasks += Hq * ((cu_q[bi + 1] - cu_q[bi] + qb - 1) // qb)
@@ -666,8 +668,9 @@ def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     for bi in range(nseq):
         nqb = (cu_q[bi + 1] - cu_q[bi] + qb - 1) // qb
         for h in range(Hq):
-            for i0 in range(nqb - 1, -1, -1):
-                tasks[3 * t], tasks[3 * t + 1], tasks[3 * t + 2] = bi, h, i0 * qb
+            for i0 in range(nqb):
+                tasks[3 * t], tasks[3 * t + 1] = bi, h
+                tasks[3 * t + 2] = (i0 if a.window_left >= 0 else nqb - 1 - i0) * qb
                 t += 1
     cdef size_t work_bytes = fa_attn_work_bytes(&a, <int>es)
     cdef fa_attn_args ai
