@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import tolerance
 
 import fastattn
 
@@ -319,7 +320,11 @@ def test_t5_position_bias(calls):
     ref_tokens, ref_logits = generate(model, "sdpa", right, right_mask, "dynamic", new_tokens=6)
     tokens, logits = generate(model, "fastattn", right, right_mask, "dynamic", new_tokens=6)
     assert torch.equal(tokens, ref_tokens)
-    assert (logits - ref_logits).abs().max() <= 2e-5 * ref_logits.abs().max()
+    # T5 does not scale its scores by 1/sqrt(d_kv), and initializer_factor=4 makes them large
+    # (tens): a float32 error of eps * |score| * d_kv in a score moves its weight by that much,
+    # relatively.  Measured 4.7e-5 of the largest logit on the portable path (no FMA), 1e-5
+    # with FMA.
+    assert (logits - ref_logits).abs().max() <= 1e-4 * ref_logits.abs().max()
     assert calls and all(c["mask"] is None or c["mask"].shape[-2] in (1, c["query"].shape[2])
                          for c in calls)
 
@@ -634,7 +639,9 @@ def test_attention_weights_match_eager():
     for ours, eager in zip(weights["fastattn"], weights["eager"]):
         assert ours.shape == eager.shape == (3, 4, 12, 12)
         diff = (ours - eager).permute(0, 2, 1, 3)[real].abs().max()
-        assert diff <= 1e-6
+        # weights <= 1: the suite's bound of a reduction of head_dim + keys (conftest);
+        # measured 6e-7 with FMA, 1.2e-6 on the portable path (separate multiply and add)
+        assert diff <= tolerance(np.float32, 16 + 12)
 
 
 @pytest.mark.parametrize("length", [5, 1])
