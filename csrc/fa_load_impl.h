@@ -26,45 +26,57 @@ static void FA_NAME(load_row)(fa_store st, fa_idx n, const void *src, fa_idx es,
     for (fa_idx e = 0; e < n; ++e) dst[e] = FA_NAME(st_get)(st, src, e * es);
 }
 
+/* Rows to ask the cache for as the rows of a sweep are read: with row r,
+ * the `bytes` bytes at p + r * rb, for r < count (p only ever formed then). */
+#ifndef FA_AHEAD_ROWS
+#define FA_AHEAD_ROWS
+typedef struct {
+    const char *p;
+    fa_idx rb, bytes, count;
+} fa_ahead_rows;
+#endif
+
 /* s[t * ld + r] = sum over c < n of x[t * ldx + c] * y_r[c], for the nq
  * rows of x and the nr rows y_r = y + r * rs (each contiguous, stored as
- * st): each row of y is read once for all the rows of x.  As row r is read,
- * the cache is asked for pf_bytes of row r + ahead, for r < npf.  One loop
- * for all the rows, so that its bounds and strides stay in registers. */
+ * st): each row of y is read once for all the rows of x.  With row r, the
+ * rows of l1 are asked for into L1 and those of l2 into L2.  One loop for
+ * all the rows, so that its bounds and strides stay in registers. */
 static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_idx nr, fa_idx n,
                                                const T *x, fa_idx ldx, const void *y,
-                                               fa_idx rs, T *s, fa_idx ld, fa_idx ahead,
-                                               fa_idx npf, fa_idx pf_bytes)
+                                               fa_idx rs, T *s, fa_idx ld,
+                                               const fa_ahead_rows *l1, const fa_ahead_rows *l2)
 {
     const fa_idx rb = rs * FA_NAME(st_bytes)(st);
     for (fa_idx r = 0; r < nr; ++r) {
         const char *row = (const char *)y + r * rb;
-        if (r < npf) FA_NAME(prefetch_bytes)(row + ahead * rb, pf_bytes);
+        if (r < l1->count) FA_NAME(prefetch_bytes)(l1->p + r * l1->rb, l1->bytes);
+        if (r < l2->count)
+            for (fa_idx e = 0; e < l2->bytes; e += 64) FA_PREFETCH_L2(l2->p + r * l2->rb + e);
         for (fa_idx t = 0; t < nq; ++t) s[t * ld + r] = FA_NAME(dot_body)(st, n, x + t * ldx, row);
     }
 }
 
 static void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *x, fa_idx ldx,
-                          const void *y, fa_idx rs, T *s, fa_idx ld, fa_idx ahead, fa_idx npf,
-                          fa_idx pf_bytes)
+                          const void *y, fa_idx rs, T *s, fa_idx ld, const fa_ahead_rows *l1,
+                          const fa_ahead_rows *l2)
 {
 #if FA_IS_F32
     switch (st) {
     case FA_STORE_F16:
-        FA_NAME(dots_any)(FA_STORE_F16, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        FA_NAME(dots_any)(FA_STORE_F16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     case FA_STORE_BF16:
-        FA_NAME(dots_any)(FA_STORE_BF16, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        FA_NAME(dots_any)(FA_STORE_BF16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     case FA_STORE_I8:
-        FA_NAME(dots_any)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+        FA_NAME(dots_any)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     default: break;
     }
 #else
     (void)st;
 #endif
-    FA_NAME(dots_any)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, ahead, npf, pf_bytes);
+    FA_NAME(dots_any)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
 }
 
 /* o[c] += sum over r < nk of p[r] * x[r * rs + c] (rows contiguous), for

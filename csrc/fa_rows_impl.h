@@ -93,10 +93,11 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq
 }
 
 /* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;
- * w.qs holds the query rows. */
+ * w.qs holds the query rows.  The value rows of these keys, when v is not
+ * NULL, are asked for into L2 meanwhile: the sum over them follows. */
 static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
-                                 const void *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx s0,
-                                 fa_idx nk)
+                                 const void *k, const void *v, const void *mask, fa_idx i0,
+                                 fa_idx nq, fa_idx s0, fa_idx nk)
 {
     T *s = w->s;
     const T scale = (T)a->scale;
@@ -105,16 +106,25 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     const fa_idx ahead = row_bytes == 0                   ? 0
                          : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
                                                          : 1;
+    const fa_idx eb = FA_NAME(st_bytes)(st);
+    fa_ahead_rows vrows = {NULL, 0, 0, 0};
+    if (v != NULL && a->v_es == 1 && nk > 0)
+        vrows = (fa_ahead_rows){(const char *)v + s0 * a->v_ss * eb, a->v_ss * eb, a->Ev * eb, nk};
     if (a->k_es == 1) { /* in place; rows further on asked for while these are read */
         const fa_idx npf = a->S - s0 - ahead < 0 ? 0 : a->S - s0 - ahead;
+        fa_ahead_rows krows = {NULL, 0, 0, 0};
+        if (npf > 0)
+            krows = (fa_ahead_rows){(const char *)k + (s0 + ahead) * a->k_ss * eb, a->k_ss * eb,
+                                    row_bytes, npf < nk ? npf : nk};
         FA_NAME(dots)(st, nq, nk, a->E, w->qs, FA_EP(a), FA_NAME(st_at)(st, k, s0 * a->k_ss),
-                      a->k_ss, s, FA_RB, ahead, npf < nk ? npf : nk, row_bytes);
+                      a->k_ss, s, FA_RB, &krows, &vrows);
     } else { /* each key row copied contiguous first */
+        const fa_ahead_rows none = {NULL, 0, 0, 0};
         for (fa_idx r = 0; r < nk; ++r) {
             FA_NAME(load_row)(st, a->E, FA_NAME(st_at)(st, k, (s0 + r) * a->k_ss), a->k_es,
                               w->gather);
             FA_NAME(dots)(FA_STORE_NATIVE, nq, 1, a->E, w->qs, FA_EP(a), w->gather, 0, s + r,
-                          FA_RB, 0, 0, 0);
+                          FA_RB, &none, &none);
         }
     }
     for (fa_idx r = 0; r < nk; ++r) { /* int8: times the row's scale */
@@ -144,7 +154,7 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
     T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
     for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
         const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
-        FA_NAME(rows_logits)(a, w, k, mask, i0, nq, s0, nk);
+        FA_NAME(rows_logits)(a, w, k, v, mask, i0, nq, s0, nk);
         for (fa_idx t = 0; t < nq; ++t) {
             T *st = s + t * FA_RB, bm = ninf;
             for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
@@ -193,7 +203,7 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
         const fa_idx nk = a->S - s0 < FA_RB ? a->S - s0 : FA_RB;
         const int seen = s0 < s_end && s0 + nk > s_begin;
         if (seen) {
-            FA_NAME(rows_logits)(a, ws, k, mask, i0, nq, s0, nk);
+            FA_NAME(rows_logits)(a, ws, k, NULL, mask, i0, nq, s0, nk);
             for (fa_idx t = 0; t < nq; ++t) {
                 const T ms = m[t] == ninf ? 0 : m[t];
                 for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] -= ms;
