@@ -16,7 +16,7 @@
  * came out non-finite.
  *
  * Needs T, FA_NR, FA_NAME and the primitives ukr, vexp, exp_block, pack_t,
- * normalize, dot, gemv_t. */
+ * normalize, and the row kernel's. */
 
 #include "fa_rows_impl.h"
 

@@ -299,8 +299,8 @@ def scaled_dot_product_attention(
     TypeError
         An argument that is not an ndarray (or is a numpy.ma.MaskedArray,
         whose mask would be ignored); dtypes other than float32, float64,
-        float16 and bfloat16, non-native byte order, or dtypes that differ; a mask neither bool nor floating; flags that are not
-        bools.
+        float16 and bfloat16, non-native byte order, or dtypes that
+        differ; a mask neither bool nor floating; flags that are not bools.
     ValueError
         Shapes that do not agree or broadcast, Hq not a multiple of Hkv,
         E or Ev above 2**20, broadcast shapes with more elements than a
@@ -532,8 +532,8 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
         m = lse.max(axis=0)                              # NaN when a part's row is NaN
         factor = np.exp(lse - np.where(m == -np.inf, 0, m))   # 0 for an empty part
         total = factor.sum(axis=0)
-        parts = np.where(factor[..., None] == 0, 0,
-                         factor[..., None] * np.stack([o.astype(compute) for o in outs]))
+        values = np.stack([o.astype(compute, copy=False) for o in outs])
+        parts = np.where(factor[..., None] == 0, 0, factor[..., None] * values)
         out = parts.sum(axis=0) / np.where(total == 0, 1, total)[..., None]
         merged = np.where(total == 0, -np.inf, m + np.log(np.where(total == 0, 1, total)))
     merged = merged.astype(compute, copy=False)

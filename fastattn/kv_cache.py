@@ -319,7 +319,7 @@ class KVCache:
             return x, None
         if self._storage != "int8":  # rounded as astype rounds, on the kernels' threads
             y = narrow(x, stored, _runtime.resolve_threads(None))
-            overflow = np.isfinite(x) & ~np.isfinite(y.astype(np.float32))
+            overflow = np.isfinite(x) & np.isinf(y)
             if overflow.any():
                 raise ValueError(f"{name} holds {x[overflow].flat[0]}, beyond the range of this "
                                  f"KVCache's {self._storage} storage (largest finite "
