@@ -60,6 +60,16 @@ def is_half(dtype: np.dtype[Any]) -> bool:
     return dtype.itemsize == 2 and (dtype == np.float16 or dtype.name == "bfloat16")
 
 
+def bfloat16(what: str) -> np.dtype[Any]:
+    """ml_dtypes' bfloat16, or an ImportError saying that what needs it."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ImportError(f"{what} needs the ml_dtypes package (pip install ml_dtypes)") from None
+    bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return bf16
+
+
 def is_floating(dtype: np.dtype[Any]) -> bool:
     """NumPy's floating dtypes and bfloat16 (ml_dtypes' dtype, which NumPy
     does not count among them)."""

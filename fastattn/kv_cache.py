@@ -22,13 +22,7 @@ _LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}  # their larg
 
 def _storage_dtype(storage: str) -> np.dtype[Any]:
     if storage == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise ImportError("storage='bfloat16' needs the ml_dtypes package "
-                              "(pip install ml_dtypes)") from None
-        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-        return bf16
+        return C.bfloat16("storage='bfloat16'")
     return np.dtype(_STORAGES[storage][0])
 
 

@@ -249,10 +249,14 @@ class MultiHeadAttention:
     def from_torch(cls, module: Any) -> MultiHeadAttention:
         """A MultiHeadAttention with the sizes, layout and weights of a
         ``torch.nn.MultiheadAttention`` (needs torch only to read the module).
-        Its dropout is not carried over: fastattn computes inference.
+        Its dropout is not carried over: fastattn computes inference.  The
+        layer gets the module's dtype: float32, float64, float16, or
+        bfloat16 (ml_dtypes' dtype; NumPy has none, so its weights are read
+        through float32, exactly).
 
         Raises ValueError for the options fastattn does not implement
-        (add_bias_kv, add_zero_attn) and TypeError for another object."""
+        (add_bias_kv, add_zero_attn), TypeError for another object, and
+        ImportError for a bfloat16 module without ml_dtypes installed."""
         needed = ("embed_dim", "num_heads", "kdim", "vdim", "batch_first", "in_proj_bias",
                   "out_proj", "state_dict")
         if not all(hasattr(module, a) for a in needed):
@@ -263,8 +267,7 @@ class MultiHeadAttention:
         state = {k: _weights_array(v) for k, v in module.state_dict().items()}
         dtype = state["out_proj.weight"].dtype
         if str(module.out_proj.weight.dtype) == "torch.bfloat16":  # read through float32
-            import ml_dtypes
-            dtype = np.dtype(ml_dtypes.bfloat16)
+            dtype = C.bfloat16("a bfloat16 module")
         mha = cls(module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
                   bias=module.in_proj_bias is not None, batch_first=bool(module.batch_first),
                   dtype=dtype)

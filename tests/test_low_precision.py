@@ -310,7 +310,7 @@ def test_cache_refuses_what_its_storage_cannot_hold():
     assert np.isfinite(q8.key).all()
 
 
-def test_bfloat16_storage_needs_ml_dtypes(monkeypatch):
+def test_bfloat16_needs_ml_dtypes(monkeypatch):
     import builtins
     real = builtins.__import__
 
@@ -322,6 +322,10 @@ def test_bfloat16_storage_needs_ml_dtypes(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_ml_dtypes)
     with pytest.raises(ImportError, match="pip install ml_dtypes"):
         fastattn.KVCache(1, 1, 8, 2, storage="bfloat16")
+    torch = pytest.importorskip("torch")
+    module = torch.nn.MultiheadAttention(8, 2).to(torch.bfloat16)
+    with pytest.raises(ImportError, match="a bfloat16 module needs the ml_dtypes package"):
+        fastattn.MultiHeadAttention.from_torch(module)
 
 
 # ---- the layer in 16 bits -----------------------------------------------------------------
