@@ -29,6 +29,16 @@
  * is scaled once. */
 #define FA_EC 32
 
+/* Rows of the register tile at row r of n: FA_MR, but a remainder of
+ * fewer than FA_MR / 2 rows is shared with the tile before it (128 keys on
+ * AVX2: 20 tiles of 6, then 4 and 4 instead of 6 and 2).  A tile of 2 rows
+ * has 4 accumulators, too few to hide the FMA's latency. */
+static fa_idx FA_NAME(tile_rows)(fa_idx n, fa_idx r)
+{
+    const fa_idx left = n - r;
+    return left <= FA_MR ? left : left < FA_MR + FA_MR / 2 ? (left + 1) / 2 : FA_MR;
+}
+
 /* Prefetch share `part` of `parts` equal shares of rows 0..rows-1. */
 static void FA_NAME(prefetch_share)(const T *x, fa_idx rows, fa_idx rs, fa_idx n, fa_idx es,
                                     fa_idx part, fa_idx parts)
@@ -170,20 +180,20 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const void 
     for (fa_idx j = 0; j < ld; ++j) bm[j] = ninf;
     const int plain = !per_key && !tile && !edge && a->softcap == 0 && a->alibi_slope == 0;
     const fa_idx h = a->E >= 2 * FA_EC ? a->E / 2 : 0; /* features of the first half */
-    for (fa_idx r = 0; r < nk; r += FA_MR) {
-        const int mr = (int)(nk - r < FA_MR ? nk - r : FA_MR);
+    for (fa_idx r = 0, mr; r < nk; r += mr) {
+        mr = FA_NAME(tile_rows)(nk, r);
         const T *kr = kt.p + r * kt.ss;
         for (fa_idx p = 0; p < ld; p += FA_NR) {
             T *c = st + r * ld + p;
             fa_idx lo, hi; /* the keys of the block these NR queries may see */
             if (edge && (FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi), r >= hi || r + mr <= lo)) {
-                for (int t = 0; t < mr; ++t) /* hidden: left to the stage's -inf */
+                for (fa_idx t = 0; t < mr; ++t) /* hidden: left to the stage's -inf */
                     for (fa_idx j = 0; j < FA_NR; ++j) c[t * ld + j] = ninf;
                 continue;
             }
             if (h > 0)
-                FA_NAME(ukr)(mr, h, kr, kt.ss, kt.es, qp + p, ld, c, ld, 1, 0, NULL);
-            FA_NAME(ukr)(mr, a->E - h, kr + h * kt.es, kt.ss, kt.es, qp + h * ld + p, ld, c,
+                FA_NAME(ukr)((int)mr, h, kr, kt.ss, kt.es, qp + p, ld, c, ld, 1, 0, NULL);
+            FA_NAME(ukr)((int)mr, a->E - h, kr + h * kt.es, kt.ss, kt.es, qp + h * ld + p, ld, c,
                          ld, (T)a->scale, h > 0, plain ? bm + p : NULL);
         }
     }
@@ -306,13 +316,14 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
         const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
-        const fa_idx chunks = (Ev + FA_MR - 1) / FA_MR;
-        for (fa_idx c = 0; c < Ev; c += FA_MR) {
-            const int mr = (int)(Ev - c < FA_MR ? Ev - c : FA_MR);
+        fa_idx chunks = 0;
+        for (fa_idx c = 0; c < Ev; c += FA_NAME(tile_rows)(Ev, c)) ++chunks;
+        for (fa_idx c = 0, mr, chunk = 0; c < Ev; c += mr, ++chunk) {
+            mr = FA_NAME(tile_rows)(Ev, c);
             if (s0 + FA_KB >= s_end) /* the last block: this call's keys are done with */
-                FA_NAME(fetch_ahead)(a, &ahead, c / FA_MR, chunks);
+                FA_NAME(fetch_ahead)(a, &ahead, chunk, chunks);
             else
-                FA_NAME(fetch_early)(a, &ahead, out, i0, i1, (s0 - s_begin) / FA_KB * chunks + c / FA_MR,
+                FA_NAME(fetch_early)(a, &ahead, out, i0, i1, (s0 - s_begin) / FA_KB * chunks + chunk,
                                      (s_end - s_begin - 1) / FA_KB * chunks);
             for (fa_idx p = 0; p < ld; p += FA_NR) {
                 /* only the keys these NR queries may see: the others have
@@ -320,7 +331,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
                 fa_idx lo = 0, hi = nk;
                 if (edge) FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
                 if (hi > lo)
-                    FA_NAME(ukr)(mr, hi - lo, vt.p + lo * vt.ss + c * vt.es, vt.es, vt.ss,
+                    FA_NAME(ukr)((int)mr, hi - lo, vt.p + lo * vt.ss + c * vt.es, vt.es, vt.ss,
                                  st + lo * ld + p, ld, ot + c * ld + p, ld, 1, 1, NULL);
             }
         }
