@@ -141,15 +141,12 @@ static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a
     }
 }
 
-/* exp of one vector.  The clamp returns its second operand on NaN, so a NaN
- * lane stays NaN through the polynomial (the integer part of a NaN lane is
- * garbage, but NaN times anything is NaN). */
-static FA_ALWAYS_INLINE V FA_NAME(vexp1)(V x)
-{
 #if FA_IS_F32
-    const V xc = VMIN(VSET1(FA_EXPF_HI), VMAX(VSET1(FA_EXPF_LO), x));
-    const V n = VROUND(VMUL(xc, VSET1(FA_EXPF_LOG2E)));
-    V r = VFNMA(n, VSET1(FA_EXPF_LN2_HI), xc);
+/* exp(x - n ln 2) for the integer n nearest x log2(e): the reduction and
+ * polynomial of fa_exp_consts.h */
+static FA_ALWAYS_INLINE V FA_NAME(expf_reduced)(V x, V n)
+{
+    V r = VFNMA(n, VSET1(FA_EXPF_LN2_HI), x);
     r = VFNMA(n, VSET1(FA_EXPF_LN2_LO), r);
     V p = VSET1((float)FA_INV_FACT_7);
     p = VFMA(p, r, VSET1((float)FA_INV_FACT_6));
@@ -158,7 +155,19 @@ static FA_ALWAYS_INLINE V FA_NAME(vexp1)(V x)
     p = VFMA(p, r, VSET1((float)FA_INV_FACT_3));
     p = VFMA(p, r, VSET1((float)FA_INV_FACT_2));
     p = VFMA(p, r, VSET1(1.0f));
-    p = VFMA(p, r, VSET1(1.0f));
+    return VFMA(p, r, VSET1(1.0f));
+}
+#endif
+
+/* exp of one vector.  The clamp returns its second operand on NaN, so a NaN
+ * lane stays NaN through the polynomial (the integer part of a NaN lane is
+ * garbage, but NaN times anything is NaN). */
+static FA_ALWAYS_INLINE V FA_NAME(vexp1)(V x)
+{
+#if FA_IS_F32
+    const V xc = VMIN(VSET1(FA_EXPF_HI), VMAX(VSET1(FA_EXPF_LO), x));
+    const V n = VROUND(VMUL(xc, VSET1(FA_EXPF_LOG2E)));
+    const V p = FA_NAME(expf_reduced)(xc, n);
 #ifdef VSCALEF
     return VSCALEF(p, n);
 #else
@@ -219,16 +228,7 @@ static FA_ALWAYS_INLINE V FA_NAME(vexp_neg1)(V x)
     const V xc = VMIN(VZERO(), VMAX(VSET1(FA_EXPF_LO), x));
     const V t = VADD(VMUL(xc, VSET1(FA_EXPF_LOG2E)), magic);
     const V n = VSUB(t, magic);
-    V r = VFNMA(n, VSET1(FA_EXPF_LN2_HI), xc);
-    r = VFNMA(n, VSET1(FA_EXPF_LN2_LO), r);
-    V p = VSET1((float)FA_INV_FACT_7);
-    p = VFMA(p, r, VSET1((float)FA_INV_FACT_6));
-    p = VFMA(p, r, VSET1((float)FA_INV_FACT_5));
-    p = VFMA(p, r, VSET1((float)FA_INV_FACT_4));
-    p = VFMA(p, r, VSET1((float)FA_INV_FACT_3));
-    p = VFMA(p, r, VSET1((float)FA_INV_FACT_2));
-    p = VFMA(p, r, VSET1(1.0f));
-    p = VFMA(p, r, VSET1(1.0f));
+    const V p = FA_NAME(expf_reduced)(xc, n);
     /* the bits of magic end in 9 zero bits: shifted by 23, only n is left */
     const V s = VI_AS(VI_SLLI(VI_ADD(VAS_I(t), VI_SET1(127 + 25)), 23));
     return VMUL(VMUL(p, s), VSET1(0x1p-25f));
