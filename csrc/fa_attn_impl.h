@@ -25,8 +25,9 @@
 /* A score of E >= 2 * FA_EC features is summed in two halves: float32
  * scores then carry less rounding error (output RMS error against float64:
  * E = 64 20 %, E = 128 30 % lower, below PyTorch's) for one more load, add
- * and store per tile (2-3 % of the time at E = 64).  The sum of the halves
- * is scaled once. */
+ * and store per tile (2-3 % of the time at E = 64).  Each half is scaled
+ * before the two are added: a product q.k beyond float's range then still
+ * gives a finite score when the scale brings it back. */
 #define FA_EC 32
 
 /* Rows of the register tile at row r of n: FA_MR, but a remainder of
@@ -192,7 +193,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, const void 
                 continue;
             }
             if (h > 0)
-                FA_NAME(ukr)((int)mr, h, kr, kt.ss, kt.es, qp + p, ld, c, ld, 1, 0, NULL);
+                FA_NAME(ukr)((int)mr, h, kr, kt.ss, kt.es, qp + p, ld, c, ld, (T)a->scale, 0, NULL);
             FA_NAME(ukr)((int)mr, a->E - h, kr + h * kt.es, kt.ss, kt.es, qp + h * ld + p, ld, c,
                          ld, (T)a->scale, h > 0, plain ? bm + p : NULL);
         }

@@ -7,8 +7,7 @@
 #include <string.h>
 #include "fa_exp_consts.h"
 
-/* c[0:mr, 0:FA_NR] = alpha * (c + sum_k a(r, k) b[k, 0:FA_NR]) when
- * accumulating, else alpha * sum_k ..., with a(r, k) at
+/* c[0:mr, 0:FA_NR] (+)= alpha * sum_k a(r, k) b[k, 0:FA_NR], with a(r, k) at
  * a[r*rs_a + k*cs_a] and b rows FA_NR wide at stride ldb.  When colmax is
  * not NULL, colmax[j] becomes the max of itself and the stored column j
  * (NaN ignored).  mr is a constant after inlining, so the accumulators
@@ -39,11 +38,9 @@ static FA_ALWAYS_INLINE void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T 
     for (int r = 0; r < mr; ++r) {
         T *cr = c + r * ldc, t[FA_NR];
         memcpy(t, acc[r], sizeof t);
-        if (accumulate)
-            for (int j = 0; j < FA_NR; ++j) t[j] += cr[j];
         if (alpha != 1)
             for (int j = 0; j < FA_NR; ++j) t[j] *= alpha;
-        for (int j = 0; j < FA_NR; ++j) cr[j] = t[j];
+        for (int j = 0; j < FA_NR; ++j) cr[j] = accumulate ? cr[j] + t[j] : t[j];
         if (colmax)
             for (int j = 0; j < FA_NR; ++j) colmax[j] = cr[j] > colmax[j] ? cr[j] : colmax[j];
     }
@@ -67,9 +64,8 @@ static void FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, 
     }
     for (int r = 0; r < mr; ++r) {
         T *cr = c + r * ldc;
-        if (accumulate)
-            for (int j = 0; j < FA_NR; ++j) acc[r][j] += cr[j];
-        for (int j = 0; j < FA_NR; ++j) cr[j] = acc[r][j] * alpha;
+        for (int j = 0; j < FA_NR; ++j) acc[r][j] *= alpha;
+        for (int j = 0; j < FA_NR; ++j) cr[j] = accumulate ? cr[j] + acc[r][j] : acc[r][j];
         if (colmax)
             for (int j = 0; j < FA_NR; ++j) colmax[j] = cr[j] > colmax[j] ? cr[j] : colmax[j];
     }

@@ -21,13 +21,13 @@
 #define FA_UKR_STORE(r)                                                   \
     if (mr > r) {                                                         \
         T *cr = c + r * ldc;                                              \
-        if (accumulate) {                                                 \
-            c##r##0 = VADD(VLOAD(cr), c##r##0);                           \
-            c##r##1 = VADD(VLOAD(cr + VLEN), c##r##1);                    \
-        }                                                                 \
         if (alpha != 1) {                                                 \
             c##r##0 = VMUL(c##r##0, va);                                  \
             c##r##1 = VMUL(c##r##1, va);                                  \
+        }                                                                 \
+        if (accumulate) {                                                 \
+            c##r##0 = VADD(VLOAD(cr), c##r##0);                           \
+            c##r##1 = VADD(VLOAD(cr + VLEN), c##r##1);                    \
         }                                                                 \
         VSTORE(cr, c##r##0);                                              \
         VSTORE(cr + VLEN, c##r##1);                                       \

@@ -367,3 +367,19 @@ def test_float_mask_beyond_float32_range_is_quiet(rng):
         out = fastattn.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     r = ref.scaled_dot_product_attention(*f64(q, q, q), attn_mask=np.array([0.0, -np.inf, 0.0]))
     assert_close(out, r, np.float32, 7, magnitude=4)
+
+
+@pytest.mark.parametrize("E", [64, 128])
+def test_scale_brings_an_overflowing_product_back(simd, E):
+    # q.k = 5.8e38 is beyond float32, scale * q.k = 58 is not: the block
+    # kernel scales each half of a long score before adding them, so the
+    # score stays finite (as the float64 reference and PyTorch give)
+    L, S = 64, 2
+    q = np.full((1, 1, L, E), 3e18 * np.sqrt(64 / E), np.float32)
+    k = np.full((1, 1, S, E), 3e18 * np.sqrt(64 / E), np.float32)
+    k[0, 0, 1] *= 0.5
+    v = np.array([1.0, 2.0], np.float32).reshape(1, 1, S, 1)
+    out = fastattn.scaled_dot_product_attention(q, k, v, scale=1e-37)
+    expected = ref.scaled_dot_product_attention(*f64(q, k, v)[:3], scale=1e-37)
+    assert np.isfinite(out).all()
+    assert_close(out, expected, np.float32, S)
