@@ -305,12 +305,12 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     return 0;
 }
 
-void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
+void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y, int mode)
 {
-    FA_DISPATCH(isa, exp_array, f32, (n, x, y));
+    FA_DISPATCH(isa, exp_array, f32, (n, x, y, mode));
 }
 
-void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y)
+void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y, int mode)
 {
-    FA_DISPATCH(isa, exp_array, f64, (n, x, y));
+    FA_DISPATCH(isa, exp_array, f64, (n, x, y, mode));
 }

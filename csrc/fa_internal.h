@@ -66,7 +66,7 @@
     void FA_CAT4(fa, attn_weights, SFX, ISA)(const fa_attn_args *a, const void *q,         \
                                              const void *k, const void *mask, const T *ml, \
                                              T *w, fa_idx i0, fa_idx i1, void *work);      \
-    void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y);
+    void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y, int mode);
 
 #define FA_DECLARE_NARROW(ISA) \
     void FA_CAT4(fa, narrow, f32, ISA)(fa_store st, fa_idx n, const float *x, void *y);

@@ -170,8 +170,11 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 
 /* ---- The exp used by softmax (error bound: fa_exp_consts.h) ------------ */
 
-void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y);
-void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y);
+/* y = exp(x) for n elements.  mode 0: the general exp; 1: the softmax's,
+ * for x <= 0 only (what the attention kernels use on their scores); 2: the
+ * same with -inf lanes skipped (masked scores). */
+void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y, int mode);
+void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y, int mode);
 
 /* ---- Machine peaks, for the benchmarks (fa_peak*.c) --------------------- */
 

@@ -121,8 +121,8 @@ cdef extern from "fastattn.h" nogil:
                             const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                             void *work)
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
-    void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y)
-    void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y)
+    void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y, int mode)
+    void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y, int mode)
 
 DEF MAXDIM = 64
 
@@ -902,10 +902,14 @@ def narrow(int isa, int store, cnp.ndarray x, cnp.ndarray out, int nthreads):
     raise_on(err, "narrow")
 
 
-def exp(int isa, cnp.ndarray x, cnp.ndarray out):
-    """out = exp(x) with the softmax exp; x and out contiguous, same dtype."""
+def exp(int isa, cnp.ndarray x, cnp.ndarray out, int mode=0):
+    """out = exp(x) with the kernels' exp; x and out contiguous, same dtype.
+    mode 0: the general exp; 1: the softmax's, for x <= 0; 2: the same with
+    -inf lanes skipped (fastattn.h)."""
     cdef fa_idx n = x.size
+    if mode not in (0, 1, 2):
+        raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
     if x.dtype.itemsize == 4:
-        fa_exp_f32(<fa_isa>isa, n, <float *>cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(out))
+        fa_exp_f32(<fa_isa>isa, n, <float *>cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(out), mode)
     else:
-        fa_exp_f64(<fa_isa>isa, n, <double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(out))
+        fa_exp_f64(<fa_isa>isa, n, <double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(out), mode)
