@@ -268,13 +268,14 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     }
     fa_idx s_begin, s_end;
     FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
-    /* A scale that is a power of two (E = 64: 1/8) multiplies the queries
-     * as they are packed (exact for queries above 2^-65: the same scores,
-     * bit for bit) and spares every score tile a multiply (2-3 % of an
-     * E = 64 call on AVX2).  Any other multiplies the scores: one rounding
-     * fewer than on the queries. */
+    /* A scale that is a power of two from 2^-60 to 1 (E = 64: 1/8)
+     * multiplies the queries as they are packed and spares every score
+     * tile a multiply (2-3 % of an E = 64 call on AVX2): exact, so the same
+     * scores, for queries above 2^-66 (a scale above 1 could overflow
+     * them).  Any other scale multiplies the scores: one rounding fewer
+     * than on the queries. */
     int e2;
-    const T qscale = frexp((double)(T)a->scale, &e2) == 0.5 && e2 > -60 && e2 < 60 ? (T)a->scale : 1;
+    const T qscale = frexp((double)(T)a->scale, &e2) == 0.5 && e2 > -60 && e2 <= 1 ? (T)a->scale : 1;
     const T sscale = (T)a->scale / qscale; /* the scores' part */
     if (a->q_store == FA_STORE_NATIVE) {
         FA_NAME(pack_t)(nq, E, (const T *)q + i0 * a->q_ls, a->q_ls, a->q_es, qscale, qp, ld, 1);

@@ -383,3 +383,17 @@ def test_scale_brings_an_overflowing_product_back(simd, E):
     expected = ref.scaled_dot_product_attention(*f64(q, k, v)[:3], scale=1e-37)
     assert np.isfinite(out).all()
     assert_close(out, expected, np.float32, S)
+
+
+@pytest.mark.parametrize("L", [5, 65])
+def test_power_of_two_scale_above_one_with_huge_queries(simd, L):
+    # q = 2^70 with scale = 2^58: q * scale is beyond float32, the score
+    # (14 * 2^58 against a tiny key) is not; the kernels must not take the
+    # scale into the queries then (they do for powers of two up to 1)
+    q = np.full((L, 16), 2.0 ** 70, np.float32)
+    q[:, 1] = -(2.0 ** 70)
+    k = np.full((1, 16), 2.0 ** -70, np.float32)
+    v = np.arange(16, dtype=np.float32)[None]
+    out, w = fastattn.scaled_dot_product_attention(q, k, v, scale=2.0 ** 58, need_weights=True)
+    np.testing.assert_array_equal(out, np.broadcast_to(v, (L, 16)))
+    np.testing.assert_array_equal(w, np.ones((L, 1), np.float32))
