@@ -293,6 +293,8 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     }
     for (fa_idx t = 0; t < Ev * ld; ++t) ot[t] = 0;
 
+    fa_idx chunks = 0; /* register tiles of the output's Ev rows */
+    for (fa_idx c = 0; c < Ev; c += FA_NAME(tile_rows)(Ev, c)) ++chunks;
     for (fa_idx s0 = s_begin; s0 < s_end; s0 += FA_KB) {
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
         if (!FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel)) continue;
@@ -325,8 +327,6 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
         const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
-        fa_idx chunks = 0;
-        for (fa_idx c = 0; c < Ev; c += FA_NAME(tile_rows)(Ev, c)) ++chunks;
         for (fa_idx c = 0, mr, chunk = 0; c < Ev; c += mr, ++chunk) {
             mr = FA_NAME(tile_rows)(Ev, c);
             if (s0 + FA_KB >= s_end) /* the last block: this call's keys are done with */
