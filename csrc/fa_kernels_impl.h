@@ -55,7 +55,7 @@ static FA_ALWAYS_INLINE void FA_NAME(prefetch_row)(const T *x, fa_idx n, fa_idx 
 #include "fa_attn_impl.h"
 
 /* y = exp(x): mode 0 the general exp; 1 and 2 the softmax's (exp_block,
- * for x <= 0, hidden lanes skipped with mode 2), which the tests check
+ * for x <= ln 256, hidden lanes skipped with mode 2), which the tests check
  * gives the general exp's bits */
 void FA_NAME(exp_array)(fa_idx n, const T *x, T *y, int mode)
 {

@@ -397,3 +397,23 @@ def test_power_of_two_scale_above_one_with_huge_queries(simd, L):
     out, w = fastattn.scaled_dot_product_attention(q, k, v, scale=2.0 ** 58, need_weights=True)
     np.testing.assert_array_equal(out, np.broadcast_to(v, (L, 16)))
     np.testing.assert_array_equal(w, np.ones((L, 1), np.float32))
+
+
+@pytest.mark.parametrize("step", [0.5, 5.0, 6.0, 40.0])
+def test_running_maximum_rises_block_by_block(simd, dtype, rng, step):
+    """Scores that rise by `step` from one key block of 128 to the next, and
+    within a block: the kernel's running maximum trails the true one by up
+    to ln 256 (it is raised only past that), so steps of 0.5 and 5 never
+    raise it after the first block and 6 and 40 raise it in every block;
+    the output, the weights and the log-sum-exp are those of the float64
+    reference either way."""
+    L, S, E = 70, 600, 32
+    q, k, v = attn_case(rng, dtype, (L, E), (S, E), (S, 16))
+    mask = (step * (np.arange(S) // 128 + 0.9 * (np.arange(S) % 128) / 128)).astype(dtype)
+    mask = np.broadcast_to(mask, (L, S))
+    check_attention(q, k, v, dtype, attn_mask=mask)
+    _, lse = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
+    rq, rk, rm = f64(q, k, mask)
+    z = rq @ rk.T / np.sqrt(E) + rm
+    r_lse = z.max(axis=-1) + np.log(np.exp(z - z.max(axis=-1, keepdims=True)).sum(axis=-1))
+    assert_close(lse, r_lse, dtype, E + S, magnitude=float(np.abs(r_lse).max()))

@@ -48,15 +48,18 @@ def test_exp_special_values(simd):
 
 @pytest.mark.parametrize("mode", [1, 2], ids=["scores", "masked-scores"])
 def test_softmax_exp_gives_the_general_exp_bits(simd, mode):
-    # The attention kernels' exp of x = z - max <= 0 builds 2^n its own
-    # way; it must give the bits of the general exp, subnormal results and
-    # NaN included (checked exhaustively in C when written; here every
-    # float32 whose exp is subnormal, every 61st from -0 down to -inf, NaNs,
-    # and float64)
+    # The attention kernels' exp of x = z - m <= ln 256 (m may trail the
+    # maximum by that much, fa_attn_impl.h) builds 2^n its own way; it must
+    # give the bits of the general exp, subnormal results and NaN included
+    # (checked exhaustively in C when written; here every float32 whose exp
+    # is subnormal, every 61st from -0 down to -inf and from 0 up to ln 256,
+    # NaNs, and float64)
     bits = np.arange(0x80000000, 0xFF800001, 61, dtype=np.uint64).astype(np.uint32)
+    top = int(np.float32(np.log(256)).view(np.uint32))
+    pos = np.append(np.arange(0, top, 61, dtype=np.uint32), np.uint32(top))
     sub = np.arange(np.float32(-87.0).view(np.uint32), np.float32(-104.0).view(np.uint32) + 1,
                     dtype=np.uint32)
-    x = np.concatenate([bits.view(np.float32), sub.view(np.float32),
+    x = np.concatenate([bits.view(np.float32), sub.view(np.float32), pos.view(np.float32),
                         np.array([0.0, -0.0, -np.inf, -1e30, -87.33655, -103.97208], np.float32),
                         np.array([0x7FC00000, 0x7FC00001, 0xFFC00000, 0x7F800001, 0xFFFFFFFF],
                                  np.uint32).view(np.float32)])
@@ -64,5 +67,6 @@ def test_softmax_exp_gives_the_general_exp_bits(simd, mode):
     np.testing.assert_array_equal(np.isnan(softmax), np.isnan(x))
     finite = ~np.isnan(x)
     np.testing.assert_array_equal(softmax[finite].view(np.uint32), general[finite].view(np.uint32))
-    x64 = np.concatenate([-np.geomspace(1e-300, 745, 100_001), [0.0, -np.inf]])
+    x64 = np.concatenate([-np.geomspace(1e-300, 745, 100_001), np.linspace(0, np.log(256), 10_001),
+                          [-np.inf]])
     np.testing.assert_array_equal(kernel_exp(x64, mode), kernel_exp(x64))
