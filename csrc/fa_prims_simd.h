@@ -31,8 +31,10 @@
         }                                                                 \
         VSTORE(cr, c##r##0);                                              \
         VSTORE(cr + VLEN, c##r##1);                                       \
-        m0 = VMAX(c##r##0, m0); /* VMAX returns m0 when c is NaN */     \
-        m1 = VMAX(c##r##1, m1);                                           \
+        if (colmax) { /* VMAX returns m0 when c is NaN */                \
+            m0 = VMAX(c##r##0, m0);                                       \
+            m1 = VMAX(c##r##1, m1);                                       \
+        }                                                                 \
     }
 
 #ifdef VFMA_LANE
