@@ -47,36 +47,23 @@ static fa_idx FA_NAME(tile_rows)(fa_idx n, fa_idx r)
     return left <= FA_MR ? left : left < FA_MR + FA_MR / 2 ? (left + 1) / 2 : FA_MR;
 }
 
-/* Prefetch share `part` of `parts` equal shares of rows 0..rows-1. */
-static void FA_NAME(prefetch_share)(const T *x, fa_idx rows, fa_idx rs, fa_idx n, fa_idx es,
-                                    fa_idx part, fa_idx parts)
-{
-    for (fa_idx r = rows * part / parts; r < rows * (part + 1) / parts; ++r)
-        FA_NAME(prefetch_row)(x + r * rs, n, es);
-}
-
-/* The next call's queries and keys (the first block it reads), asked for
- * while the values of this call's last key block are summed: the hardware
- * prefetcher cannot guess where a new head starts.  Measured at 1 thread on
- * minilm-batch (B=32, H=12, L=S=128, E=32): 5.4 -> 5.0 ms.  (Asked for any
- * earlier, they push this call's keys out of L1: bert-base 2 % slower.) */
+/* The next call's queries (fa_attn_next), asked for by fetch_early: the
+ * hardware prefetcher cannot guess where a new head starts.  (Its first key
+ * block too, and into L1 while the values of this call's last block were
+ * summed, used to be asked for as well: measured again on AVX2 and AVX-512
+ * at 1 and 2 threads, that made bert-base and minilm-batch 2-6 % slower and
+ * nothing faster.) */
 typedef struct {
-    const T *q, *k;
-    fa_idx q_rows, k_rows;
+    const T *q;
+    fa_idx q_rows;
 } FA_NAME(ahead);
 
-static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const void *k, const fa_attn_next *next)
+static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_next *next)
 {
-    FA_NAME(ahead) h = {NULL, NULL, 0, 0};
-    if (next != NULL && next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE &&
-        a->kv_store == FA_STORE_NATIVE) {
-        fa_idx begin, end;
-        FA_NAME(key_range)(a, next->i0, next->i1, &begin, &end);
+    FA_NAME(ahead) h = {NULL, 0};
+    if (next != NULL && next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE) {
         h.q = (const T *)next->q + next->i0 * a->q_ls;
         h.q_rows = next->i1 - next->i0;
-        h.k = (const T *)next->k + begin * a->k_ss;
-        /* the same keys: in cache */
-        h.k_rows = next->k == k ? 0 : end - begin < FA_KB ? end - begin : FA_KB;
     }
     return h;
 }
@@ -95,13 +82,6 @@ static void FA_NAME(fetch_early)(const fa_attn_args *a, const FA_NAME(ahead) *h,
         for (fa_idx e = 0; e < a->E; e += step) FA_PREFETCH_L2(h->q + r * a->q_ls + e);
     for (fa_idx r = nq * part / parts; a->o_es == 1 && r < nq * (part + 1) / parts; ++r)
         for (fa_idx e = 0; e < a->Ev; e += step) FA_PREFETCH_L2(out + (i0 + r) * a->o_ls + e);
-}
-
-static void FA_NAME(fetch_ahead)(const fa_attn_args *a, const FA_NAME(ahead) *h, fa_idx part,
-                                 fa_idx parts)
-{
-    FA_NAME(prefetch_share)(h->q, h->q_rows, a->q_ls, a->E, a->q_es, part, parts);
-    FA_NAME(prefetch_share)(h->k, h->k_rows, a->k_ss, a->E, a->k_es, part, parts);
 }
 
 /* Key and value tiles converted from their storage (fa_load_impl.h): KB
@@ -266,7 +246,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     T *panel = bm + ld;         /* FA_KB x EP, then FA_KB x EvP: converted tiles */
     T *vpanel = panel + FA_KB * FA_EP(a);
     T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
-    const FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, k, next);
+    const FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, next);
 
     if (nq <= 0) return;
     if (nq <= FA_ROWS_MAX) {
@@ -336,9 +316,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
         for (fa_idx c = 0, mr, chunk = 0; c < Ev; c += mr, ++chunk) {
             mr = FA_NAME(tile_rows)(Ev, c);
-            if (s0 + FA_KB >= s_end) /* the last block: this call's keys are done with */
-                FA_NAME(fetch_ahead)(a, &ahead, chunk, chunks);
-            else
+            if (s0 + FA_KB < s_end)
                 FA_NAME(fetch_early)(a, &ahead, out, i0, i1, (s0 - s_begin) / FA_KB * chunks + chunk,
                                      (s_end - s_begin - 1) / FA_KB * chunks);
             for (fa_idx p = 0; p < ld; p += FA_NR) {

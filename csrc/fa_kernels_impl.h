@@ -42,12 +42,6 @@ static FA_ALWAYS_INLINE void FA_NAME(prefetch_bytes)(const void *x, fa_idx n)
     for (fa_idx e = 0; e < n; e += 64) FA_PREFETCH((const char *)x + e);
 }
 
-/* The same for a row of n elements of T, when they are contiguous (es == 1). */
-static FA_ALWAYS_INLINE void FA_NAME(prefetch_row)(const T *x, fa_idx n, fa_idx es)
-{
-    if (es == 1) FA_NAME(prefetch_bytes)(x, n * (fa_idx)sizeof(T));
-}
-
 #include "fa_load_impl.h"
 #include "fa_gemm_impl.h"
 #include "fa_softmax_impl.h"

@@ -94,11 +94,11 @@ typedef struct {
 } fa_attn_args;
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
- * queries (rows i0..i1-1) and keys: the kernel asks the cache for them while
- * it finishes, so the next call does not start cold.  Only a hint: it never
- * changes a result, and may be NULL. */
+ * queries (rows i0..i1-1): the kernel asks the cache for them while it
+ * sums its values, so the next call does not start cold.  Only a hint: it
+ * never changes a result, and may be NULL. */
 typedef struct {
-    const void *q, *k;           /* as the q and k of that call */
+    const void *q, *k;           /* as the q and k of that call (k unread) */
     fa_idx i0, i1;
 } fa_attn_next;
 
