@@ -301,8 +301,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         if (rescale) {
             FA_NAME(vexp)(ld, alpha, alpha);
             for (fa_idx j = 0; j < ld; ++j) l[j] *= alpha[j];
-            for (fa_idx c = 0; c < Ev && !fresh; ++c)
-                for (fa_idx j = 0; j < ld; ++j) ot[c * ld + j] *= alpha[j];
+            if (!fresh)
+                for (fa_idx c = 0; c < Ev; ++c)
+                    for (fa_idx j = 0; j < ld; ++j) ot[c * ld + j] *= alpha[j];
         }
         const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
         if (edge) { /* only the keys each NR queries may see, as below */

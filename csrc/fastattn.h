@@ -98,7 +98,7 @@ typedef struct {
  * sums its values, so the next call does not start cold.  Only a hint: it
  * never changes a result, and may be NULL. */
 typedef struct {
-    const void *q, *k;           /* as the q and k of that call (k unread) */
+    const void *q;               /* as the q of that call */
     fa_idx i0, i1;
 } fa_attn_next;
 
@@ -171,8 +171,9 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 /* ---- The exp used by softmax (error bound: fa_exp_consts.h) ------------ */
 
 /* y = exp(x) for n elements.  mode 0: the general exp; 1: the softmax's,
- * for x <= 0 only (what the attention kernels use on their scores); 2: the
- * same with -inf lanes skipped (masked scores). */
+ * for x <= ln 256 only (what the attention kernels use on their scores,
+ * less their running maximum); 2: the same with -inf lanes skipped (masked
+ * scores). */
 void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y, int mode);
 void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y, int mode);
 

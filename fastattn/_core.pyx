@@ -94,7 +94,6 @@ cdef extern from "fastattn.h" nogil:
     size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
     ctypedef struct fa_attn_next:
         const void *q
-        const void *k
         fa_idx i0, i1
     int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
                     const void *v, const void *mask, float *out, float *w, float *lse,
@@ -366,7 +365,7 @@ cdef inline fa_attn_next task_rows(const Operands *o, const Batch *b, fa_idx t, 
                                    fa_idx qb, fa_idx L, bint ascending) noexcept nogil:
     cdef fa_attn_next r
     cdef fa_idx item = t // nqb
-    r.q, r.k = q_at(o, b, item), k_at(o, b, item)
+    r.q = q_at(o, b, item)
     r.i0 = (t % nqb if ascending else nqb - 1 - t % nqb) * qb
     r.i1 = r.i0 + qb if r.i0 + qb < L else L
     return r
@@ -388,11 +387,11 @@ cdef int attn_task(int isa, const fa_attn_args *a, const Operands *o, const Batc
         nxt = task_rows(o, b, t + nthreads, nqb, qb, a.L, ascending)
         hint = &nxt
     if o.elsize == 4:
-        return fa_attn_f32(<fa_isa>isa, &ai, <float *>cur.q, <float *>cur.k,
+        return fa_attn_f32(<fa_isa>isa, &ai, <float *>cur.q, <float *>k_at(o, b, item),
                            <float *>v_at(o, b, item), m_at(o, b, item),
                            <float *>o_at(o, b, item), <float *>w_at(o, b, item),
                            <float *>lse_at(o, b, item), cur.i0, cur.i1, hint, work)
-    return fa_attn_f64(<fa_isa>isa, &ai, <double *>cur.q, <double *>cur.k,
+    return fa_attn_f64(<fa_isa>isa, &ai, <double *>cur.q, <double *>k_at(o, b, item),
                        <double *>v_at(o, b, item), m_at(o, b, item),
                        <double *>o_at(o, b, item), <double *>w_at(o, b, item),
                        <double *>lse_at(o, b, item), cur.i0, cur.i1, hint, work)
@@ -904,8 +903,8 @@ def narrow(int isa, int store, cnp.ndarray x, cnp.ndarray out, int nthreads):
 
 def exp(int isa, cnp.ndarray x, cnp.ndarray out, int mode=0):
     """out = exp(x) with the kernels' exp; x and out contiguous, same dtype.
-    mode 0: the general exp; 1: the softmax's, for x <= 0; 2: the same with
-    -inf lanes skipped (fastattn.h)."""
+    mode 0: the general exp; 1: the softmax's, for x <= ln 256; 2: the same
+    with -inf lanes skipped (fastattn.h)."""
     cdef fa_idx n = x.size
     if mode not in (0, 1, 2):
         raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
