@@ -70,3 +70,9 @@ def test_softmax_exp_gives_the_general_exp_bits(simd, mode):
     x64 = np.concatenate([-np.geomspace(1e-300, 745, 100_001), np.linspace(0, np.log(256), 10_001),
                           [-np.inf]])
     np.testing.assert_array_equal(kernel_exp(x64, mode), kernel_exp(x64))
+
+
+def test_exp_mode_is_checked():
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="mode must be 0, 1 or 2, got 3"):
+        _core.exp(_runtime.isa(), x, np.empty_like(x), 3)
