@@ -17,6 +17,20 @@
 #define FA_EXPF_LN2_LO (-2.12194440e-4f)
 #define FA_EXPF_ROUND 12582912.0f       /* 1.5 * 2^23: adding it rounds to an integer */
 
+/* The softmax's float exp (vexp_softmax1, x <= ln 256): one reduction
+ * constant, the float nearest ln 2 (n * LN2 is exact inside the fused
+ * multiply-add; ln 2 - LN2 = -1.9e-9 adds |n| * 1.9e-9 to the relative
+ * error, which stays below 2^-24 of the row's largest weight), and a
+ * degree-6 polynomial of exp on |r| <= 0.3467 with 1 + r fixed, the rest
+ * minimax for the relative error (Lawson's algorithm; 3.7e-9 with these
+ * float coefficients). */
+#define FA_EXPF_LN2 0x1.62e430p-1f
+#define FA_EXPF_SM_C2 0x1.fffffcp-2f
+#define FA_EXPF_SM_C3 0x1.555492p-3f
+#define FA_EXPF_SM_C4 0x1.5558f2p-5f
+#define FA_EXPF_SM_C5 0x1.123a0cp-7f
+#define FA_EXPF_SM_C6 0x1.6a23f2p-10f
+
 #define FA_EXP_LO (-746.0)
 #define FA_EXP_HI (710.0)
 #define FA_EXP_LOG2E 1.4426950408889634074

@@ -49,8 +49,8 @@ static FA_ALWAYS_INLINE void FA_NAME(prefetch_bytes)(const void *x, fa_idx n)
 #include "fa_attn_impl.h"
 
 /* y = exp(x): mode 0 the general exp; 1 and 2 the softmax's (exp_block,
- * for x <= ln 256, hidden lanes skipped with mode 2), which the tests check
- * gives the general exp's bits */
+ * for x <= ln 256, hidden lanes skipped with mode 2), whose error bounds
+ * the tests check */
 void FA_NAME(exp_array)(fa_idx n, const T *x, T *y, int mode)
 {
     if (mode == 0) {
