@@ -289,6 +289,24 @@ int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const do
     return 0;
 }
 
+int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                       const void *v, const void *mask, float *out, float *lse, fa_idx i0,
+                       fa_idx i1, void *work)
+{
+    if (!attn_ok(a, i0, i1, NULL, 4)) return -1;
+    FA_DISPATCH(isa, attn_repair, f32, (a, q, k, v, mask, out, lse, i0, i1, work));
+    return 0;
+}
+
+int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                       const double *v, const void *mask, double *out, double *lse, fa_idx i0,
+                       fa_idx i1, void *work)
+{
+    if (!attn_ok(a, i0, i1, NULL, 8)) return -1;
+    FA_DISPATCH(isa, attn_repair, f64, (a, q, k, v, mask, out, lse, i0, i1, work));
+    return 0;
+}
+
 int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
                         const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                         void *work)

@@ -66,6 +66,10 @@
     void FA_CAT4(fa, attn_weights, SFX, ISA)(const fa_attn_args *a, const void *q,         \
                                              const void *k, const void *mask, const T *ml, \
                                              T *w, fa_idx i0, fa_idx i1, void *work);      \
+    void FA_CAT4(fa, attn_repair, SFX, ISA)(const fa_attn_args *a, const void *q,          \
+                                            const void *k, const void *v, const void *mask, \
+                                            T *out, T *lse, fa_idx i0, fa_idx i1,           \
+                                            void *work);                                    \
     void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y, int mode);
 
 #define FA_DECLARE_NARROW(ISA) \

@@ -144,14 +144,36 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
 }
 
 /* Keys s_lo..s_hi-1 into the running state of nq rows: maximum m, sum l and
- * unnormalised output o (nq x Ev); w.qs holds the query rows. */
+ * unnormalised output o (nq x Ev); w.qs holds the query rows.
+ * max_first: the maximum over all these keys is found first (the logits
+ * computed twice), so that m never rises while the values are summed and
+ * every weight is exp(z - m) with the final m from the start.  Online, a
+ * key whose weight is 0 only against a later maximum has a nonzero weight
+ * when its value row is added, and a non-finite value there gives inf, or
+ * NaN once rescaled by an underflowed factor (0 x inf); with the maximum
+ * first its weight is 0 and the row is skipped.  For the rows whose output
+ * came out non-finite (attn_repair). */
 static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                      const void *k, const void *v, const void *mask, fa_idx i0,
-                                     fa_idx nq, fa_idx s_lo, fa_idx s_hi)
+                                     fa_idx nq, fa_idx s_lo, fa_idx s_hi, int max_first)
 {
     const fa_idx Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
+    for (fa_idx s0 = s_lo; max_first && s0 < s_hi; s0 += FA_RB) {
+        const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
+        FA_NAME(rows_logits)(a, w, k, NULL, mask, i0, nq, s0, nk);
+        for (fa_idx t = 0; t < nq; ++t) {
+            T bm = m[t];
+            for (fa_idx r = 0; r < nk; ++r) bm = s[t * FA_RB + r] > bm ? s[t * FA_RB + r] : bm;
+            if (bm > m[t] && m[t] != ninf) { /* the sink's term of l; o is still 0 */
+                T alpha = m[t] - bm;
+                FA_NAME(vexp)(1, &alpha, &alpha);
+                l[t] *= alpha;
+            }
+            m[t] = bm;
+        }
+    }
     for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
         const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
         FA_NAME(rows_logits)(a, w, k, v, mask, i0, nq, s0, nk);
@@ -219,9 +241,12 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
     }
 }
 
-static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void *k, const void *v,
-                               const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
-                               T *work)
+/* Output rows i0..i1-1 (at most FA_ROWS_MAX), their log-sum-exp when lse
+ * is not NULL and their weights when w is not NULL; max_first as in
+ * rows_accumulate.  Returns whether some output row is not finite. */
+static int FA_NAME(rows_out)(const fa_attn_args *a, const void *q, const void *k, const void *v,
+                             const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
+                             T *work, int max_first)
 {
     const fa_idx nq = i1 - i0, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, work);
@@ -229,16 +254,49 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void 
     FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
 
     FA_NAME(rows_start)(a, q, i0, nq, &ws, 1);
-    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_begin, s_end);
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_begin, s_end, max_first);
     /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
+    T bad = 0;
     for (fa_idx t = 0; t < nq; ++t) {
         T *orow = out + (i0 + t) * a->o_ls;
-        for (fa_idx c = 0; c < Ev; ++c)
-            orow[c * a->o_es] = ws.l[t] == 0 ? 0 : ws.o[t * FA_EVP(a) + c] / ws.l[t];
+        for (fa_idx c = 0; c < Ev; ++c) {
+            const T y = ws.l[t] == 0 ? 0 : ws.o[t * FA_EVP(a) + c] / ws.l[t];
+            orow[c * a->o_es] = y;
+            bad += y - y;
+        }
         if (lse) lse[(i0 + t) * a->lse_s] = FA_NAME(lse)(ws.m[t], ws.l[t]);
     }
 
     if (w != NULL) FA_NAME(rows_weights)(a, &ws, k, mask, i0, nq, w);
+    return bad != 0;
+}
+
+/* Rows i0..i1-1 of out that are not finite, computed again one at a time by
+ * the row kernel with the maximum first (rows_accumulate): the same NaN or
+ * inf when they are genuine (a NaN score or value at a key of nonzero
+ * weight, an inf score or value), else the finite row; their lse too when
+ * lse is not NULL.  The repair of the row kernel's rows and of the merged
+ * pieces of a split call (the block kernel calls rows_out itself). */
+void FA_NAME(attn_repair)(const fa_attn_args *a, const void *q, const void *k, const void *v,
+                          const void *mask, T *out, T *lse, fa_idx i0, fa_idx i1, void *work)
+{
+    for (fa_idx i = i0; i < i1; ++i) {
+        const T *orow = out + i * a->o_ls;
+        T bad = 0;
+        for (fa_idx c = 0; c < a->Ev; ++c) bad += orow[c * a->o_es] - orow[c * a->o_es];
+        if (bad != 0)
+            FA_NAME(rows_out)(a, q, k, v, mask, out, NULL, lse, i, i + 1, (T *)FA_ALIGNED(work), 1);
+    }
+}
+
+/* Rows i0..i1-1 (at most FA_ROWS_MAX): online, then again with the maximum
+ * first for the rows that came out non-finite. */
+static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void *k, const void *v,
+                               const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
+                               T *work)
+{
+    if (FA_NAME(rows_out)(a, q, k, v, mask, out, w, lse, i0, i1, work, 0))
+        FA_NAME(attn_repair)(a, q, k, v, mask, out, lse, i0, i1, work);
 }
 
 /* The state (m, l, o[0..Ev)) of rows i0..i1-1 over keys s_lo..s_hi-1 only,
@@ -253,7 +311,7 @@ void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, con
     FA_NAME(key_range)(a, i0, i1, &begin, &end);
     FA_NAME(rows_start)(a, q, i0, nq, &ws, s_lo == 0);
     FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_lo > begin ? s_lo : begin,
-                             s_hi < end ? s_hi : end);
+                             s_hi < end ? s_hi : end, 0);
     for (fa_idx t = 0; t < nq; ++t) {
         T *st = state + t * (Ev + 2);
         st[0] = ws.m[t];

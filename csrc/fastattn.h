@@ -161,6 +161,18 @@ int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, cons
                         const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                         void *work);
 
+/* Rows i0..i1-1 (i1 - i0 <= query block) of out that are not finite, again
+ * by the row kernel with each row's maximum found first: a key whose weight
+ * is 0 against that maximum then adds nothing, a non-finite value there
+ * included (the merged pieces of a split call each had their own maximum).
+ * Genuine NaN and inf stay.  lse as for fa_attn_*; work as for fa_attn_*. */
+int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                       const void *v, const void *mask, float *out, float *lse, fa_idx i0,
+                       fa_idx i1, void *work);
+int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                       const double *v, const void *mask, double *out, double *lse, fa_idx i0,
+                       fa_idx i1, void *work);
+
 /* ---- Outputs in 16 bits ------------------------------------------------- */
 
 /* y[0..n) = x[0..n) rounded to nearest-even F16 or BF16 (st), both

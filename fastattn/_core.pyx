@@ -113,6 +113,12 @@ cdef extern from "fastattn.h" nogil:
                           float *out, float *ml, fa_idx i0, fa_idx i1)
     int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
                           double *out, double *ml, fa_idx i0, fa_idx i1)
+    int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
+                           const void *v, const void *mask, float *out, float *lse, fa_idx i0,
+                           fa_idx i1, void *work)
+    int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
+                           const double *v, const void *mask, double *out, double *lse, fa_idx i0,
+                           fa_idx i1, void *work)
     int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
                             const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
                             void *work)
@@ -579,23 +585,42 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
             if rc != 0:
                 errp[0] = 2
         free(work)
+    # merged, then any row that came out non-finite computed again with its
+    # maximum first (fa_attn_repair: each piece had its own maximum)
     if err == 0 and stop.flag == 0:
-        with nogil:
-            for item in prange(b.count, schedule="static", num_threads=min(nthreads, b.count)):
+        with nogil, parallel(num_threads=min(nthreads, b.count)):
+            work = malloc(work_bytes)
+            if work == NULL:
+                errp[0] = 1
+            for item in prange(b.count, schedule="static"):
+                if work == NULL:
+                    continue
                 mlrow = <void *>(ml + es * item * a.L * 2) if ml != NULL else NULL
+                ai = item_args(a, o, b, item)
                 if es == 4:
                     rc = fa_attn_merge_f32(<fa_isa>isa, a, nsplit,
                                            <float *>(states + es * item * nsplit * slen),
                                            <float *>o_at(o, b, item), <float *>mlrow, 0, a.L)
+                    if rc == 0:
+                        rc = fa_attn_repair_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
+                                                <float *>k_at(o, b, item), <float *>v_at(o, b, item),
+                                                m_at(o, b, item), <float *>o_at(o, b, item), NULL,
+                                                0, a.L, work)
                 else:
                     rc = fa_attn_merge_f64(<fa_isa>isa, a, nsplit,
                                            <double *>(states + es * item * nsplit * slen),
                                            <double *>o_at(o, b, item), <double *>mlrow, 0, a.L)
+                    if rc == 0:
+                        rc = fa_attn_repair_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
+                                                <double *>k_at(o, b, item), <double *>v_at(o, b, item),
+                                                m_at(o, b, item), <double *>o_at(o, b, item), NULL,
+                                                0, a.L, work)
                 if rc != 0:
                     errp[0] = 2
                 if o.lse != NULL:
                     for i in range(a.L):
                         row_lse(es, mlrow, i, lse_at(o, b, item), a.lse_s)
+            free(work)
     if err == 0 and stop.flag == 0 and o.w != NULL:
         with nogil, parallel(num_threads=min(nthreads, b.count)):
             work = malloc(work_bytes)

@@ -217,6 +217,38 @@ def test_nonfinite_value_at_hidden_key_does_not_leak(simd, dtype, rng):
     assert np.all(np.isfinite(out[:2])) and not np.any(np.isfinite(out[2:]))
 
 
+@pytest.mark.parametrize("L, S", [(64, 400), (2, 400), (1, 4000), (3, 5000)],
+                         ids=["block", "rows", "split", "split-3-rows"])
+@pytest.mark.parametrize("kind", ["later-maximum", "finfo-min-padding"])
+def test_nonfinite_value_at_key_whose_weight_underflows_does_not_leak(simd, dtype, rng, L, S, kind):
+    # A key whose weight is 0 only against a maximum met later: online, its
+    # weight against the running maximum was nonzero when its value row was
+    # added, and the rescale by an underflowed factor then gave inf x 0 =
+    # NaN.  Its weight is 0, so its value must not count (README, edge cases).
+    v = rng.standard_normal((S, 3)).astype(dtype)
+    if kind == "later-maximum":  # scores 0, -50, then 800 far on: e^-850 is 0 in float64
+        q, k = np.zeros((L, 4), dtype), np.zeros((S, 4), dtype)
+        mask = np.full((L, S), -np.inf, dtype)
+        mask[:, 0], mask[:, 1], mask[:, S - 100] = 0, -50, 800
+        v[1] = [np.nan, np.inf, -np.inf]
+    else:  # transformers' padding mask: the dtype's lowest number on the left padding
+        q, k = rng.standard_normal((L, 4)).astype(dtype), rng.standard_normal((S, 4)).astype(dtype)
+        mask = np.zeros((L, S), dtype)
+        mask[:, :S // 2] = np.finfo(dtype).min
+        v[:S // 2] = np.nan
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
+    r_out, r_lse = ref.scaled_dot_product_attention(*f64(q, k, v), attn_mask=mask.astype(np.float64),
+                                                    return_lse=True)
+    assert np.all(np.isfinite(r_out)) and np.all(np.isfinite(out))
+    assert_close(out, r_out, dtype, S, magnitude=4)
+    assert_close(lse, r_lse, dtype, S, magnitude=abs(r_lse).max())
+    # a genuine NaN or inf still shows: the same value row at a key of nonzero weight
+    mask[0, :] = 0
+    v[:] = np.nan
+    out = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert np.all(np.isnan(out))
+
+
 def test_mask_minus_inf_hides_nan_score(simd, dtype, rng):
     q, k, v = attn_case(rng, dtype, (3, 4), (5, 4), (5, 2))
     k[2] = np.nan
