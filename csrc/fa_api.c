@@ -237,7 +237,10 @@ fa_idx fa_attn_splits(const fa_attn_args *a)
     return n < FA_SPLIT_MAX ? n : FA_SPLIT_MAX;
 }
 
-fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1) { return (i1 - i0) * (a->Ev + 2); }
+fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
+{
+    return (i1 - i0) * (FA_STATE_HEAD + a->Ev);
+}
 
 static int part_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                    int elsize)
@@ -290,20 +293,20 @@ int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const do
 }
 
 int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                       const void *v, const void *mask, float *out, float *lse, fa_idx i0,
-                       fa_idx i1, void *work)
+                       const void *v, const void *mask, fa_idx nsplit, const float *states,
+                       float *out, float *lse, fa_idx i0, fa_idx i1, void *work)
 {
-    if (!attn_ok(a, i0, i1, NULL, 4)) return -1;
-    FA_DISPATCH(isa, attn_repair, f32, (a, q, k, v, mask, out, lse, i0, i1, work));
+    if (nsplit < 1 || !attn_ok(a, i0, i1, NULL, 4) || i1 - i0 > FA_ROWS_MAX) return -1;
+    FA_DISPATCH(isa, attn_repair, f32, (a, q, k, v, mask, nsplit, states, out, lse, i0, i1, work));
     return 0;
 }
 
 int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                       const double *v, const void *mask, double *out, double *lse, fa_idx i0,
-                       fa_idx i1, void *work)
+                       const double *v, const void *mask, fa_idx nsplit, const double *states,
+                       double *out, double *lse, fa_idx i0, fa_idx i1, void *work)
 {
-    if (!attn_ok(a, i0, i1, NULL, 8)) return -1;
-    FA_DISPATCH(isa, attn_repair, f64, (a, q, k, v, mask, out, lse, i0, i1, work));
+    if (nsplit < 1 || !attn_ok(a, i0, i1, NULL, 8) || i1 - i0 > FA_ROWS_MAX) return -1;
+    FA_DISPATCH(isa, attn_repair, f64, (a, q, k, v, mask, nsplit, states, out, lse, i0, i1, work));
     return 0;
 }
 

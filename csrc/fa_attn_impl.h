@@ -347,12 +347,12 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     FA_NAME(normalize)(Ev, ld, ot, l, bl);
     FA_NAME(pack_t)(Ev, nq, ot, ld, 1, 1, out + i0 * a->o_ls, a->o_ls, a->o_es);
     /* Zero weights times a non-finite value of a hidden key give NaN in the
-     * products above, and so does a weight that is 0 only against a later
-     * maximum: recompute any row that is not finite with the row kernel,
-     * its maximum first (it gives the same NaN or inf when they are genuine). */
+     * products above: recompute any row that is not finite with the row
+     * kernel, which skips keys of weight 0 (it gives the same NaN or inf when
+     * they are genuine). */
     for (fa_idx j = 0; j < nq; ++j) {
         if (bl[j] != 0)
-            FA_NAME(rows_out)(a, q, k, v, mask, out, NULL, lse, i0 + j, i0 + j + 1, rows_work, 1);
+            FA_NAME(attn_rows)(a, q, k, v, mask, out, NULL, lse, i0 + j, i0 + j + 1, rows_work);
         else if (lse)
             lse[(i0 + j) * a->lse_s] = FA_NAME(lse)(m[j], l[j]);
     }

@@ -40,6 +40,9 @@
 /* Query blocks of at most this many rows go to the row kernel, and may be
  * split along the keys (fa_attn_part / fa_attn_merge). */
 #define FA_ROWS_MAX 4
+/* Values of a piece's state before a row's output: its maximum, sum and
+ * lowest finite logit. */
+#define FA_STATE_HEAD 3
 
 #define FA_CAT4_(a, b, c, d) a##_##b##_##c##_##d
 #define FA_CAT4(a, b, c, d) FA_CAT4_(a, b, c, d)
@@ -68,8 +71,8 @@
                                              T *w, fa_idx i0, fa_idx i1, void *work);      \
     void FA_CAT4(fa, attn_repair, SFX, ISA)(const fa_attn_args *a, const void *q,          \
                                             const void *k, const void *v, const void *mask, \
-                                            T *out, T *lse, fa_idx i0, fa_idx i1,           \
-                                            void *work);                                    \
+                                            fa_idx nsplit, const T *states, T *out, T *lse, \
+                                            fa_idx i0, fa_idx i1, void *work);              \
     void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y, int mode);
 
 #define FA_DECLARE_NARROW(ISA) \

@@ -237,7 +237,7 @@ static FA_ALWAYS_INLINE V FA_NAME(vexp1)(V x)
  * results included.  Within 1 ulp of exp for x >= -22 (every weight
  * above 2^-31 of the largest), 4 below (checked exhaustively; the tests
  * sweep it): the attention outputs' RMS error against float64 moved by
- * 0.2 % at most, and AVX2 calls are 2-4 % faster.  NaN stays NaN: the
+ * 0.5 % at most either way, and AVX2 calls are 2-4 % faster.  NaN stays NaN: the
  * clamp returns x, and the polynomial is NaN. */
 static FA_ALWAYS_INLINE V FA_NAME(vexp_softmax1)(V x)
 {

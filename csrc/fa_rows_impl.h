@@ -145,21 +145,25 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
 
 /* Keys s_lo..s_hi-1 into the running state of nq rows: maximum m, sum l and
  * unnormalised output o (nq x Ev); w.qs holds the query rows.
- * max_first: the maximum over all these keys is found first (the logits
- * computed twice), so that m never rises while the values are summed and
- * every weight is exp(z - m) with the final m from the start.  Online, a
- * key whose weight is 0 only against a later maximum has a nonzero weight
- * when its value row is added, and a non-finite value there gives inf, or
- * NaN once rescaled by an underflowed factor (0 x inf); with the maximum
- * first its weight is 0 and the row is skipped.  For the rows whose output
- * came out non-finite (attn_repair). */
+ * Online, a key whose weight is 0 only against a later maximum has a
+ * nonzero weight when its value row is added: a non-finite value there
+ * gives inf, or NaN once rescaled by an underflowed factor (0 x inf).  When
+ * rose and zmin are not NULL, rose[t] flags the rows whose maximum rose
+ * after value rows were added and zmin[t] is the lowest finite logit of row
+ * t: that can happen only where both, and the lowest logit is so far below
+ * the final maximum that its weight is not a normal number.  max_first: the
+ * maximum over all the keys is found first (the logits computed twice), so
+ * that m never rises while the values are summed: such a key's weight is
+ * then 0 and its value row skipped (attn_rows). */
 static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                      const void *k, const void *v, const void *mask, fa_idx i0,
-                                     fa_idx nq, fa_idx s_lo, fa_idx s_hi, int max_first)
+                                     fa_idx nq, fa_idx s_lo, fa_idx s_hi, int max_first, int *rose,
+                                     T *zmin)
 {
     const fa_idx Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
+    int seen[FA_ROWS_MAX] = {0}; /* value rows added */
     for (fa_idx s0 = s_lo; max_first && s0 < s_hi; s0 += FA_RB) {
         const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
         FA_NAME(rows_logits)(a, w, k, NULL, mask, i0, nq, s0, nk);
@@ -180,12 +184,16 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
         for (fa_idx t = 0; t < nq; ++t) {
             T *st = s + t * FA_RB, bm = ninf;
             for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
+            for (fa_idx r = 0; zmin && r < nk; ++r)
+                zmin[t] = st[r] < zmin[t] && st[r] != ninf ? st[r] : zmin[t];
             if (bm > m[t] && m[t] != ninf) {
                 T alpha = m[t] - bm;
                 FA_NAME(vexp)(1, &alpha, &alpha);
                 l[t] *= alpha;
                 for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] *= alpha;
+                if (rose) rose[t] |= seen[t];
             }
+            seen[t] |= bm != ninf;
             m[t] = bm > m[t] ? bm : m[t];
             const T ms = m[t] == ninf ? 0 : m[t];
             for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
@@ -241,66 +249,70 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
     }
 }
 
+/* ln of the smallest normal number, rounded toward 0: a weight exp(z - m)
+ * with z - m above it is a normal number, never 0 */
+#define FA_LN_NORMAL_MIN ((T)(sizeof(T) == 4 ? 87 : 708))
+
 /* Output rows i0..i1-1 (at most FA_ROWS_MAX), their log-sum-exp when lse
  * is not NULL and their weights when w is not NULL; max_first as in
- * rows_accumulate.  Returns whether some output row is not finite. */
-static int FA_NAME(rows_out)(const fa_attn_args *a, const void *q, const void *k, const void *v,
-                             const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
-                             T *work, int max_first)
+ * rows_accumulate.  Returns the rows (bit t: row i0 + t) that came out not
+ * finite, though no visible logit was NaN, where a weight may have been 0
+ * only against a later maximum (online only; rows_accumulate). */
+static unsigned FA_NAME(rows_out)(const fa_attn_args *a, const void *q, const void *k,
+                                  const void *v, const void *mask, T *out, T *w, T *lse,
+                                  fa_idx i0, fa_idx i1, T *work, int max_first)
 {
     const fa_idx nq = i1 - i0, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, work);
     fa_idx s_begin, s_end;
     FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
 
+    int rose[FA_ROWS_MAX] = {0};
+    T zmin[FA_ROWS_MAX];
+    for (fa_idx t = 0; t < nq; ++t) zmin[t] = (T)INFINITY;
     FA_NAME(rows_start)(a, q, i0, nq, &ws, 1);
-    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_begin, s_end, max_first);
-    /* l is 0 exactly when no key was visible (the maximum alone gives 1) */
-    T bad = 0;
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_begin, s_end, max_first, rose, zmin);
+    /* l is 0 exactly when no key was visible (the maximum alone gives 1);
+     * NaN when a visible logit was */
+    unsigned again = 0;
     for (fa_idx t = 0; t < nq; ++t) {
-        T *orow = out + (i0 + t) * a->o_ls;
+        T *orow = out + (i0 + t) * a->o_ls, bad = 0;
         for (fa_idx c = 0; c < Ev; ++c) {
             const T y = ws.l[t] == 0 ? 0 : ws.o[t * FA_EVP(a) + c] / ws.l[t];
             orow[c * a->o_es] = y;
             bad += y - y;
         }
+        if (bad != 0 && ws.l[t] == ws.l[t] && rose[t] && ws.m[t] - zmin[t] > FA_LN_NORMAL_MIN)
+            again |= 1u << t;
         if (lse) lse[(i0 + t) * a->lse_s] = FA_NAME(lse)(ws.m[t], ws.l[t]);
     }
 
     if (w != NULL) FA_NAME(rows_weights)(a, &ws, k, mask, i0, nq, w);
-    return bad != 0;
+    return again;
 }
 
-/* Rows i0..i1-1 of out that are not finite, computed again one at a time by
- * the row kernel with the maximum first (rows_accumulate): the same NaN or
- * inf when they are genuine (a NaN score or value at a key of nonzero
- * weight, an inf score or value), else the finite row; their lse too when
- * lse is not NULL.  The repair of the row kernel's rows and of the merged
- * pieces of a split call (the block kernel calls rows_out itself). */
-void FA_NAME(attn_repair)(const fa_attn_args *a, const void *q, const void *k, const void *v,
-                          const void *mask, T *out, T *lse, fa_idx i0, fa_idx i1, void *work)
-{
-    for (fa_idx i = i0; i < i1; ++i) {
-        const T *orow = out + i * a->o_ls;
-        T bad = 0;
-        for (fa_idx c = 0; c < a->Ev; ++c) bad += orow[c * a->o_es] - orow[c * a->o_es];
-        if (bad != 0)
-            FA_NAME(rows_out)(a, q, k, v, mask, out, NULL, lse, i, i + 1, (T *)FA_ALIGNED(work), 1);
-    }
-}
-
-/* Rows i0..i1-1 (at most FA_ROWS_MAX): online, then again with the maximum
- * first for the rows that came out non-finite. */
+/* Rows i0..i1-1 (at most FA_ROWS_MAX): online, then, for a row that came out
+ * non-finite where a key's weight may have been 0 only against a later
+ * maximum, again with the maximum first (rows_accumulate): the same NaN or
+ * inf when they are genuine (an inf logit, a non-finite value at a key of
+ * nonzero weight), else the finite row. */
 static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                                const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
                                T *work)
 {
-    if (FA_NAME(rows_out)(a, q, k, v, mask, out, w, lse, i0, i1, work, 0))
-        FA_NAME(attn_repair)(a, q, k, v, mask, out, lse, i0, i1, work);
+    const unsigned again = FA_NAME(rows_out)(a, q, k, v, mask, out, w, lse, i0, i1, work, 0);
+    for (fa_idx t = 0; again && t < i1 - i0; ++t)
+        if (again >> t & 1u)
+            FA_NAME(rows_out)(a, q, k, v, mask, out, NULL, lse, i0 + t, i0 + t + 1, work, 1);
 }
 
-/* The state (m, l, o[0..Ev)) of rows i0..i1-1 over keys s_lo..s_hi-1 only,
- * nq x (Ev + 2) values in state; fa_attn_merge combines such pieces. */
+/* The state of nsplit pieces of nq rows (attn_part): row t of piece p at
+ * states + (p * nq + t) * (FA_STATE_HEAD + Ev), its maximum, sum, lowest
+ * finite logit and then its unnormalised output. */
+#define FA_STATE_ROW(states, p, nq, t, Ev) ((states) + ((p) * (nq) + (t)) * (FA_STATE_HEAD + (Ev)))
+
+/* The state (m, l, the lowest finite logit, o[0..Ev)) of rows i0..i1-1 over
+ * keys s_lo..s_hi-1 only; fa_attn_merge combines such pieces. */
 void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                         const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                         T *state, void *work)
@@ -308,50 +320,88 @@ void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, con
     const fa_idx nq = i1 - i0, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, (T *)FA_ALIGNED(work));
     fa_idx begin, end;
+    T zmin[FA_ROWS_MAX];
+    for (fa_idx t = 0; t < nq; ++t) zmin[t] = (T)INFINITY;
     FA_NAME(key_range)(a, i0, i1, &begin, &end);
     FA_NAME(rows_start)(a, q, i0, nq, &ws, s_lo == 0);
     FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_lo > begin ? s_lo : begin,
-                             s_hi < end ? s_hi : end, 0);
+                             s_hi < end ? s_hi : end, 0, NULL, zmin);
     for (fa_idx t = 0; t < nq; ++t) {
-        T *st = state + t * (Ev + 2);
+        T *st = FA_STATE_ROW(state, 0, nq, t, Ev);
         st[0] = ws.m[t];
         st[1] = ws.l[t];
-        for (fa_idx c = 0; c < Ev; ++c) st[2 + c] = ws.o[t * FA_EVP(a) + c];
+        st[2] = zmin[t];
+        for (fa_idx c = 0; c < Ev; ++c) st[FA_STATE_HEAD + c] = ws.o[t * FA_EVP(a) + c];
     }
 }
 
-/* out rows i0..i1-1 from nsplit pieces of state (each nq x (Ev + 2)): every
- * piece is rescaled to the largest maximum M by exp(m - M), as in the
- * log-sum-exp of a softmax split in parts.  A piece whose factor is 0 holds
- * only zero weights and is skipped, like any key of weight 0.  When ml is not
- * NULL, ml[2t] and ml[2t + 1] receive the whole row's maximum and sum. */
+/* out rows i0..i1-1 from nsplit pieces of state: every piece is rescaled to
+ * the largest maximum M by exp(m - M), as in the log-sum-exp of a softmax
+ * split in parts.  A piece whose factor is 0 holds only zero weights and is
+ * skipped, like any key of weight 0.  When ml is not NULL, ml[2t] and
+ * ml[2t + 1] receive the whole row's maximum and sum. */
 void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, T *out, T *ml,
                          fa_idx i0, fa_idx i1)
 {
-    const fa_idx nq = i1 - i0, Ev = a->Ev, len = nq * (Ev + 2);
+    const fa_idx nq = i1 - i0, Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     for (fa_idx t = 0; t < nq; ++t) {
         T mx = ninf, l = 0, nan = 0;
         for (fa_idx p = 0; p < nsplit; ++p) {
-            const T mp = states[p * len + t * (Ev + 2)], lp = states[p * len + t * (Ev + 2) + 1];
-            mx = mp > mx ? mp : mx;
-            nan += lp - lp; /* a NaN logit (the maximum ignores NaN) left l NaN */
+            const T *st = FA_STATE_ROW(states, p, nq, t, Ev);
+            mx = st[0] > mx ? st[0] : mx;
+            nan += st[1] - st[1]; /* a NaN logit (the maximum ignores NaN) left l NaN */
         }
         T *orow = out + (i0 + t) * a->o_ls;
         for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = nan;
         for (fa_idx p = 0; nan == 0 && mx != ninf && p < nsplit; ++p) {
-            const T *st = states + p * len + t * (Ev + 2);
+            const T *st = FA_STATE_ROW(states, p, nq, t, Ev);
             T f = st[0] - mx;
             FA_NAME(vexp)(1, &f, &f);
             if (f == 0) continue;
             l += f * st[1];
-            for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] += f * st[2 + c];
+            for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] += f * st[FA_STATE_HEAD + c];
         }
         for (fa_idx c = 0; nan == 0 && c < Ev; ++c) orow[c * a->o_es] = l == 0 ? 0 : orow[c * a->o_es] / l;
         if (ml) {
             ml[2 * t] = mx;
             ml[2 * t + 1] = nan == 0 ? l : nan;
         }
+    }
+}
+
+/* Rows i0..i1-1 of out, merged from nsplit pieces of state, that are not
+ * finite though no visible logit was NaN, where some logit lies so far below
+ * the row's maximum that its weight may be 0 against it but was not against
+ * its piece's own maximum (rows_accumulate): computed again by attn_rows,
+ * consecutive ones together (lse too when not NULL). */
+void FA_NAME(attn_repair)(const fa_attn_args *a, const void *q, const void *k, const void *v,
+                          const void *mask, fa_idx nsplit, const T *states, T *out, T *lse,
+                          fa_idx i0, fa_idx i1, void *work)
+{
+    const fa_idx nq = i1 - i0;
+    fa_idx run = 0; /* rows i - run .. i - 1 wait for attn_rows */
+    for (fa_idx i = i0; i <= i1; ++i) {
+        int again = 0;
+        if (i < i1) {
+            const T *orow = out + i * a->o_ls;
+            T bad = 0, mx = -(T)INFINITY, zlow = (T)INFINITY, nan = 0;
+            for (fa_idx c = 0; c < a->Ev; ++c) bad += orow[c * a->o_es] - orow[c * a->o_es];
+            for (fa_idx p = 0; bad != 0 && p < nsplit; ++p) {
+                const T *st = FA_STATE_ROW(states, p, nq, i - i0, a->Ev);
+                mx = st[0] > mx ? st[0] : mx;
+                nan += st[1] - st[1];
+                zlow = st[2] < zlow ? st[2] : zlow;
+            }
+            again = bad != 0 && nan == 0 && mx - zlow > FA_LN_NORMAL_MIN;
+        }
+        if (again && run < FA_ROWS_MAX) {
+            ++run;
+            continue;
+        }
+        if (run > 0)
+            FA_NAME(attn_rows)(a, q, k, v, mask, out, NULL, lse, i - run, i, (T *)FA_ALIGNED(work));
+        run = again;
     }
 }
 

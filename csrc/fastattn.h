@@ -136,9 +136,9 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
  * It depends on the shape of one (batch, head) alone, never on the batch,
  * the thread count, the strides nor on whether weights are wanted. */
 fa_idx fa_attn_splits(const fa_attn_args *a);
-/* Values of state one piece holds: (i1 - i0) * (Ev + 2). */
+/* Values of state one piece holds: (i1 - i0) * (Ev + 3). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
-/* The running maximum, sum and unnormalised output of rows i0..i1-1 over
+/* The running maximum, sum, lowest finite logit and unnormalised output of rows i0..i1-1 over
  * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn_*); the piece with
  * s_lo = 0 holds the sink. */
 int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
@@ -161,17 +161,17 @@ int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, cons
                         const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                         void *work);
 
-/* Rows i0..i1-1 (i1 - i0 <= query block) of out that are not finite, again
- * by the row kernel with each row's maximum found first: a key whose weight
- * is 0 against that maximum then adds nothing, a non-finite value there
- * included (the merged pieces of a split call each had their own maximum).
+/* Rows i0..i1-1 (at most 4) of out, merged from nsplit pieces of state,
+ * that came out non-finite where a key's weight may be 0 against the row's
+ * maximum but was not against its piece's: again by the row kernel over all
+ * the keys, which skips keys of weight 0, a non-finite value there included.
  * Genuine NaN and inf stay.  lse as for fa_attn_*; work as for fa_attn_*. */
 int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                       const void *v, const void *mask, float *out, float *lse, fa_idx i0,
-                       fa_idx i1, void *work);
+                       const void *v, const void *mask, fa_idx nsplit, const float *states,
+                       float *out, float *lse, fa_idx i0, fa_idx i1, void *work);
 int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                       const double *v, const void *mask, double *out, double *lse, fa_idx i0,
-                       fa_idx i1, void *work);
+                       const double *v, const void *mask, fa_idx nsplit, const double *states,
+                       double *out, double *lse, fa_idx i0, fa_idx i1, void *work);
 
 /* ---- Outputs in 16 bits ------------------------------------------------- */
 

@@ -114,11 +114,11 @@ cdef extern from "fastattn.h" nogil:
     int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
                           double *out, double *ml, fa_idx i0, fa_idx i1)
     int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                           const void *v, const void *mask, float *out, float *lse, fa_idx i0,
-                           fa_idx i1, void *work)
+                           const void *v, const void *mask, fa_idx nsplit, const float *states,
+                           float *out, float *lse, fa_idx i0, fa_idx i1, void *work)
     int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                           const double *v, const void *mask, double *out, double *lse, fa_idx i0,
-                           fa_idx i1, void *work)
+                           const double *v, const void *mask, fa_idx nsplit, const double *states,
+                           double *out, double *lse, fa_idx i0, fa_idx i1, void *work)
     int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
                             const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
                             void *work)
@@ -585,8 +585,9 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
             if rc != 0:
                 errp[0] = 2
         free(work)
-    # merged, then any row that came out non-finite computed again with its
-    # maximum first (fa_attn_repair: each piece had its own maximum)
+    # merged, then the rows that came out non-finite where a key's weight may
+    # be 0 against the row's maximum but not against its piece's computed
+    # again without the split (fa_attn_repair)
     if err == 0 and stop.flag == 0:
         with nogil, parallel(num_threads=min(nthreads, b.count)):
             work = malloc(work_bytes)
@@ -604,8 +605,9 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
                     if rc == 0:
                         rc = fa_attn_repair_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
                                                 <float *>k_at(o, b, item), <float *>v_at(o, b, item),
-                                                m_at(o, b, item), <float *>o_at(o, b, item), NULL,
-                                                0, a.L, work)
+                                                m_at(o, b, item), nsplit,
+                                                <float *>(states + es * item * nsplit * slen),
+                                                <float *>o_at(o, b, item), NULL, 0, a.L, work)
                 else:
                     rc = fa_attn_merge_f64(<fa_isa>isa, a, nsplit,
                                            <double *>(states + es * item * nsplit * slen),
@@ -613,8 +615,9 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
                     if rc == 0:
                         rc = fa_attn_repair_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
                                                 <double *>k_at(o, b, item), <double *>v_at(o, b, item),
-                                                m_at(o, b, item), <double *>o_at(o, b, item), NULL,
-                                                0, a.L, work)
+                                                m_at(o, b, item), nsplit,
+                                                <double *>(states + es * item * nsplit * slen),
+                                                <double *>o_at(o, b, item), NULL, 0, a.L, work)
                 if rc != 0:
                     errp[0] = 2
                 if o.lse != NULL:
