@@ -932,10 +932,17 @@ def narrow(int isa, int store, cnp.ndarray x, cnp.ndarray out, int nthreads):
 def exp(int isa, cnp.ndarray x, cnp.ndarray out, int mode=0):
     """out = exp(x) with the kernels' exp; x and out contiguous, same dtype.
     mode 0: the general exp; 1: the softmax's, for x <= ln 256; 2: the same
-    with -inf lanes skipped (fastattn.h)."""
+    with -inf lanes skipped (fastattn.h).  ValueError for any other mode,
+    dtype, a shape or layout of out other than x's, or a read-only out."""
     cdef fa_idx n = x.size
     if mode not in (0, 1, 2):
         raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
+    if x.dtype.char not in "fd" or out.dtype != x.dtype:
+        raise ValueError(f"x and out must both be float32 or both float64, got {x.dtype} and {out.dtype}")
+    if (<object>out).shape != (<object>x).shape:
+        raise ValueError(f"out must have x's shape {(<object>x).shape}, got {(<object>out).shape}")
+    if not (x.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("x and out must be C-contiguous and out writeable")
     if x.dtype.itemsize == 4:
         fa_exp_f32(<fa_isa>isa, n, <float *>cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(out), mode)
     else:

@@ -107,3 +107,20 @@ def test_exp_mode_is_checked():
     x = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="mode must be 0, 1 or 2, got 3"):
         _core.exp(_runtime.isa(), x, np.empty_like(x), 3)
+
+
+@pytest.mark.parametrize("out, match", [
+    (np.empty(2, np.float32), "out must have x's shape"),
+    (np.empty(16, np.float64), "both be float32 or both float64"),
+    (np.empty(32, np.float32)[::2], "C-contiguous"),
+    (np.empty(16, np.float32).view(np.int32), "both be float32 or both float64"),
+])
+def test_exp_arrays_are_checked(out, match):
+    # out shorter than x used to be written past its end
+    x = np.zeros(16, np.float32)
+    with pytest.raises(ValueError, match=match):
+        _core.exp(_runtime.isa(), x, out, 1)
+    ro = np.empty_like(x)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        _core.exp(_runtime.isa(), x, ro, 0)
