@@ -41,7 +41,7 @@
  * split along the keys (fa_attn_part / fa_attn_merge). */
 #define FA_ROWS_MAX 4
 /* Values of a piece's state before a row's output: its maximum, sum and
- * lowest finite logit. */
+ * lowest logit of nonzero weight. */
 #define FA_STATE_HEAD 3
 
 #define FA_CAT4_(a, b, c, d) a##_##b##_##c##_##d

@@ -149,9 +149,11 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
  * nonzero weight when its value row is added: a non-finite value there
  * gives inf, or NaN once rescaled by an underflowed factor (0 x inf).  When
  * rose and zmin are not NULL, rose[t] flags the rows whose maximum rose
- * after value rows were added and zmin[t] is the lowest finite logit of row
- * t: that can happen only where both, and the lowest logit is so far below
- * the final maximum that its weight is not a normal number.  max_first: the
+ * after value rows were added and zmin[t] is the lowest logit of row t whose
+ * weight was not 0 when its value row was added (keys hidden by a mask of
+ * the dtype's lowest number are not counted, unless the maximum was as low
+ * then): that can happen only where both, and zmin is so far below the
+ * final maximum that its weight is not a normal number.  max_first: the
  * maximum over all the keys is found first (the logits computed twice), so
  * that m never rises while the values are summed: such a key's weight is
  * then 0 and its value row skipped (attn_rows). */
@@ -163,6 +165,7 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
     const fa_idx Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
+    const T lo = (T)(sizeof(T) == 4 ? FA_EXPF_LO : FA_EXP_LO);
     int seen[FA_ROWS_MAX] = {0}; /* value rows added */
     for (fa_idx s0 = s_lo; max_first && s0 < s_hi; s0 += FA_RB) {
         const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
@@ -184,8 +187,6 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
         for (fa_idx t = 0; t < nq; ++t) {
             T *st = s + t * FA_RB, bm = ninf;
             for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
-            for (fa_idx r = 0; zmin && r < nk; ++r)
-                zmin[t] = st[r] < zmin[t] && st[r] != ninf ? st[r] : zmin[t];
             if (bm > m[t] && m[t] != ninf) {
                 T alpha = m[t] - bm;
                 FA_NAME(vexp)(1, &alpha, &alpha);
@@ -196,7 +197,12 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
             seen[t] |= bm != ninf;
             m[t] = bm > m[t] ? bm : m[t];
             const T ms = m[t] == ninf ? 0 : m[t];
-            for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
+            T xlow = (T)INFINITY; /* below lo, exp gives 0 (fa_exp_consts.h) */
+            for (fa_idx r = 0; r < nk; ++r) {
+                st[r] -= ms;
+                xlow = st[r] >= lo && st[r] < xlow ? st[r] : xlow;
+            }
+            if (zmin && xlow + ms < zmin[t]) zmin[t] = xlow + ms;
             FA_NAME(vexp)(nk, st, st);
             l[t] += FA_NAME(sum)(nk, st);
         }
@@ -307,11 +313,11 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void 
 }
 
 /* The state of nsplit pieces of nq rows (attn_part): row t of piece p at
- * states + (p * nq + t) * (FA_STATE_HEAD + Ev), its maximum, sum, lowest
- * finite logit and then its unnormalised output. */
+ * states + (p * nq + t) * (FA_STATE_HEAD + Ev), its maximum, sum and zmin
+ * (rows_accumulate), then its unnormalised output. */
 #define FA_STATE_ROW(states, p, nq, t, Ev) ((states) + ((p) * (nq) + (t)) * (FA_STATE_HEAD + (Ev)))
 
-/* The state (m, l, the lowest finite logit, o[0..Ev)) of rows i0..i1-1 over
+/* The state (m, l, zmin of rows_accumulate, o[0..Ev)) of rows i0..i1-1 over
  * keys s_lo..s_hi-1 only; fa_attn_merge combines such pieces. */
 void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                         const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,

@@ -138,7 +138,7 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
 fa_idx fa_attn_splits(const fa_attn_args *a);
 /* Values of state one piece holds: (i1 - i0) * (Ev + 3). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
-/* The running maximum, sum, lowest finite logit and unnormalised output of rows i0..i1-1 over
+/* The running maximum, sum, lowest logit of nonzero weight and unnormalised output of rows i0..i1-1 over
  * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn_*); the piece with
  * s_lo = 0 holds the sink. */
 int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,

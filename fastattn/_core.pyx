@@ -929,7 +929,7 @@ def narrow(int isa, int store, cnp.ndarray x, cnp.ndarray out, int nthreads):
     raise_on(err, "narrow")
 
 
-def exp(int isa, cnp.ndarray x, cnp.ndarray out, int mode=0):
+def exp(int isa, cnp.ndarray x not None, cnp.ndarray out not None, int mode=0):
     """out = exp(x) with the kernels' exp; x and out contiguous, same dtype.
     mode 0: the general exp; 1: the softmax's, for x <= ln 256; 2: the same
     with -inf lanes skipped (fastattn.h).  ValueError for any other mode,
@@ -937,8 +937,9 @@ def exp(int isa, cnp.ndarray x, cnp.ndarray out, int mode=0):
     cdef fa_idx n = x.size
     if mode not in (0, 1, 2):
         raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
-    if x.dtype.char not in "fd" or out.dtype != x.dtype:
-        raise ValueError(f"x and out must both be float32 or both float64, got {x.dtype} and {out.dtype}")
+    if x.dtype.char not in "fd" or not x.dtype.isnative or out.dtype != x.dtype:
+        raise ValueError(f"x and out must both be float32 or both float64 in native byte order, "
+                         f"got {x.dtype.str} and {out.dtype.str}")
     if (<object>out).shape != (<object>x).shape:
         raise ValueError(f"out must have x's shape {(<object>x).shape}, got {(<object>out).shape}")
     if not (x.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):

@@ -114,6 +114,7 @@ def test_exp_mode_is_checked():
     (np.empty(16, np.float64), "both be float32 or both float64"),
     (np.empty(32, np.float32)[::2], "C-contiguous"),
     (np.empty(16, np.float32).view(np.int32), "both be float32 or both float64"),
+    (np.empty(16, ">f4"), "native byte order"),
 ])
 def test_exp_arrays_are_checked(out, match):
     # out shorter than x used to be written past its end
