@@ -7,7 +7,7 @@
  * the output.
  *
  * Needs T, FA_NAME, the per-score stage (fa_scores_impl.h) and the
- * loaders of fa_load_impl.h, and vexp, sum, prefetch_bytes. */
+ * loaders of fa_load_impl.h, and vexp, sum, lowest_above, prefetch_bytes. */
 
 #define FA_RB 256       /* keys per block */
 /* How far ahead the key rows are prefetched: with rows of a few hundred
@@ -165,7 +165,7 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
     const fa_idx Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
-    const T lo = (T)(sizeof(T) == 4 ? FA_EXPF_LO : FA_EXP_LO);
+    const T lo = (T)(sizeof(T) == 4 ? FA_EXPF_LO : FA_EXP_LO); /* exp below it: 0 */
     int seen[FA_ROWS_MAX] = {0}; /* value rows added */
     for (fa_idx s0 = s_lo; max_first && s0 < s_hi; s0 += FA_RB) {
         const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
@@ -197,12 +197,11 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
             seen[t] |= bm != ninf;
             m[t] = bm > m[t] ? bm : m[t];
             const T ms = m[t] == ninf ? 0 : m[t];
-            T xlow = (T)INFINITY; /* below lo, exp gives 0 (fa_exp_consts.h) */
-            for (fa_idx r = 0; r < nk; ++r) {
-                st[r] -= ms;
-                xlow = st[r] >= lo && st[r] < xlow ? st[r] : xlow;
+            for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
+            if (zmin) {
+                const T xlow = FA_NAME(lowest_above)(nk, st, lo);
+                zmin[t] = xlow + ms < zmin[t] ? xlow + ms : zmin[t];
             }
-            if (zmin && xlow + ms < zmin[t]) zmin[t] = xlow + ms;
             FA_NAME(vexp)(nk, st, st);
             l[t] += FA_NAME(sum)(nk, st);
         }
