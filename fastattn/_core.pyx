@@ -587,7 +587,8 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
         free(work)
     # merged, then the rows that came out non-finite where a key's weight may
     # be 0 against the row's maximum but not against its piece's computed
-    # again without the split (fa_attn_repair)
+    # again without the split (fa_attn_repair), then the weights from the
+    # merged maximum and sum
     if err == 0 and stop.flag == 0:
         with nogil, parallel(num_threads=min(nthreads, b.count)):
             work = malloc(work_bytes)
@@ -618,34 +619,22 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
                                                 m_at(o, b, item), nsplit,
                                                 <double *>(states + es * item * nsplit * slen),
                                                 <double *>o_at(o, b, item), NULL, 0, a.L, work)
+                if rc == 0 and o.w != NULL:
+                    if es == 4:
+                        rc = fa_attn_weights_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
+                                                 <float *>k_at(o, b, item), m_at(o, b, item),
+                                                 <float *>mlrow, <float *>w_at(o, b, item), 0, a.L,
+                                                 work)
+                    else:
+                        rc = fa_attn_weights_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
+                                                 <double *>k_at(o, b, item), m_at(o, b, item),
+                                                 <double *>mlrow, <double *>w_at(o, b, item), 0, a.L,
+                                                 work)
                 if rc != 0:
                     errp[0] = 2
                 if o.lse != NULL:
                     for i in range(a.L):
                         row_lse(es, mlrow, i, lse_at(o, b, item), a.lse_s)
-            free(work)
-    if err == 0 and stop.flag == 0 and o.w != NULL:
-        with nogil, parallel(num_threads=min(nthreads, b.count)):
-            work = malloc(work_bytes)
-            if work == NULL:
-                errp[0] = 1
-            for item in prange(b.count, schedule="static"):
-                if work == NULL:
-                    continue
-                mlrow = <void *>(ml + es * item * a.L * 2)
-                ai = item_args(a, o, b, item)
-                if es == 4:
-                    rc = fa_attn_weights_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
-                                             <float *>k_at(o, b, item), m_at(o, b, item),
-                                             <float *>mlrow, <float *>w_at(o, b, item), 0, a.L,
-                                             work)
-                else:
-                    rc = fa_attn_weights_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
-                                             <double *>k_at(o, b, item), m_at(o, b, item),
-                                             <double *>mlrow, <double *>w_at(o, b, item), 0, a.L,
-                                             work)
-                if rc != 0:
-                    errp[0] = 2
             free(work)
     free(states)
     free(ml)
