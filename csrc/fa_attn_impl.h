@@ -70,10 +70,11 @@ static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_nex
 
 /* Share `part` of `parts` of the next call's queries and of this call's
  * output rows i0..i1-1, asked into L2 only (L1 keeps this call's keys) while
- * the values of the key blocks before the last are summed, a few lines per
- * product (a burst waits for fill buffers): with a short sweep (a sliding
- * window of 1024: 9 key blocks) the misses on both, left to the last block
- * and to the output's transpose, were 2 % of the time (AVX-512, 1 thread). */
+ * the values are summed, a few lines per product (a burst waits for fill
+ * buffers): with a short sweep (a sliding window of 1024: 9 key blocks) the
+ * misses on both, left to the last block and to the output's transpose,
+ * were 2 % of the time (AVX-512, 1 thread); with one key block (S <= 128)
+ * and inputs beyond L2, up to 10 % (minilm-batch, AVX2, 1 thread). */
 static void FA_NAME(fetch_early)(const fa_attn_args *a, const FA_NAME(ahead) *h, const T *out,
                                  fa_idx i0, fa_idx i1, fa_idx part, fa_idx parts)
 {
@@ -285,6 +286,9 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
 
     fa_idx chunks = 0; /* register tiles of the output's Ev rows */
     for (fa_idx c = 0; c < Ev; c += FA_NAME(tile_rows)(Ev, c)) ++chunks;
+    /* fetch_early's lines are spread over the values' products of the key
+     * blocks before the last, or of the only one */
+    const fa_idx fetch_blocks = s_end - s_begin <= FA_KB ? 1 : (s_end - s_begin - 1) / FA_KB;
     for (fa_idx s0 = s_begin; s0 < s_end; s0 += FA_KB) {
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
         if (!FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel)) continue;
@@ -320,10 +324,11 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
         for (fa_idx c = 0, mr, chunk = 0; c < Ev; c += mr, ++chunk) {
             mr = FA_NAME(tile_rows)(Ev, c);
-            if (s0 + FA_KB < s_end)
-                FA_NAME(fetch_early)(a, &ahead, out, i0, i1, (s0 - s_begin) / FA_KB * chunks + chunk,
-                                     (s_end - s_begin - 1) / FA_KB * chunks);
             for (fa_idx p = 0; p < ld; p += FA_NR) {
+                const fa_idx block = (s0 - s_begin) / FA_KB, groups = ld / FA_NR;
+                if (block < fetch_blocks)
+                    FA_NAME(fetch_early)(a, &ahead, out, i0, i1, (block * chunks + chunk) * groups + p / FA_NR,
+                                         fetch_blocks * chunks * groups);
                 /* only the keys these NR queries may see: the others have
                  * weight 0, whose products add nothing */
                 fa_idx lo = 0, hi = nk;
