@@ -47,23 +47,33 @@ static fa_idx FA_NAME(tile_rows)(fa_idx n, fa_idx r)
     return left <= FA_MR ? left : left < FA_MR + FA_MR / 2 ? (left + 1) / 2 : FA_MR;
 }
 
-/* The next call's queries (fa_attn_next), asked for by fetch_early: the
- * hardware prefetcher cannot guess where a new head starts.  (Its first key
- * block too, and into L1 while the values of this call's last block were
- * summed, used to be asked for as well: measured again on AVX2 and AVX-512
- * at 1 and 2 threads, that made bert-base and minilm-batch 2-6 % slower and
- * nothing faster.) */
+/* The next call's queries, and its first key block when it starts a new
+ * head (fa_attn_next), asked into L2 by fetch_early: the hardware
+ * prefetcher cannot guess where a new head starts (the key block: minilm-
+ * batch, AVX2, 1 thread, 3 % faster).  (Asked into L1 during the values of
+ * this call's last block only, they made bert-base and minilm-batch 2-6 %
+ * slower.) */
 typedef struct {
     const T *q;
     fa_idx q_rows;
+    const T *k, *v;
+    fa_idx kv_rows;
 } FA_NAME(ahead);
 
-static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_next *next)
+static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_next *next, const void *k)
 {
-    FA_NAME(ahead) h = {NULL, 0};
+    FA_NAME(ahead) h = {NULL, 0, NULL, NULL, 0};
     if (next != NULL && next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE) {
         h.q = (const T *)next->q + next->i0 * a->q_ls;
         h.q_rows = next->i1 - next->i0;
+    }
+    if (next != NULL && next->i1 > next->i0 && a->kv_store == FA_STORE_NATIVE && next->k != NULL &&
+        next->v != NULL && next->k != k) {
+        fa_idx b, e;
+        FA_NAME(key_range)(a, next->i0, next->i1, &b, &e);
+        h.k = (const T *)next->k + b * a->k_ss;
+        h.v = (const T *)next->v + b * a->v_ss;
+        h.kv_rows = e - b < FA_KB ? e - b : FA_KB;
     }
     return h;
 }
@@ -83,6 +93,10 @@ static void FA_NAME(fetch_early)(const fa_attn_args *a, const FA_NAME(ahead) *h,
         for (fa_idx e = 0; e < a->E; e += step) FA_PREFETCH_L2(h->q + r * a->q_ls + e);
     for (fa_idx r = nq * part / parts; a->o_es == 1 && r < nq * (part + 1) / parts; ++r)
         for (fa_idx e = 0; e < a->Ev; e += step) FA_PREFETCH_L2(out + (i0 + r) * a->o_ls + e);
+    for (fa_idx r = h->kv_rows * part / parts; a->k_es == 1 && r < h->kv_rows * (part + 1) / parts; ++r)
+        for (fa_idx e = 0; e < a->E; e += step) FA_PREFETCH_L2(h->k + r * a->k_ss + e);
+    for (fa_idx r = h->kv_rows * part / parts; a->v_es == 1 && r < h->kv_rows * (part + 1) / parts; ++r)
+        for (fa_idx e = 0; e < a->Ev; e += step) FA_PREFETCH_L2(h->v + r * a->v_ss + e);
 }
 
 /* Key and value tiles converted from their storage (fa_load_impl.h): KB
@@ -247,7 +261,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     T *panel = bm + ld;         /* FA_KB x EP, then FA_KB x EvP: converted tiles */
     T *vpanel = panel + FA_KB * FA_EP(a);
     T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
-    const FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, next);
+    const FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, next, k);
 
     if (nq <= 0) return;
     if (nq <= FA_ROWS_MAX) {

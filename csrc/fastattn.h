@@ -94,11 +94,13 @@ typedef struct {
 } fa_attn_args;
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
- * queries (rows i0..i1-1): the kernel asks the cache for them while it
- * sums its values, so the next call does not start cold.  Only a hint: it
- * never changes a result, and may be NULL. */
+ * queries (rows i0..i1-1), keys and values: the kernel asks the cache for
+ * the queries, and for the first key block when the keys are another
+ * head's, while it sums its values, so the next call does not start cold.
+ * Only a hint: it never changes a result, and may be NULL. */
 typedef struct {
     const void *q;               /* as the q of that call */
+    const void *k, *v;           /* as its k and v */
     fa_idx i0, i1;
 } fa_attn_next;
 

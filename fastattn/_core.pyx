@@ -94,6 +94,8 @@ cdef extern from "fastattn.h" nogil:
     size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
     ctypedef struct fa_attn_next:
         const void *q
+        const void *k
+        const void *v
         fa_idx i0, i1
     int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
                     const void *v, const void *mask, float *out, float *w, float *lse,
@@ -372,6 +374,8 @@ cdef inline fa_attn_next task_rows(const Operands *o, const Batch *b, fa_idx t, 
     cdef fa_attn_next r
     cdef fa_idx item = t // nqb
     r.q = q_at(o, b, item)
+    r.k = k_at(o, b, item)
+    r.v = v_at(o, b, item)
     r.i0 = (t % nqb if ascending else nqb - 1 - t % nqb) * qb
     r.i1 = r.i0 + qb if r.i0 + qb < L else L
     return r
@@ -393,12 +397,12 @@ cdef int attn_task(int isa, const fa_attn_args *a, const Operands *o, const Batc
         nxt = task_rows(o, b, t + nthreads, nqb, qb, a.L, ascending)
         hint = &nxt
     if o.elsize == 4:
-        return fa_attn_f32(<fa_isa>isa, &ai, <float *>cur.q, <float *>k_at(o, b, item),
-                           <float *>v_at(o, b, item), m_at(o, b, item),
+        return fa_attn_f32(<fa_isa>isa, &ai, <float *>cur.q, <float *>cur.k,
+                           <float *>cur.v, m_at(o, b, item),
                            <float *>o_at(o, b, item), <float *>w_at(o, b, item),
                            <float *>lse_at(o, b, item), cur.i0, cur.i1, hint, work)
-    return fa_attn_f64(<fa_isa>isa, &ai, <double *>cur.q, <double *>k_at(o, b, item),
-                       <double *>v_at(o, b, item), m_at(o, b, item),
+    return fa_attn_f64(<fa_isa>isa, &ai, <double *>cur.q, <double *>cur.k,
+                       <double *>cur.v, m_at(o, b, item),
                        <double *>o_at(o, b, item), <double *>w_at(o, b, item),
                        <double *>lse_at(o, b, item), cur.i0, cur.i1, hint, work)
 
