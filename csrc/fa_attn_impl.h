@@ -71,9 +71,11 @@ static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_nex
         next->v != NULL && next->k != k) {
         fa_idx b, e;
         FA_NAME(key_range)(a, next->i0, next->i1, &b, &e);
-        h.k = (const T *)next->k + b * a->k_ss;
-        h.v = (const T *)next->v + b * a->v_ss;
-        h.kv_rows = e - b < FA_KB ? e - b : FA_KB;
+        if (e > b) {
+            h.k = (const T *)next->k + b * a->k_ss;
+            h.v = (const T *)next->v + b * a->v_ss;
+            h.kv_rows = e - b < FA_KB ? e - b : FA_KB;
+        }
     }
     return h;
 }
