@@ -268,6 +268,28 @@ def check_real(x: object, name: str) -> float:
     return x
 
 
+def check_finite_in(values: object, name: str, compute: np.dtype[Any],
+                    allow_neg_inf: bool = False) -> None:
+    """ValueError unless every value stays finite once rounded to compute, the
+    dtype the kernels compute in (1e300 is finite in float64, inf in
+    float32); -inf passes where allowed."""
+    x = np.asarray(values, np.float64)
+    big = np.abs(x) > float(np.finfo(compute).max)
+    if allow_neg_inf:
+        big &= x != -np.inf
+    if big.any():
+        raise ValueError(f"{name} must be finite in {np.dtype(compute).name}, the dtype computed "
+                         f"in; got {x[big].flat[0]}")
+
+
+def check_scale(scale: object, E: int, compute: np.dtype[Any]) -> float:
+    """The scale the kernels take: 1/sqrt(E) when None (PyTorch's default),
+    else a real number finite in the dtype computed in."""
+    x = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else check_real(scale, "scale")
+    check_finite_in(x, "scale", compute)
+    return x
+
+
 def check_index(x: object, name: str, minimum: int) -> int:
     if isinstance(x, (bool, np.bool_)) or not hasattr(x, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")

@@ -37,9 +37,11 @@ def window(window_size: object, L: int, S: int) -> tuple[int, int]:
     return (-1 if left >= L + S else left), (-1 if right >= L + S else right)
 
 
-def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.float64]:
+def per_head(x: object, name: str, batch: C.Shape, finite: bool,
+             compute: np.dtype[Any]) -> NDArray[np.float64]:
     """One float64 value per head: x of shape (Hq,) or (B, Hq), seen with the
-    batch shape (..., Hq) of the call (B its first axis)."""
+    batch shape (..., Hq) of the call (B its first axis); finite, or real or
+    -inf, in the dtype computed in."""
     a = np.asarray(C.require_array(x, name))
     if (a.dtype.kind not in "fiu" or a.dtype == np.bool_) and not C.is_half(a.dtype):
         raise TypeError(f"{name} has dtype {a.dtype}; expected a real dtype")
@@ -54,6 +56,7 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.f
     if bad.any():
         raise ValueError(f"{name} must be {'finite' if finite else 'real or -inf'}, "
                          f"got {values[bad][0]}")
+    C.check_finite_in(values, name, compute, allow_neg_inf=not finite)
     if values.ndim == 2:  # (B, Hq): B the first batch axis
         values = values.reshape((batch[0],) + (1,) * (len(batch) - 2) + (Hq,))
     return np.broadcast_to(values, batch)
@@ -61,7 +64,9 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.f
 
 def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[Any]],
           softcap: Optional[float], sinks: Optional[NDArray[Any]], batch: C.Shape, L: int,
-          S: int) -> Variants:
+          S: int, compute: np.dtype[Any]) -> Variants:
+    """The variants as the kernels take them; each value must be finite in
+    compute, the dtype they compute in (float32 or float64)."""
     if window_size is None and alibi_slopes is None and softcap is None and sinks is None:
         return NONE  # the common call: nothing to check or convert
     left, right = (-1, -1) if window_size is None else window(window_size, L, S)
@@ -70,8 +75,10 @@ def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[A
         cap = C.check_real(softcap, "softcap")
         if cap <= 0:
             raise ValueError(f"softcap must be > 0 (None: no soft-cap), got {cap}")
-    slopes = None if alibi_slopes is None else per_head(alibi_slopes, "alibi_slopes", batch, True)
-    sink = None if sinks is None else per_head(sinks, "sinks", batch, False)
+        C.check_finite_in(cap, "softcap", compute)
+    slopes = (None if alibi_slopes is None
+              else per_head(alibi_slopes, "alibi_slopes", batch, True, compute))
+    sink = None if sinks is None else per_head(sinks, "sinks", batch, False, compute)
     if slopes is not None and not slopes.any():
         slopes = None  # all zero: no bias
     return Variants(left, right, cap, slopes, sink)

@@ -304,12 +304,13 @@ def scaled_dot_product_attention(
     ValueError
         Shapes that do not agree or broadcast, Hq not a multiple of Hkv,
         E or Ev above 2**20, broadcast shapes with more elements than a
-        64-bit index addresses, dropout_p != 0, a scale that is not finite in
-        the dtype computed in (float32 or float64), a bad
+        64-bit index addresses, dropout_p != 0, a bad
         ``out`` (wrong shape, read-only, overlapping an input or itself), an
         unknown causal_alignment, num_threads outside 1..MAX_THREADS, a
-        window side below -1, softcap <= 0 or not finite, alibi_slopes or
-        sinks of the wrong shape, alibi_slopes not finite, sinks NaN or +inf.
+        window side below -1, softcap <= 0, alibi_slopes or sinks of the
+        wrong shape, sinks NaN or +inf; a scale, softcap or alibi slope, or
+        a sink other than -inf, that is not finite in the dtype computed in
+        (float32 or float64: 1e300 is finite only in float64).
 
     The caller's arrays are never modified.
     """
@@ -376,10 +377,7 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     if causal_alignment not in _ALIGNMENTS:
         raise ValueError(f"causal_alignment must be 'upper_left' or 'lower_right', "
                          f"got {causal_alignment!r}")
-    scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else C.check_real(scale, "scale")
-    if abs(scale) > float(np.finfo(compute).max):
-        raise ValueError(f"scale must be finite in {compute.name}, the dtype computed in; got "
-                         f"{scale}")
+    scale = C.check_scale(scale, E, compute)
     nthreads = _runtime.resolve_threads(num_threads)
 
     if gqa:
@@ -423,7 +421,7 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
                              f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}"
                              f"{_padding_mask_hint(mask.shape, target)}") from None
 
-    variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S)
+    variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S, compute)
 
     out_shape = batch + (L, Ev)
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}

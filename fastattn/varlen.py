@@ -1,7 +1,6 @@
 """varlen_attention: attention over packed sequences of different lengths."""
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -106,13 +105,13 @@ def varlen_attention(
     if causal_alignment not in ("upper_left", "lower_right"):
         raise ValueError(f"causal_alignment must be 'upper_left' or 'lower_right', "
                          f"got {causal_alignment!r}")
-    scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else C.check_real(scale, "scale")
+    scale = C.check_scale(scale, E, dtype)
     nthreads = _runtime.resolve_threads(num_threads)
     lengths = int(max(np.diff(cu_q).max(initial=0), 1)), int(max(np.diff(cu_k).max(initial=0), 1))
-    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths)
+    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths, dtype)
     slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
     sink = None if sinks is None else np.ascontiguousarray(
-        _variants.per_head(sinks, "sinks", (Hq,), finite=False))
+        _variants.per_head(sinks, "sinks", (Hq,), False, dtype))
 
     out_shape = (total_q, Hq, Ev)
     if out is None:

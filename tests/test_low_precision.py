@@ -187,6 +187,25 @@ def test_scale_must_be_finite_in_the_dtype_computed_in():
     assert np.isfinite(sdpa(*(a.astype(np.float64) for a in (q, q, q)), scale=1e300)).all()
 
 
+@pytest.mark.parametrize("option, value", [("softcap", 1e300), ("alibi_slopes", np.array([1e39])),
+                                           ("sinks", np.array([1e39])), ("scale", 1e39)])
+def test_options_must_be_finite_in_the_dtype_computed_in(option, value):
+    """float32 kernels round the options to float32: 1e39 would be inf there
+    and give NaN rows (softcap: x / inf * inf; ALiBi: inf * 0 at the
+    diagonal), so the call refuses it; float64 computes it."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 4, 8)) for _ in range(3))
+    cu = np.array([0, 4])
+    with pytest.raises(ValueError, match=f"{option} must be finite in float32"):
+        sdpa(*(a.astype(np.float32) for a in (q, k, v)), **{option: value})
+    with pytest.raises(ValueError, match=f"{option} must be finite in float32"):
+        fastattn.varlen_attention(*(a.astype(np.float32).transpose(1, 0, 2) for a in (q, k, v)),
+                                  cu, cu, **{option: value})
+    got = sdpa(q, k, v, **{option: value})
+    exact = ref.scaled_dot_product_attention(q, k, v, **{option: value})
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-13)
+
+
 def test_half_out_must_have_the_inputs_dtype():
     q = np.zeros((1, 4, 8), np.float16)
     with pytest.raises(TypeError, match="out"):
