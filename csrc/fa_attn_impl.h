@@ -47,58 +47,74 @@ static fa_idx FA_NAME(tile_rows)(fa_idx n, fa_idx r)
     return left <= FA_MR ? left : left < FA_MR + FA_MR / 2 ? (left + 1) / 2 : FA_MR;
 }
 
-/* The next call's queries, and its first key block when it starts a new
- * head (fa_attn_next), asked into L2 by fetch_early: the hardware
- * prefetcher cannot guess where a new head starts (the key block: minilm-
- * batch, AVX2, 1 thread, 3 % faster).  (Asked into L1 during the values of
- * this call's last block only, they made bert-base and minilm-batch 2-6 %
- * slower.) */
+/* Lines asked into L2 (L1 keeps this call's keys) while the values are
+ * summed, a few per product (fetch_some; a burst waits for fill buffers),
+ * so that neither this call's end nor the next call's start waits for
+ * memory: this call's output rows, then the next call's queries, then its
+ * first key block when it starts a new head (fa_attn_next; the hardware
+ * prefetcher cannot guess where a new head starts).  With a short sweep (a
+ * sliding window of 1024: 9 key blocks) the misses on the output and the
+ * queries were 2 % of the time (AVX-512, 1 thread); with one key block
+ * (S <= 128) and inputs beyond L2, up to 10 % (minilm-batch, AVX2, 1
+ * thread), the key block 3 % more.  (Asked into L1 during the values of
+ * the last block only, they made bert-base and minilm-batch 2-6 % slower.)
+ * A cursor per stream walks its lines, all four streams at the same pace
+ * (one after the other, the key block came too late: minilm-batch 6 %
+ * slower), without a division per product (2 % of head-128's time). */
 typedef struct {
-    const T *q;
-    fa_idx q_rows;
-    const T *k, *v;
-    fa_idx kv_rows;
+    const char *base[4];         /* the output's rows, the next q, k and v */
+    fa_idx rows[4], ls[4], len[4]; /* rows, bytes between rows, bytes per row */
+    fa_idx r[4], off[4];         /* the cursors: row, byte in the row */
+    fa_idx quota[4];             /* lines per product */
 } FA_NAME(ahead);
 
-static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_next *next, const void *k)
+static void FA_NAME(ahead_stream)(FA_NAME(ahead) *h, int s, const void *base, fa_idx rows,
+                                  fa_idx ls, fa_idx es, fa_idx n)
 {
-    FA_NAME(ahead) h = {NULL, 0, NULL, NULL, 0};
-    if (next != NULL && next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE) {
-        h.q = (const T *)next->q + next->i0 * a->q_ls;
-        h.q_rows = next->i1 - next->i0;
-    }
+    const fa_idx size = (fa_idx)sizeof(T);
+    h->base[s] = (const char *)base;
+    h->rows[s] = es == 1 && n > 0 ? rows : 0; /* rows of contiguous elements only */
+    h->ls[s] = ls * size;
+    h->len[s] = n * size;
+}
+
+/* The lines of this call's output rows i0..i1-1 and of the next call,
+ * spread over `parts` products. */
+static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_next *next,
+                                        const void *k, T *out, fa_idx i0, fa_idx i1, fa_idx parts)
+{
+    FA_NAME(ahead) h;
+    memset(&h, 0, sizeof h);
+    FA_NAME(ahead_stream)(&h, 0, out + i0 * a->o_ls, i1 - i0, a->o_ls, a->o_es, a->Ev);
+    if (next != NULL && next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE)
+        FA_NAME(ahead_stream)(&h, 1, (const T *)next->q + next->i0 * a->q_ls, next->i1 - next->i0,
+                              a->q_ls, a->q_es, a->E);
     if (next != NULL && next->i1 > next->i0 && a->kv_store == FA_STORE_NATIVE && next->k != NULL &&
         next->v != NULL && next->k != k) {
         fa_idx b, e;
         FA_NAME(key_range)(a, next->i0, next->i1, &b, &e);
         if (e > b) {
-            h.k = (const T *)next->k + b * a->k_ss;
-            h.v = (const T *)next->v + b * a->v_ss;
-            h.kv_rows = e - b < FA_KB ? e - b : FA_KB;
+            const fa_idx n = e - b < FA_KB ? e - b : FA_KB;
+            FA_NAME(ahead_stream)(&h, 2, (const T *)next->k + b * a->k_ss, n, a->k_ss, a->k_es, a->E);
+            FA_NAME(ahead_stream)(&h, 3, (const T *)next->v + b * a->v_ss, n, a->v_ss, a->v_es, a->Ev);
         }
+    }
+    for (int s = 0; s < 4; ++s) {
+        const fa_idx lines = h.rows[s] * ((h.len[s] + 63) / 64);
+        h.quota[s] = parts > 0 ? (lines + parts - 1) / parts : 0;
     }
     return h;
 }
 
-/* Share `part` of `parts` of the next call's queries and of this call's
- * output rows i0..i1-1, asked into L2 only (L1 keeps this call's keys) while
- * the values are summed, a few lines per product (a burst waits for fill
- * buffers): with a short sweep (a sliding window of 1024: 9 key blocks) the
- * misses on both, left to the last block and to the output's transpose,
- * were 2 % of the time (AVX-512, 1 thread); with one key block (S <= 128)
- * and inputs beyond L2, up to 10 % (minilm-batch, AVX2, 1 thread). */
-static void FA_NAME(fetch_early)(const fa_attn_args *a, const FA_NAME(ahead) *h, const T *out,
-                                 fa_idx i0, fa_idx i1, fa_idx part, fa_idx parts)
+/* The next quota of lines of each stream. */
+static void FA_NAME(fetch_some)(FA_NAME(ahead) *h)
 {
-    const fa_idx step = 64 / (fa_idx)sizeof(T), nq = i1 - i0;
-    for (fa_idx r = h->q_rows * part / parts; a->q_es == 1 && r < h->q_rows * (part + 1) / parts; ++r)
-        for (fa_idx e = 0; e < a->E; e += step) FA_PREFETCH_L2(h->q + r * a->q_ls + e);
-    for (fa_idx r = nq * part / parts; a->o_es == 1 && r < nq * (part + 1) / parts; ++r)
-        for (fa_idx e = 0; e < a->Ev; e += step) FA_PREFETCH_L2(out + (i0 + r) * a->o_ls + e);
-    for (fa_idx r = h->kv_rows * part / parts; a->k_es == 1 && r < h->kv_rows * (part + 1) / parts; ++r)
-        for (fa_idx e = 0; e < a->E; e += step) FA_PREFETCH_L2(h->k + r * a->k_ss + e);
-    for (fa_idx r = h->kv_rows * part / parts; a->v_es == 1 && r < h->kv_rows * (part + 1) / parts; ++r)
-        for (fa_idx e = 0; e < a->Ev; e += step) FA_PREFETCH_L2(h->v + r * a->v_ss + e);
+    for (int s = 0; s < 4; ++s)
+        for (fa_idx n = h->quota[s]; n > 0 && h->r[s] < h->rows[s]; --n) {
+            FA_PREFETCH_L2(h->base[s] + h->r[s] * h->ls[s] + h->off[s]);
+            h->off[s] += 64;
+            if (h->off[s] >= h->len[s]) h->off[s] = 0, ++h->r[s];
+        }
 }
 
 /* Key and value tiles converted from their storage (fa_load_impl.h): KB
@@ -263,7 +279,6 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     T *panel = bm + ld;         /* FA_KB x EP, then FA_KB x EvP: converted tiles */
     T *vpanel = panel + FA_KB * FA_EP(a);
     T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
-    const FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, next, k);
 
     if (nq <= 0) return;
     if (nq <= FA_ROWS_MAX) {
@@ -302,9 +317,11 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
 
     fa_idx chunks = 0; /* register tiles of the output's Ev rows */
     for (fa_idx c = 0; c < Ev; c += FA_NAME(tile_rows)(Ev, c)) ++chunks;
-    /* fetch_early's lines are spread over the values' products of the key
-     * blocks before the last, or of the only one */
+    /* the lines ahead are spread over the values' products of the key
+     * blocks before the last, or of the only one (the last block's take
+     * what skipped blocks left) */
     const fa_idx fetch_blocks = s_end - s_begin <= FA_KB ? 1 : (s_end - s_begin - 1) / FA_KB;
+    FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, next, k, out, i0, i1, fetch_blocks * chunks * (ld / FA_NR));
     for (fa_idx s0 = s_begin; s0 < s_end; s0 += FA_KB) {
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
         if (!FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel)) continue;
@@ -338,13 +355,10 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
         const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
-        for (fa_idx c = 0, mr, chunk = 0; c < Ev; c += mr, ++chunk) {
+        for (fa_idx c = 0, mr; c < Ev; c += mr) {
             mr = FA_NAME(tile_rows)(Ev, c);
             for (fa_idx p = 0; p < ld; p += FA_NR) {
-                const fa_idx block = (s0 - s_begin) / FA_KB, groups = ld / FA_NR;
-                if (block < fetch_blocks)
-                    FA_NAME(fetch_early)(a, &ahead, out, i0, i1, (block * chunks + chunk) * groups + p / FA_NR,
-                                         fetch_blocks * chunks * groups);
+                FA_NAME(fetch_some)(&ahead);
                 /* only the keys these NR queries may see: the others have
                  * weight 0, whose products add nothing */
                 fa_idx lo = 0, hi = nk;
