@@ -47,20 +47,20 @@ static fa_idx FA_NAME(tile_rows)(fa_idx n, fa_idx r)
     return left <= FA_MR ? left : left < FA_MR + FA_MR / 2 ? (left + 1) / 2 : FA_MR;
 }
 
-/* Lines asked into L2 (L1 keeps this call's keys) while the values are
- * summed, a few per product (fetch_some; a burst waits for fill buffers),
- * so that neither this call's end nor the next call's start waits for
- * memory: this call's output rows, then the next call's queries, then its
- * first key block when it starts a new head (fa_attn_next; the hardware
- * prefetcher cannot guess where a new head starts).  With a short sweep (a
- * sliding window of 1024: 9 key blocks) the misses on the output and the
- * queries were 2 % of the time (AVX-512, 1 thread); with one key block
- * (S <= 128) and inputs beyond L2, up to 10 % (minilm-batch, AVX2, 1
- * thread), the key block 3 % more.  (Asked into L1 during the values of
- * the last block only, they made bert-base and minilm-batch 2-6 % slower.)
- * A cursor per stream walks its lines, all four streams at the same pace
- * (one after the other, the key block came too late: minilm-batch 6 %
- * slower), without a division per product (2 % of head-128's time). */
+/* Lines asked into L2 (L1 keeps this call's keys) during the products, a
+ * few per register tile (fetch_some; a burst waits for fill buffers), so
+ * that neither this call's end nor the next call's start waits for memory:
+ * this call's output rows, the next call's queries, and its first key
+ * block when it starts a new head (fa_attn_next; the hardware prefetcher
+ * cannot guess where a new head starts).  With a short sweep (a sliding
+ * window of 1024: 9 key blocks) the misses on the output and the queries
+ * were 2 % of the time (AVX-512, 1 thread); with one key block (S <= 128)
+ * and inputs beyond L2, 8-15 % (minilm-batch, AVX2 and AVX-512, 1 thread).
+ * The caller gives no hint when the operands fit in L2: the lines asked
+ * for are there already, and asking cost bert-base 4-8 %.  A cursor per
+ * stream walks its lines, the four streams at the same pace (one after
+ * the other, the key block came too late), without a division per tile
+ * (four took 2 % of head-128's time). */
 typedef struct {
     const char *base[4];         /* the output's rows, the next q, k and v */
     fa_idx rows[4], ls[4], len[4]; /* rows, bytes between rows, bytes per row */
@@ -79,17 +79,18 @@ static void FA_NAME(ahead_stream)(FA_NAME(ahead) *h, int s, const void *base, fa
 }
 
 /* The lines of this call's output rows i0..i1-1 and of the next call,
- * spread over `parts` products. */
+ * spread over `parts` products; none without a next call. */
 static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_next *next,
                                         const void *k, T *out, fa_idx i0, fa_idx i1, fa_idx parts)
 {
     FA_NAME(ahead) h;
     memset(&h, 0, sizeof h);
+    if (next == NULL) return h;
     FA_NAME(ahead_stream)(&h, 0, out + i0 * a->o_ls, i1 - i0, a->o_ls, a->o_es, a->Ev);
-    if (next != NULL && next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE)
+    if (next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE)
         FA_NAME(ahead_stream)(&h, 1, (const T *)next->q + next->i0 * a->q_ls, next->i1 - next->i0,
                               a->q_ls, a->q_es, a->E);
-    if (next != NULL && next->i1 > next->i0 && a->kv_store == FA_STORE_NATIVE && next->k != NULL &&
+    if (next->i1 > next->i0 && a->kv_store == FA_STORE_NATIVE && next->k != NULL &&
         next->v != NULL && next->k != k) {
         fa_idx b, e;
         FA_NAME(key_range)(a, next->i0, next->i1, &b, &e);
@@ -163,7 +164,8 @@ static int FA_NAME(block_edge)(const fa_attn_args *a, fa_idx i0, fa_idx nq, fa_i
  * (the packed queries) times alpha. */
 static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, const void *k,
                                  const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
-                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm, T *panel)
+                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm, T *panel,
+                                 FA_NAME(ahead) *ahead)
 {
     const T ninf = -(T)INFINITY;
     const int per_key = a->mask_kind != FA_MASK_NONE && a->m_ls == 0;
@@ -213,6 +215,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
                     for (fa_idx j = 0; j < FA_NR; ++j) c[t * ld + j] = ninf;
                 continue;
             }
+            if (ahead) FA_NAME(fetch_some)(ahead);
             if (h > 0)
                 FA_NAME(ukr)((int)mr, h, kr, kt.ss, kt.es, qp + p, ld, c, ld, alpha, 0, NULL);
             FA_NAME(ukr)((int)mr, a->E - h, kr + h * kt.es, kt.ss, kt.es, qp + h * ld + p, ld, c,
@@ -315,16 +318,18 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
      * that zeroes it first (2 % of an S = 128 call) */
     int fresh = 1;
 
-    fa_idx chunks = 0; /* register tiles of the output's Ev rows */
-    for (fa_idx c = 0; c < Ev; c += FA_NAME(tile_rows)(Ev, c)) ++chunks;
-    /* the lines ahead are spread over the values' products of the key
-     * blocks before the last, or of the only one (the last block's take
-     * what skipped blocks left) */
+    /* the lines ahead are spread over the products (register tiles of the
+     * scores and of the output) of the key blocks before the last, or of
+     * the only one; the last block's take what skipped blocks left */
+    fa_idx tiles = 0;
+    for (fa_idx c = 0; c < Ev; c += FA_NAME(tile_rows)(Ev, c)) ++tiles;
+    for (fa_idx r = 0; r < FA_KB; r += FA_NAME(tile_rows)(FA_KB, r)) ++tiles;
     const fa_idx fetch_blocks = s_end - s_begin <= FA_KB ? 1 : (s_end - s_begin - 1) / FA_KB;
-    FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, next, k, out, i0, i1, fetch_blocks * chunks * (ld / FA_NR));
+    FA_NAME(ahead) ahead = FA_NAME(ahead_of)(a, next, k, out, i0, i1, fetch_blocks * tiles * (ld / FA_NR));
     for (fa_idx s0 = s_begin; s0 < s_end; s0 += FA_KB) {
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
-        if (!FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel)) continue;
+        if (!FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel, &ahead))
+            continue;
 
         int rescale = 0;
         for (fa_idx j = 0; j < ld; ++j) {
@@ -397,7 +402,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_KB) {
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
-                            FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel);
+                            FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel, NULL);
         if (visible) /* exp(z - m); bl is unused here */
             FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl,
                                FA_NAME(block_edge)(a, i0, nq, s0, nk) || a->mask_kind != FA_MASK_NONE);

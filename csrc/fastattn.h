@@ -95,9 +95,11 @@ typedef struct {
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
  * queries (rows i0..i1-1), keys and values: the kernel asks the cache for
- * the queries, and for the first key block when the keys are another
- * head's, while it sums its values, so the next call does not start cold.
- * Only a hint: it never changes a result, and may be NULL. */
+ * its own output rows, the next queries, and the first key block when the
+ * keys are another head's, during its products, so that neither its end
+ * nor the next call's start waits for memory.  Only a hint: it never
+ * changes a result; NULL (nothing asked for) suits operands that fit in
+ * L2, where asking only costs time. */
 typedef struct {
     const void *q;               /* as the q of that call */
     const void *k, *v;           /* as its k and v */

@@ -147,6 +147,28 @@ STORE_I8 = <int>FA_STORE_I8
 ATTN_MAX_FEATURES = FA_ATTN_MAX_FEATURES
 
 
+cdef extern from *:
+    """
+    #if defined(__unix__) || defined(__APPLE__)
+    #include <unistd.h>
+    #endif
+    /* One core's L2 cache in bytes where the C library tells (glibc), else 1 MiB. */
+    static long fa_l2_bytes(void)
+    {
+    #ifdef _SC_LEVEL2_CACHE_SIZE
+        const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        if (n > 0) return n;
+    #endif
+        return 1L << 20;
+    }
+    """
+    long fa_l2_bytes()
+
+
+# Operands beyond the L2 of the threads used get prefetch hints (Operands.ahead).
+cdef Py_ssize_t L2_BYTES = fa_l2_bytes()
+
+
 def cpu_has_avx2_fma():
     return bool(fa_cpu_has_avx2_fma())
 
@@ -295,6 +317,7 @@ cdef struct Operands:
     char *sink     # float64 per item: sink logits
     char *ksc      # float32 per key/value item and position: int8 key scales
     char *vsc      # and value scales
+    bint ahead     # operands beyond the threads' L2: hints for the next task
     fa_idx qs[MAXDIM]
     fa_idx ks[MAXDIM]
     fa_idx vs[MAXDIM]
@@ -393,7 +416,7 @@ cdef int attn_task(int isa, const fa_attn_args *a, const Operands *o, const Batc
     cdef fa_attn_args ai = item_args(a, o, b, item)
     # the task this thread most likely takes next: prefetched as this one
     # ends (only a hint; no result depends on it)
-    if t + nthreads < ntasks:
+    if o.ahead and t + nthreads < ntasks:
         nxt = task_rows(o, b, t + nthreads, nqb, qb, a.L, ascending)
         hint = &nxt
     if o.elsize == 4:
@@ -501,6 +524,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         split_attention(isa, &a, &b, &o, nsplit, work_bytes, nthreads)
         return
     nthreads = min(nthreads, ntasks)  # do not wake threads that would get no work
+    o.ahead = q.nbytes + k.nbytes + v.nbytes + out.nbytes > L2_BYTES * nthreads
     stop_init(&stop)
     if nthreads == 1:  # the same tasks in order, without a parallel region: entering one
         with nogil:    # costs some 0.4 us, a tenth of a small call

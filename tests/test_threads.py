@@ -35,6 +35,21 @@ def test_attention_thread_counts(simd, big, causal):
         np.testing.assert_array_equal(w, results[0][1])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_beyond_l2_matches_calls_per_head(simd, rng, threads):
+    """Operands beyond the threads' L2 (10 MiB here) make the kernels ask the
+    cache for the next task's rows (prefetch hints); per head they fit and
+    get none: the results must be the same bits."""
+    H, L, S, E = 64, 512, 128, 32
+    q = rng.standard_normal((H, L, E)).astype(np.float32)
+    k, v = (rng.standard_normal((H, S, E)).astype(np.float32) for _ in range(2))
+    out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=threads)
+    for h in range(0, H, 8):
+        np.testing.assert_array_equal(
+            out[h], fastattn.scaled_dot_product_attention(q[h], k[h], v[h], is_causal=True,
+                                                          num_threads=threads))
+
+
 def test_ops_thread_counts(simd, rng, dtype):
     a = rng.standard_normal((3, 200, 300)).astype(dtype)
     b = rng.standard_normal((300, 270)).astype(dtype)
