@@ -262,24 +262,26 @@ def check_real(x: object, name: str) -> float:
     """A finite real number (not a bool)."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x}")
-    return x
+    try:
+        y = float(x)
+    except OverflowError:  # an int beyond float64
+        raise ValueError(f"{name} must be finite, got {x}") from None
+    if not math.isfinite(y):
+        raise ValueError(f"{name} must be finite, got {y}")
+    return y
 
 
-def check_finite_in(values: object, name: str, compute: np.dtype[Any],
-                    allow_neg_inf: bool = False) -> None:
-    """ValueError unless every value stays finite once rounded to compute, the
-    dtype the kernels compute in (1e300 is finite in float64, inf in
-    float32); -inf passes where allowed."""
-    x = np.asarray(values, np.float64)
-    big = np.abs(x) > float(np.finfo(compute).max)
-    if allow_neg_inf:
-        big &= x != -np.inf
+def check_finite_in(values: object, name: str, compute: np.dtype[Any], times: float = 1.0) -> None:
+    """ValueError unless every value (times `times`) stays finite once rounded
+    to compute, the dtype the kernels compute in (1e300 is finite in float64,
+    inf in float32)."""
+    x = np.asarray(values, np.float64) * times
+    with np.errstate(over="ignore"):
+        big = np.isinf(x.astype(compute))
     if big.any():
-        raise ValueError(f"{name} must be finite in {np.dtype(compute).name}, the dtype computed "
-                         f"in; got {x[big].flat[0]}")
+        what = name if times == 1 else f"{name} x {times:g}"
+        raise ValueError(f"{what} must be finite in {np.dtype(compute).name}, the dtype computed "
+                         f"in; got {x[big].flat[0] / times}" + ("" if times == 1 else f" x {times:g}"))
 
 
 def check_scale(scale: object, E: int, compute: np.dtype[Any]) -> float:

@@ -37,11 +37,9 @@ def window(window_size: object, L: int, S: int) -> tuple[int, int]:
     return (-1 if left >= L + S else left), (-1 if right >= L + S else right)
 
 
-def per_head(x: object, name: str, batch: C.Shape, finite: bool,
-             compute: np.dtype[Any]) -> NDArray[np.float64]:
+def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.float64]:
     """One float64 value per head: x of shape (Hq,) or (B, Hq), seen with the
-    batch shape (..., Hq) of the call (B its first axis); finite, or real or
-    -inf, in the dtype computed in."""
+    batch shape (..., Hq) of the call (B its first axis)."""
     a = np.asarray(C.require_array(x, name))
     if (a.dtype.kind not in "fiu" or a.dtype == np.bool_) and not C.is_half(a.dtype):
         raise TypeError(f"{name} has dtype {a.dtype}; expected a real dtype")
@@ -56,7 +54,6 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool,
     if bad.any():
         raise ValueError(f"{name} must be {'finite' if finite else 'real or -inf'}, "
                          f"got {values[bad][0]}")
-    C.check_finite_in(values, name, compute, allow_neg_inf=not finite)
     if values.ndim == 2:  # (B, Hq): B the first batch axis
         values = values.reshape((batch[0],) + (1,) * (len(batch) - 2) + (Hq,))
     return np.broadcast_to(values, batch)
@@ -65,8 +62,10 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool,
 def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[Any]],
           softcap: Optional[float], sinks: Optional[NDArray[Any]], batch: C.Shape, L: int,
           S: int, compute: np.dtype[Any]) -> Variants:
-    """The variants as the kernels take them; each value must be finite in
-    compute, the dtype they compute in (float32 or float64)."""
+    """The variants as the kernels take them, in compute, the dtype they
+    compute in (float32 or float64): the softcap finite and not 0 there, and
+    each ALiBi bias, up to slope x (L + S), finite there.  (Sinks beyond
+    float32's range round to +-inf, the limits they stand for.)"""
     if window_size is None and alibi_slopes is None and softcap is None and sinks is None:
         return NONE  # the common call: nothing to check or convert
     left, right = (-1, -1) if window_size is None else window(window_size, L, S)
@@ -76,9 +75,13 @@ def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[A
         if cap <= 0:
             raise ValueError(f"softcap must be > 0 (None: no soft-cap), got {cap}")
         C.check_finite_in(cap, "softcap", compute)
-    slopes = (None if alibi_slopes is None
-              else per_head(alibi_slopes, "alibi_slopes", batch, True, compute))
-    sink = None if sinks is None else per_head(sinks, "sinks", batch, False, compute)
+        if compute.type(cap) == 0:  # x / 0 is NaN at a score of 0
+            raise ValueError(f"softcap must be > 0 in {compute.name}, the dtype computed in; "
+                             f"got {cap}")
+    slopes = None if alibi_slopes is None else per_head(alibi_slopes, "alibi_slopes", batch, True)
+    if slopes is not None:  # a bias of +inf gives NaN rows, -inf hides keys the reference sees
+        C.check_finite_in(slopes, "alibi_slopes", compute, times=float(L + S))
+    sink = None if sinks is None else per_head(sinks, "sinks", batch, False)
     if slopes is not None and not slopes.any():
         slopes = None  # all zero: no bias
     return Variants(left, right, cap, slopes, sink)

@@ -308,9 +308,10 @@ def scaled_dot_product_attention(
         ``out`` (wrong shape, read-only, overlapping an input or itself), an
         unknown causal_alignment, num_threads outside 1..MAX_THREADS, a
         window side below -1, softcap <= 0, alibi_slopes or sinks of the
-        wrong shape, sinks NaN or +inf; a scale, softcap or alibi slope, or
-        a sink other than -inf, that is not finite in the dtype computed in
-        (float32 or float64: 1e300 is finite only in float64).
+        wrong shape, sinks NaN or +inf; a scale or softcap that is not
+        finite in the dtype computed in (float32 or float64: 1e300 is finite
+        only in float64), a softcap that rounds to 0 there, an alibi slope
+        whose bias at distance L + S is not finite there.
 
     The caller's arrays are never modified.
     """

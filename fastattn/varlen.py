@@ -111,7 +111,7 @@ def varlen_attention(
     variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths, dtype)
     slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
     sink = None if sinks is None else np.ascontiguousarray(
-        _variants.per_head(sinks, "sinks", (Hq,), False, dtype))
+        _variants.per_head(sinks, "sinks", (Hq,), finite=False))
 
     out_shape = (total_q, Hq, Ev)
     if out is None:

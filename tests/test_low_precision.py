@@ -187,23 +187,43 @@ def test_scale_must_be_finite_in_the_dtype_computed_in():
     assert np.isfinite(sdpa(*(a.astype(np.float64) for a in (q, q, q)), scale=1e300)).all()
 
 
-@pytest.mark.parametrize("option, value", [("softcap", 1e300), ("alibi_slopes", np.array([1e39])),
-                                           ("sinks", np.array([1e39])), ("scale", 1e39)])
-def test_options_must_be_finite_in_the_dtype_computed_in(option, value):
-    """float32 kernels round the options to float32: 1e39 would be inf there
-    and give NaN rows (softcap: x / inf * inf; ALiBi: inf * 0 at the
-    diagonal), so the call refuses it; float64 computes it."""
+@pytest.mark.parametrize("option, value, message", [
+    ("softcap", 1e300, "softcap must be finite in float32"),
+    ("softcap", 1e-50, "softcap must be > 0 in float32"),
+    ("alibi_slopes", np.array([1e39]), "alibi_slopes x 8 must be finite in float32"),
+    ("alibi_slopes", np.array([-1e38]), "alibi_slopes x 8 must be finite in float32"),
+    ("scale", 1e39, "scale must be finite in float32"),
+    ("scale", 10 ** 400, "scale must be finite, got 1000"),
+])
+def test_options_must_be_representable_in_the_dtype_computed_in(option, value, message):
+    """float32 kernels round the options to float32, where these would give
+    NaN rows (softcap: x / inf * inf or 0 / 0; ALiBi: inf * 0 at the
+    diagonal, or +inf biases), so the call refuses them; float64 computes
+    them, but for the int beyond float64."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 4, 8)) for _ in range(3))
     cu = np.array([0, 4])
-    with pytest.raises(ValueError, match=f"{option} must be finite in float32"):
+    with pytest.raises(ValueError, match=message):
         sdpa(*(a.astype(np.float32) for a in (q, k, v)), **{option: value})
-    with pytest.raises(ValueError, match=f"{option} must be finite in float32"):
+    with pytest.raises(ValueError, match=message):
         fastattn.varlen_attention(*(a.astype(np.float32).transpose(1, 0, 2) for a in (q, k, v)),
                                   cu, cu, **{option: value})
+    if isinstance(value, int):
+        return
     got = sdpa(q, k, v, **{option: value})
     exact = ref.scaled_dot_product_attention(q, k, v, **{option: value})
     np.testing.assert_allclose(got, exact, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("sink", [1e39, -1e39, 1e300, -1e300])
+def test_sinks_beyond_float32_act_as_their_limit(sink):
+    """A sink logit beyond float32's range rounds to +-inf there: all weight
+    to the sink (a zero output) or none, as the float64 reference gives."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 5, 8)) for _ in range(3))
+    got = sdpa(*(a.astype(np.float32) for a in (q, k, v)), sinks=np.array([sink, 0.5]))
+    exact = ref.scaled_dot_product_attention(q, k, v, sinks=np.array([sink, 0.5]))
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-6)  # float32 (eps 1.2e-7), 5 keys
 
 
 def test_half_out_must_have_the_inputs_dtype():
