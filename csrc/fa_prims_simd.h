@@ -496,8 +496,11 @@ static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, cons
 
 /* sum over c of x[c] * y[c], both contiguous, y stored as st: the same
  * operations in the same order whatever st, so that converting y first
- * gives the same bits */
-static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y)
+ * gives the same bits.  Each partial sum is multiplied by scale before
+ * they are added (exact when scale is 1): a dot product beyond T's range
+ * that the scale brings back then stays finite. */
+static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y,
+                                            T scale)
 {
     fa_idx c = 0;
     V s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
@@ -508,7 +511,16 @@ static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T
         s3 = VFMA(VLOAD(x + c + 3 * VLEN), FA_NAME(vload_st)(st, y, c + 3 * VLEN), s3);
     }
     for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), FA_NAME(vload_st)(st, y, c), s0);
+    if (scale != 1) {
+        const V sc = VSET1(scale);
+        s0 = VMUL(s0, sc), s1 = VMUL(s1, sc), s2 = VMUL(s2, sc), s3 = VMUL(s3, sc);
+    }
     T s = VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));
+    if (scale != 1) {
+        T tail = 0;
+        for (; c < n; ++c) tail += x[c] * FA_NAME(st_get)(st, y, c);
+        return s + scale * tail;
+    }
     for (; c < n; ++c) s += x[c] * FA_NAME(st_get)(st, y, c);
     return s;
 }

@@ -92,6 +92,24 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq
     }
 }
 
+/* scale * q_t . k_key (w.qs holds q_t), each partial sum scaled before
+ * they are added, for a score whose dot product came out inf or NaN: the
+ * block kernel scales each half of a score before adding them, so a product
+ * beyond T's range that the scale brings back stays finite there, and so it
+ * must here (the same result for any L). */
+static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
+                                  const void *k, fa_idx t, fa_idx key)
+{
+    const void *row = FA_NAME(st_at)(a->kv_store, k, key * a->k_ss);
+    fa_store st = a->kv_store;
+    if (a->k_es != 1) { /* copied contiguous, as for the products */
+        FA_NAME(load_row)(st, a->E, row, a->k_es, w->gather);
+        row = w->gather;
+        st = FA_STORE_NATIVE;
+    }
+    return FA_NAME(dot_body)(st, a->E, w->qs + t * FA_EP(a), row, (T)a->scale);
+}
+
 /* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;
  * w.qs holds the query rows.  The value rows of these keys, when v is not
  * NULL, are asked for into L2 meanwhile: the sum over them follows. */
@@ -129,8 +147,13 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     }
     for (fa_idx r = 0; r < nk; ++r) { /* int8: times the row's scale */
         const T f = st == FA_STORE_I8 ? (T)a->k_scale[(s0 + r) * a->ksc_s] : 1;
-        for (fa_idx t = 0; t < nq; ++t)
-            s[t * FA_RB + r] = scale * (st == FA_STORE_I8 ? f * s[t * FA_RB + r] : s[t * FA_RB + r]);
+        for (fa_idx t = 0; t < nq; ++t) {
+            T *z = s + t * FA_RB + r;
+            if (*z - *z == 0)
+                *z = scale * (st == FA_STORE_I8 ? f * *z : *z);
+            else /* inf or NaN: perhaps a sum beyond T's range */
+                *z = f * FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
+        }
     }
     /* the rest of the per-score stage; nothing to do past the soft-cap
      * without a mask or ALiBi in a block the bounds leave whole */

@@ -401,18 +401,24 @@ def test_float_mask_beyond_float32_range_is_quiet(rng):
     assert_close(out, r, np.float32, 7, magnitude=4)
 
 
-@pytest.mark.parametrize("E", [64, 128])
-def test_scale_brings_an_overflowing_product_back(simd, E):
+@pytest.mark.parametrize("E", [64, 65, 128])
+@pytest.mark.parametrize("L", [1, 4, 64])
+@pytest.mark.parametrize("strided", [False, True])
+def test_scale_brings_an_overflowing_product_back(simd, E, L, strided):
     # q.k = 5.8e38 is beyond float32, scale * q.k = 58 is not: the block
-    # kernel scales each half of a long score before adding them, so the
-    # score stays finite (as the float64 reference and PyTorch give)
-    L, S = 64, 2
+    # kernel (L = 64) scales each half of a long score before adding them,
+    # the row kernel (L <= 4: decoding) each partial sum, so the score stays
+    # finite (as the float64 reference and PyTorch give), whatever L and
+    # the keys' strides
+    S = 2
     q = np.full((1, 1, L, E), 3e18 * np.sqrt(64 / E), np.float32)
     k = np.full((1, 1, S, E), 3e18 * np.sqrt(64 / E), np.float32)
     k[0, 0, 1] *= 0.5
     v = np.array([1.0, 2.0], np.float32).reshape(1, 1, S, 1)
-    out = fastattn.scaled_dot_product_attention(q, k, v, scale=1e-37)
     expected = ref.scaled_dot_product_attention(*f64(q, k, v)[:3], scale=1e-37)
+    if strided:  # features 2 apart
+        k = np.repeat(k, 2, axis=-1)[..., ::2]
+    out = fastattn.scaled_dot_product_attention(q, k, v, scale=1e-37)
     assert np.isfinite(out).all()
     assert_close(out, expected, np.float32, S)
 
