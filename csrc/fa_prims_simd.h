@@ -496,9 +496,9 @@ static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, cons
 
 /* sum over c of x[c] * y[c], both contiguous, y stored as st: the same
  * operations in the same order whatever st, so that converting y first
- * gives the same bits.  Each partial sum is multiplied by scale before
- * they are added (exact when scale is 1): a dot product beyond T's range
- * that the scale brings back then stays finite. */
+ * gives the same bits.  Each partial sum, and each product of the tail, is
+ * multiplied by scale before they are added (exact when scale is 1): a dot
+ * product beyond T's range that the scale brings back then stays finite. */
 static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y,
                                             T scale)
 {
@@ -516,12 +516,8 @@ static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T
         s0 = VMUL(s0, sc), s1 = VMUL(s1, sc), s2 = VMUL(s2, sc), s3 = VMUL(s3, sc);
     }
     T s = VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));
-    if (scale != 1) {
-        T tail = 0;
-        for (; c < n; ++c) tail += x[c] * FA_NAME(st_get)(st, y, c);
-        return s + scale * tail;
-    }
-    for (; c < n; ++c) s += x[c] * FA_NAME(st_get)(st, y, c);
+    for (; c < n; ++c) /* the tail's products one by one */
+        s += scale != 1 ? scale * (x[c] * FA_NAME(st_get)(st, y, c)) : x[c] * FA_NAME(st_get)(st, y, c);
     return s;
 }
 

@@ -401,15 +401,16 @@ def test_float_mask_beyond_float32_range_is_quiet(rng):
     assert_close(out, r, np.float32, 7, magnitude=4)
 
 
-@pytest.mark.parametrize("E", [64, 65, 128])
+@pytest.mark.parametrize("E", [8, 32, 64, 65, 128])
 @pytest.mark.parametrize("L", [1, 4, 64])
 @pytest.mark.parametrize("strided", [False, True])
 def test_scale_brings_an_overflowing_product_back(simd, E, L, strided):
     # q.k = 5.8e38 is beyond float32, scale * q.k = 58 is not: the block
-    # kernel (L = 64) scales each half of a long score before adding them,
-    # the row kernel (L <= 4: decoding) each partial sum, so the score stays
-    # finite (as the float64 reference and PyTorch give), whatever L and
-    # the keys' strides
+    # kernel (L = 64) scales each half of a score of E >= 64 before adding
+    # them, the row kernel (L <= 4: decoding; and the block kernel's rows
+    # that came out non-finite) each partial sum and each product of the
+    # tail (E = 8 is all tail on AVX-512), so the score stays finite (as the
+    # float64 reference and PyTorch give), whatever L and the keys' strides
     S = 2
     q = np.full((1, 1, L, E), 3e18 * np.sqrt(64 / E), np.float32)
     k = np.full((1, 1, S, E), 3e18 * np.sqrt(64 / E), np.float32)
