@@ -384,7 +384,7 @@ void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, 
         for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = nan;
         for (fa_idx p = 0; nan == 0 && mx != ninf && p < nsplit; ++p) {
             const T *st = FA_STATE_ROW(states, p, nq, t, Ev);
-            T f = st[0] - mx;
+            T f = st[0] == mx ? 0 : st[0] - mx; /* 0, not inf - inf, at a sink of +inf */
             FA_NAME(vexp)(1, &f, &f);
             if (f == 0) continue;
             l += f * st[1];

@@ -529,7 +529,10 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
     lse = np.stack(ls)                                   # (P, ..., L)
     with np.errstate(invalid="ignore"):                  # -inf - -inf: the where below
         m = lse.max(axis=0)                              # NaN when a part's row is NaN
-        factor = np.exp(lse - np.where(m == -np.inf, 0, m))   # 0 for an empty part
+        # 0 for an empty part; 1 for a part at the maximum, +inf included
+        # (a sink of +inf: inf - inf would be NaN)
+        factor = np.exp(np.where((lse == m) & (m != -np.inf), 0,
+                                 lse - np.where(m == -np.inf, 0, m)))
         total = factor.sum(axis=0)
         values = np.stack([o.astype(compute, copy=False) for o in outs])
         parts = np.where(factor[..., None] == 0, 0, factor[..., None] * values)

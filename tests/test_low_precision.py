@@ -226,6 +226,43 @@ def test_sinks_beyond_float32_act_as_their_limit(sink):
     np.testing.assert_allclose(got, exact, rtol=0, atol=1e-6)  # float32 (eps 1.2e-7), 5 keys
 
 
+@pytest.mark.parametrize("S", [2047, 2048, 5000])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sink_of_inf_takes_all_the_weight_when_keys_are_split(simd, S, threads):
+    """A sink of +inf (1e39 rounds to it in float32) takes all the weight:
+    output 0, lse +inf, weights 0, also when a decoding call's keys are
+    computed in pieces and merged (S >= 2048), where inf - inf gave NaN."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 1, 8))
+    k, v = (rng.standard_normal((1, 2, S, 8)) for _ in range(2))
+    sinks = np.array([1e39, 0.5])
+    out, w, lse = sdpa(*(a.astype(np.float32) for a in (q, k, v)), sinks=sinks,
+                       need_weights=True, return_lse=True, num_threads=threads)
+    r_out, r_w, r_lse = ref.scaled_dot_product_attention(q, k, v, sinks=sinks, need_weights=True,
+                                                         return_lse=True)
+    np.testing.assert_array_equal(out[0, 0], 0)
+    np.testing.assert_array_equal(w[0, 0], 0)
+    assert lse[0, 0, 0] == np.inf
+    # the other head: float32 against float64, S keys (eps 1.2e-7)
+    np.testing.assert_allclose(out, r_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(w, r_w, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(lse[0, 1], r_lse[0, 1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: d.__name__)
+def test_merge_attention_of_a_part_with_lse_inf(dtype):
+    """A part whose lse is +inf (it holds a sink of +inf) takes all the
+    weight of the merge: its output, lse +inf; NaN only where a part is."""
+    o1 = np.zeros((2, 3), dtype)
+    o2 = np.arange(6, dtype=dtype).reshape(2, 3)
+    l1 = np.array([np.inf, np.nan], dtype)
+    l2 = np.array([1.5, 0.0], dtype)
+    out, lse = fastattn.merge_attention([o1, o2], [l1, l2])
+    np.testing.assert_array_equal(out[0], 0)
+    assert lse[0] == np.inf
+    assert np.isnan(out[1]).all() and np.isnan(lse[1])
+
+
 def test_half_out_must_have_the_inputs_dtype():
     q = np.zeros((1, 4, 8), np.float16)
     with pytest.raises(TypeError, match="out"):
