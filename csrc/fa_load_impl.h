@@ -52,7 +52,7 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
         if (r < l1->count) FA_NAME(prefetch_bytes)(l1->p + r * l1->rb, l1->bytes);
         if (r < l2->count)
             for (fa_idx e = 0; e < l2->bytes; e += 64) FA_PREFETCH_L2(l2->p + r * l2->rb + e);
-        for (fa_idx t = 0; t < nq; ++t) s[t * ld + r] = FA_NAME(dot_body)(st, n, x + t * ldx, row, 1);
+        for (fa_idx t = 0; t < nq; ++t) s[t * ld + r] = FA_NAME(dot_body)(st, n, x + t * ldx, row);
     }
 }
 

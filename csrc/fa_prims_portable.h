@@ -228,21 +228,14 @@ static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, cons
 }
 
 /* sum over c of x[c] * y[c] (both contiguous, y stored as st), in eight
- * interleaved partial sums; each partial sum, and each product of the
- * tail, is multiplied by scale before they are added (exact when scale is
- * 1): a dot product beyond T's range that the scale brings back then stays
- * finite */
-static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y,
-                                            T scale)
+ * interleaved partial sums */
+static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y)
 {
     T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     fa_idx c = 0;
     for (; c + 8 <= n; c += 8)
         for (int t = 0; t < 8; ++t) part[t] += x[c + t] * FA_NAME(st_get)(st, y, c + t);
-    if (scale != 1)
-        for (int t = 0; t < 8; ++t) part[t] *= scale;
-    for (; c < n; ++c) /* the tail's products one by one */
-        part[0] += scale != 1 ? scale * (x[c] * FA_NAME(st_get)(st, y, c)) : x[c] * FA_NAME(st_get)(st, y, c);
+    for (; c < n; ++c) part[0] += x[c] * FA_NAME(st_get)(st, y, c);
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 

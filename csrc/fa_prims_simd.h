@@ -496,11 +496,8 @@ static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, cons
 
 /* sum over c of x[c] * y[c], both contiguous, y stored as st: the same
  * operations in the same order whatever st, so that converting y first
- * gives the same bits.  Each partial sum, and each product of the tail, is
- * multiplied by scale before they are added (exact when scale is 1): a dot
- * product beyond T's range that the scale brings back then stays finite. */
-static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y,
-                                            T scale)
+ * gives the same bits */
+static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y)
 {
     fa_idx c = 0;
     V s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
@@ -511,13 +508,8 @@ static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T
         s3 = VFMA(VLOAD(x + c + 3 * VLEN), FA_NAME(vload_st)(st, y, c + 3 * VLEN), s3);
     }
     for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), FA_NAME(vload_st)(st, y, c), s0);
-    if (scale != 1) {
-        const V sc = VSET1(scale);
-        s0 = VMUL(s0, sc), s1 = VMUL(s1, sc), s2 = VMUL(s2, sc), s3 = VMUL(s3, sc);
-    }
     T s = VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));
-    for (; c < n; ++c) /* the tail's products one by one */
-        s += scale != 1 ? scale * (x[c] * FA_NAME(st_get)(st, y, c)) : x[c] * FA_NAME(st_get)(st, y, c);
+    for (; c < n; ++c) s += x[c] * FA_NAME(st_get)(st, y, c);
     return s;
 }
 
