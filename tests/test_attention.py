@@ -424,6 +424,22 @@ def test_scale_brings_an_overflowing_product_back(simd, E, L, strided):
     assert_close(out, expected, np.float32, S)
 
 
+@pytest.mark.parametrize("E", [8, 32, 63, 64, 128])
+@pytest.mark.parametrize("L", [1, 64])
+def test_scale_brings_back_products_near_the_float_limit(simd, E, L):
+    # every product q_e * k_e is about 1e38, so any sum of two overflows;
+    # the scores (scale * q.k = 2.7, 3, 3.3) are ordinary: the same answer
+    # on every path and for any E, whatever sums a path's vectors form
+    c = np.array([0.9, 1.0, 1.1])
+    q = np.full((1, 1, L, E), 1e19, np.float32)
+    k = (c[:, None] * np.full((3, E), 1e19)).astype(np.float32)[None, None]
+    v = np.array([1.0, 2.0, 3.0], np.float32).reshape(1, 1, 3, 1)
+    scale = float(np.float32(3.0 / E / 1e38))
+    out = fastattn.scaled_dot_product_attention(q, k, v, scale=scale)
+    expected = ref.scaled_dot_product_attention(*f64(q, k, v)[:3], scale=scale)
+    assert_close(out, expected, np.float32, E)
+
+
 @pytest.mark.parametrize("L", [5, 65])
 def test_power_of_two_scale_above_one_with_huge_queries(simd, L):
     # q = 2^70 with scale = 2^58: q * scale is beyond float32, the score
