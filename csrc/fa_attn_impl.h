@@ -389,10 +389,11 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     /* Zero weights times a non-finite value of a hidden key give NaN in the
      * products above: recompute any row that is not finite with the row
      * kernel, which skips keys of weight 0 (it gives the same NaN or inf when
-     * they are genuine). */
+     * they are genuine), its weights too (a row whose score overflowed has
+     * no m and l here to give them). */
     for (fa_idx j = 0; j < nq; ++j) {
         if (bl[j] != 0)
-            FA_NAME(attn_rows)(a, q, k, v, mask, out, NULL, lse, i0 + j, i0 + j + 1, rows_work);
+            FA_NAME(attn_rows)(a, q, k, v, mask, out, w, lse, i0 + j, i0 + j + 1, rows_work);
         else if (lse)
             lse[(i0 + j) * a->lse_s] = FA_NAME(lse)(m[j], l[j]);
     }
@@ -403,10 +404,11 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
                             FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel, NULL);
-        if (visible) /* exp(z - m); bl is unused here */
-            FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl,
+        if (visible) /* exp(z - m); their sums, unused, in alpha (bl flags the rows recomputed) */
+            FA_NAME(exp_block)(0, nk, ld, ld, st, ms, alpha,
                                FA_NAME(block_edge)(a, i0, nq, s0, nk) || a->mask_kind != FA_MASK_NONE);
         for (fa_idx j = 0; j < nq; ++j) {
+            if (bl[j] != 0) continue; /* recomputed, weights and all, above */
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;
             const int zero = !visible || l[j] == 0;
             const T fill = l[j] == l[j] ? 0 : l[j]; /* a NaN row is NaN in skipped blocks too */

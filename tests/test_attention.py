@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 from conftest import assert_close, check_attention, f64
+from test_variants import check_lse
 
 import fastattn
 from fastattn import reference as ref
@@ -429,15 +430,20 @@ def test_scale_brings_an_overflowing_product_back(simd, E, L, strided):
 def test_scale_brings_back_products_near_the_float_limit(simd, E, L):
     # every product q_e * k_e is about 1e38, so any sum of two overflows;
     # the scores (scale * q.k = 2.7, 3, 3.3) are ordinary: the same answer
-    # on every path and for any E, whatever sums a path's vectors form
+    # on every path and for any E, whatever sums a path's vectors form, and
+    # the weights and lse of the rows the block kernel recomputes too
     c = np.array([0.9, 1.0, 1.1])
     q = np.full((1, 1, L, E), 1e19, np.float32)
     k = (c[:, None] * np.full((3, E), 1e19)).astype(np.float32)[None, None]
     v = np.array([1.0, 2.0, 3.0], np.float32).reshape(1, 1, 3, 1)
     scale = float(np.float32(3.0 / E / 1e38))
-    out = fastattn.scaled_dot_product_attention(q, k, v, scale=scale)
-    expected = ref.scaled_dot_product_attention(*f64(q, k, v)[:3], scale=scale)
-    assert_close(out, expected, np.float32, E)
+    out, w, lse = fastattn.scaled_dot_product_attention(q, k, v, scale=scale, need_weights=True,
+                                                        return_lse=True)
+    r_out, r_w, r_lse = ref.scaled_dot_product_attention(*f64(q, k, v)[:3], scale=scale,
+                                                         need_weights=True, return_lse=True)
+    assert_close(out, r_out, np.float32, E)
+    assert_close(w, r_w, np.float32, E)
+    check_lse(lse, r_lse, np.float32, E)
 
 
 @pytest.mark.parametrize("L", [5, 65])
