@@ -224,7 +224,13 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
     }
     if (plain) return 1;
 
-    if (a->softcap > 0) FA_NAME(softcap)(a, nk * ld, st);
+    if (a->softcap > 0) {
+        /* the cap would turn a score beyond T's range finite and wrong:
+         * NaN sends its row to the row kernel, which computes it again
+         * (rows_dot_scaled) */
+        for (fa_idx t = 0; t < nk * ld; ++t) st[t] = st[t] - st[t] == 0 ? st[t] : (T)NAN;
+        FA_NAME(softcap)(a, nk * ld, st);
+    }
     for (fa_idx r = 0; r < nk; ++r) {
         T *z = st + r * ld;
         const fa_idx key = s0 + r;

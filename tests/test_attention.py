@@ -427,20 +427,23 @@ def test_scale_brings_an_overflowing_product_back(simd, E, L, strided):
 
 @pytest.mark.parametrize("E", [8, 32, 63, 64, 128])
 @pytest.mark.parametrize("L", [1, 64])
-def test_scale_brings_back_products_near_the_float_limit(simd, E, L):
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_scale_brings_back_products_near_the_float_limit(simd, E, L, softcap):
     # every product q_e * k_e is about 1e38, so any sum of two overflows;
     # the scores (scale * q.k = 2.7, 3, 3.3) are ordinary: the same answer
     # on every path and for any E, whatever sums a path's vectors form, and
-    # the weights and lse of the rows the block kernel recomputes too
+    # the weights and lse of the rows the block kernel recomputes too (with
+    # a softcap, which would have made the overflow's inf finite)
     c = np.array([0.9, 1.0, 1.1])
     q = np.full((1, 1, L, E), 1e19, np.float32)
     k = (c[:, None] * np.full((3, E), 1e19)).astype(np.float32)[None, None]
     v = np.array([1.0, 2.0, 3.0], np.float32).reshape(1, 1, 3, 1)
     scale = float(np.float32(3.0 / E / 1e38))
-    out, w, lse = fastattn.scaled_dot_product_attention(q, k, v, scale=scale, need_weights=True,
-                                                        return_lse=True)
+    out, w, lse = fastattn.scaled_dot_product_attention(q, k, v, scale=scale, softcap=softcap,
+                                                        need_weights=True, return_lse=True)
     r_out, r_w, r_lse = ref.scaled_dot_product_attention(*f64(q, k, v)[:3], scale=scale,
-                                                         need_weights=True, return_lse=True)
+                                                         softcap=softcap, need_weights=True,
+                                                         return_lse=True)
     assert_close(out, r_out, np.float32, E)
     assert_close(w, r_w, np.float32, E)
     check_lse(lse, r_lse, np.float32, E)
