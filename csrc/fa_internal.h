@@ -40,9 +40,8 @@
 /* Query blocks of at most this many rows go to the row kernel, and may be
  * split along the keys (fa_attn_part / fa_attn_merge). */
 #define FA_ROWS_MAX 4
-/* Values of a piece's state before a row's output: its maximum, sum and
- * lowest logit of nonzero weight. */
-#define FA_STATE_HEAD 3
+/* Values of a piece's state before a row's output: its maximum and sum. */
+#define FA_STATE_HEAD 2
 
 #define FA_CAT4_(a, b, c, d) a##_##b##_##c##_##d
 #define FA_CAT4(a, b, c, d) FA_CAT4_(a, b, c, d)

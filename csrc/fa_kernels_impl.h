@@ -76,5 +76,4 @@ void FA_NAME(exp_array)(fa_idx n, const T *x, T *y, int mode)
 #undef FA_EP
 #undef FA_EVP
 #undef FA_ROWS_SCALARS
-#undef FA_LN_NORMAL_MIN
 #undef FA_STATE_ROW

@@ -143,15 +143,6 @@ static FA_ALWAYS_INLINE T FA_NAME(exp1)(T x)
 #endif
 }
 
-/* The lowest x[j] >= lo of x[0..n) (NaN is not), or inf: how far below its
- * maximum the row kernel added a weight (fa_rows_impl.h). */
-static T FA_NAME(lowest_above)(fa_idx n, const T *x, T lo)
-{
-    T low = (T)INFINITY;
-    for (fa_idx j = 0; j < n; ++j) low = x[j] >= lo && x[j] < low ? x[j] : low;
-    return low;
-}
-
 /* y[j] = exp(x[j]) */
 static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
 {

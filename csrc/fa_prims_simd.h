@@ -270,25 +270,6 @@ static FA_ALWAYS_INLINE V FA_NAME(vexp_softmax1)(V x)
 #endif
 }
 
-/* The lowest x[j] >= lo of x[0..n) (NaN is not), or inf: how far below its
- * maximum the row kernel added a weight (fa_rows_impl.h).  VMIN keeps its
- * second operand when the first is NaN. */
-static T FA_NAME(lowest_above)(fa_idx n, const T *x, T lo)
-{
-    const V vlo = VSET1(lo), inf = VSET1((T)INFINITY);
-    V acc = inf;
-    fa_idx j = 0;
-    for (; j + VLEN <= n; j += VLEN) {
-        const V v = VLOAD(x + j);
-        acc = VMIN(VBLEND(v, inf, VLT(v, vlo)), acc);
-    }
-    T buf[VLEN], low = (T)INFINITY;
-    VSTORE(buf, acc);
-    for (int u = 0; u < VLEN; ++u) low = buf[u] < low ? buf[u] : low;
-    for (; j < n; ++j) low = x[j] >= lo && x[j] < low ? x[j] : low;
-    return low;
-}
-
 /* y[j] = exp(x[j]); the tail goes through a padded vector. */
 static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
 {

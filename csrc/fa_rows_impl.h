@@ -7,7 +7,7 @@
  * the output.
  *
  * Needs T, FA_NAME, the per-score stage (fa_scores_impl.h) and the
- * loaders of fa_load_impl.h, and vexp, sum, lowest_above, prefetch_bytes. */
+ * loaders of fa_load_impl.h, and vexp, sum, prefetch_bytes. */
 
 #define FA_RB 256       /* keys per block */
 /* How far ahead the key rows are prefetched: with rows of a few hundred
@@ -169,29 +169,24 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
 
 /* Keys s_lo..s_hi-1 into the running state of nq rows: maximum m, sum l and
  * unnormalised output o (nq x Ev); w.qs holds the query rows.
- * Online, a key whose weight is 0 only against a later maximum has a
- * nonzero weight when its value row is added: a non-finite value there
- * gives inf, or NaN once rescaled by an underflowed factor (0 x inf).  When
- * rose and zmin are not NULL, rose[t] flags the rows whose maximum rose
- * after value rows were added and zmin[t] is the lowest logit of row t whose
- * weight was not 0 when its value row was added (keys hidden by a mask of
- * the dtype's lowest number are not counted, unless the maximum was as low
- * then): that can happen only where both, and zmin is so far below the
- * final maximum that its weight is not a normal number.  max_first: the
- * maximum over all the keys is found first (the logits computed twice), so
- * that m never rises while the values are summed: such a key's weight is
- * then 0 and its value row skipped (attn_rows). */
+ * Online, two things can make a row non-finite that is not: a key whose
+ * weight is 0 only against a later maximum has a nonzero weight when its
+ * value row is added (a non-finite value there gives inf, or NaN once
+ * rescaled by an underflowed factor, 0 x inf), and values near T's largest
+ * overflow the unnormalised sum (two values of 3e38).  normalized: the
+ * maximum and the sum over all the keys are found first (the logits
+ * computed three times), so that m never rises while the values are added
+ * and each weight is divided by l before its value row is: such a key's
+ * weight is then 0 and its value row skipped, and o, a weighted mean, stays
+ * within the values' range (attn_rows). */
 static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                      const void *k, const void *v, const void *mask, fa_idx i0,
-                                     fa_idx nq, fa_idx s_lo, fa_idx s_hi, int max_first, int *rose,
-                                     T *zmin)
+                                     fa_idx nq, fa_idx s_lo, fa_idx s_hi, int normalized)
 {
     const fa_idx Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
-    const T lo = (T)(sizeof(T) == 4 ? FA_EXPF_LO : FA_EXP_LO); /* exp below it: 0 */
-    int seen[FA_ROWS_MAX] = {0}; /* value rows added */
-    for (fa_idx s0 = s_lo; max_first && s0 < s_hi; s0 += FA_RB) {
+    for (fa_idx s0 = s_lo; normalized && s0 < s_hi; s0 += FA_RB) {
         const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
         FA_NAME(rows_logits)(a, w, k, NULL, mask, i0, nq, s0, nk);
         for (fa_idx t = 0; t < nq; ++t) {
@@ -205,6 +200,17 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
             m[t] = bm;
         }
     }
+    for (fa_idx s0 = s_lo; normalized && s0 < s_hi; s0 += FA_RB) {
+        const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
+        FA_NAME(rows_logits)(a, w, k, NULL, mask, i0, nq, s0, nk);
+        for (fa_idx t = 0; t < nq; ++t) {
+            T *st = s + t * FA_RB;
+            const T ms = m[t] == ninf ? 0 : m[t];
+            for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
+            FA_NAME(vexp)(nk, st, st);
+            l[t] += FA_NAME(sum)(nk, st);
+        }
+    }
     for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
         const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
         FA_NAME(rows_logits)(a, w, k, v, mask, i0, nq, s0, nk);
@@ -216,18 +222,15 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
                 FA_NAME(vexp)(1, &alpha, &alpha);
                 l[t] *= alpha;
                 for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] *= alpha;
-                if (rose) rose[t] |= seen[t];
             }
-            seen[t] |= bm != ninf;
             m[t] = bm > m[t] ? bm : m[t];
             const T ms = m[t] == ninf ? 0 : m[t];
             for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
-            if (zmin) {
-                const T xlow = FA_NAME(lowest_above)(nk, st, lo);
-                zmin[t] = xlow + ms < zmin[t] ? xlow + ms : zmin[t];
-            }
             FA_NAME(vexp)(nk, st, st);
-            l[t] += FA_NAME(sum)(nk, st);
+            if (!normalized)
+                l[t] += FA_NAME(sum)(nk, st);
+            else if (l[t] != 0)
+                for (fa_idx r = 0; r < nk; ++r) st[r] /= l[t];
         }
         FA_NAME(rows_values)(a, v, nq, s0, nk, s, o, w->gather);
     }
@@ -278,41 +281,33 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
     }
 }
 
-/* ln of the smallest normal number, rounded toward 0: a weight exp(z - m)
- * with z - m above it is a normal number, never 0 */
-#define FA_LN_NORMAL_MIN ((T)(sizeof(T) == 4 ? 87 : 708))
-
 /* Output rows i0..i1-1 (at most FA_ROWS_MAX), their log-sum-exp when lse
- * is not NULL and their weights when w is not NULL; max_first as in
+ * is not NULL and their weights when w is not NULL; normalized as in
  * rows_accumulate.  Returns the rows (bit t: row i0 + t) that came out not
- * finite, though no visible logit was NaN, where a weight may have been 0
- * only against a later maximum (online only; rows_accumulate). */
+ * finite though no visible logit was NaN. */
 static unsigned FA_NAME(rows_out)(const fa_attn_args *a, const void *q, const void *k,
                                   const void *v, const void *mask, T *out, T *w, T *lse,
-                                  fa_idx i0, fa_idx i1, T *work, int max_first)
+                                  fa_idx i0, fa_idx i1, T *work, int normalized)
 {
     const fa_idx nq = i1 - i0, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, work);
     fa_idx s_begin, s_end;
     FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
 
-    int rose[FA_ROWS_MAX] = {0};
-    T zmin[FA_ROWS_MAX];
-    for (fa_idx t = 0; t < nq; ++t) zmin[t] = (T)INFINITY;
     FA_NAME(rows_start)(a, q, i0, nq, &ws, 1);
-    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_begin, s_end, max_first, rose, zmin);
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_begin, s_end, normalized);
     /* l is 0 exactly when no key was visible (the maximum alone gives 1);
      * NaN when a visible logit was */
     unsigned again = 0;
     for (fa_idx t = 0; t < nq; ++t) {
         T *orow = out + (i0 + t) * a->o_ls, bad = 0;
+        const T d = normalized ? 1 : ws.l[t];
         for (fa_idx c = 0; c < Ev; ++c) {
-            const T y = ws.l[t] == 0 ? 0 : ws.o[t * FA_EVP(a) + c] / ws.l[t];
+            const T y = ws.l[t] == 0 ? 0 : ws.o[t * FA_EVP(a) + c] / d;
             orow[c * a->o_es] = y;
             bad += y - y;
         }
-        if (bad != 0 && ws.l[t] == ws.l[t] && rose[t] && ws.m[t] - zmin[t] > FA_LN_NORMAL_MIN)
-            again |= 1u << t;
+        if (bad != 0 && ws.l[t] == ws.l[t]) again |= 1u << t;
         if (lse) lse[(i0 + t) * a->lse_s] = FA_NAME(lse)(ws.m[t], ws.l[t]);
     }
 
@@ -321,10 +316,10 @@ static unsigned FA_NAME(rows_out)(const fa_attn_args *a, const void *q, const vo
 }
 
 /* Rows i0..i1-1 (at most FA_ROWS_MAX): online, then, for a row that came out
- * non-finite where a key's weight may have been 0 only against a later
- * maximum, again with the maximum first (rows_accumulate): the same NaN or
- * inf when they are genuine (an inf logit, a non-finite value at a key of
- * nonzero weight), else the finite row. */
+ * non-finite though no visible logit was NaN, again normalized
+ * (rows_accumulate): the same NaN or inf when they are genuine (an inf
+ * logit, a non-finite value at a key of nonzero weight), else the finite
+ * row. */
 static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                                const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
                                T *work)
@@ -336,11 +331,11 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void 
 }
 
 /* The state of nsplit pieces of nq rows (attn_part): row t of piece p at
- * states + (p * nq + t) * (FA_STATE_HEAD + Ev), its maximum, sum and zmin
- * (rows_accumulate), then its unnormalised output. */
+ * states + (p * nq + t) * (FA_STATE_HEAD + Ev), its maximum and sum, then
+ * its unnormalised output. */
 #define FA_STATE_ROW(states, p, nq, t, Ev) ((states) + ((p) * (nq) + (t)) * (FA_STATE_HEAD + (Ev)))
 
-/* The state (m, l, zmin of rows_accumulate, o[0..Ev)) of rows i0..i1-1 over
+/* The state (m, l of rows_accumulate, o[0..Ev)) of rows i0..i1-1 over
  * keys s_lo..s_hi-1 only; fa_attn_merge combines such pieces. */
 void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                         const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
@@ -349,17 +344,14 @@ void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, con
     const fa_idx nq = i1 - i0, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, (T *)FA_ALIGNED(work));
     fa_idx begin, end;
-    T zmin[FA_ROWS_MAX];
-    for (fa_idx t = 0; t < nq; ++t) zmin[t] = (T)INFINITY;
     FA_NAME(key_range)(a, i0, i1, &begin, &end);
     FA_NAME(rows_start)(a, q, i0, nq, &ws, s_lo == 0);
     FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_lo > begin ? s_lo : begin,
-                             s_hi < end ? s_hi : end, 0, NULL, zmin);
+                             s_hi < end ? s_hi : end, 0);
     for (fa_idx t = 0; t < nq; ++t) {
         T *st = FA_STATE_ROW(state, 0, nq, t, Ev);
         st[0] = ws.m[t];
         st[1] = ws.l[t];
-        st[2] = zmin[t];
         for (fa_idx c = 0; c < Ev; ++c) st[FA_STATE_HEAD + c] = ws.o[t * FA_EVP(a) + c];
     }
 }
@@ -400,10 +392,8 @@ void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, 
 }
 
 /* Rows i0..i1-1 of out, merged from nsplit pieces of state, that are not
- * finite though no visible logit was NaN, where some logit lies so far below
- * the row's maximum that its weight may be 0 against it but was not against
- * its piece's own maximum (rows_accumulate): computed again by attn_rows,
- * consecutive ones together (lse too when not NULL). */
+ * finite though no visible logit was NaN (rows_accumulate says how): computed
+ * again by attn_rows, consecutive ones together (lse too when not NULL). */
 void FA_NAME(attn_repair)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                           const void *mask, fa_idx nsplit, const T *states, T *out, T *lse,
                           fa_idx i0, fa_idx i1, void *work)
@@ -414,15 +404,11 @@ void FA_NAME(attn_repair)(const fa_attn_args *a, const void *q, const void *k, c
         int again = 0;
         if (i < i1) {
             const T *orow = out + i * a->o_ls;
-            T bad = 0, mx = -(T)INFINITY, zlow = (T)INFINITY, nan = 0;
+            T bad = 0, nan = 0;
             for (fa_idx c = 0; c < a->Ev; ++c) bad += orow[c * a->o_es] - orow[c * a->o_es];
-            for (fa_idx p = 0; bad != 0 && p < nsplit; ++p) {
-                const T *st = FA_STATE_ROW(states, p, nq, i - i0, a->Ev);
-                mx = st[0] > mx ? st[0] : mx;
-                nan += st[1] - st[1];
-                zlow = st[2] < zlow ? st[2] : zlow;
-            }
-            again = bad != 0 && nan == 0 && mx - zlow > FA_LN_NORMAL_MIN;
+            for (fa_idx p = 0; bad != 0 && p < nsplit; ++p)
+                nan += FA_STATE_ROW(states, p, nq, i - i0, a->Ev)[1] * 0; /* NaN where l is */
+            again = bad != 0 && nan == 0;
         }
         if (again && run < FA_ROWS_MAX) {
             ++run;

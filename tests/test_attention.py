@@ -449,6 +449,24 @@ def test_scale_brings_back_products_near_the_float_limit(simd, E, L, softcap):
     check_lse(lse, r_lse, np.float32, E)
 
 
+@pytest.mark.parametrize("L", [1, 64])
+@pytest.mark.parametrize("S", [2, 300, 2100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_values_near_the_float_limit(simd, L, S, threads):
+    # the output is a weighted mean of the values, within their range, but
+    # their unnormalised sum (S values near 3e38) is not: every path gives
+    # the reference's answer (S = 2100 decodes in pieces merged)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, L, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, S, 8)).astype(np.float32)
+    v = (3e38 * rng.uniform(0.5, 1.0, (1, 2, S, 3)) * rng.choice([-1, 1], 3)).astype(np.float32)
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, num_threads=threads)
+    r_out, r_lse = ref.scaled_dot_product_attention(*f64(q, k, v)[:3], return_lse=True)
+    assert np.isfinite(out).all()
+    assert_close(out, r_out, np.float32, S, magnitude=3e38)
+    check_lse(lse, r_lse, np.float32, S)
+
+
 @pytest.mark.parametrize("L", [5, 65])
 def test_power_of_two_scale_above_one_with_huge_queries(simd, L):
     # q = 2^70 with scale = 2^58: q * scale is beyond float32, the score
