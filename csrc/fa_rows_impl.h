@@ -148,13 +148,15 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     }
     for (fa_idx r = 0; r < nk; ++r) { /* int8: times the row's scale */
         const T f = st == FA_STORE_I8 ? (T)a->k_scale[(s0 + r) * a->ksc_s] : 1;
-        for (fa_idx t = 0; t < nq; ++t) {
-            T *z = s + t * FA_RB + r;
-            if (*z - *z == 0)
-                *z = scale * (st == FA_STORE_I8 ? f * *z : *z);
-            else /* inf or NaN: perhaps a sum beyond T's range */
-                *z = f * FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
-        }
+        for (fa_idx t = 0; t < nq; ++t)
+            s[t * FA_RB + r] = scale * (st == FA_STORE_I8 ? f * s[t * FA_RB + r] : s[t * FA_RB + r]);
+    }
+    for (fa_idx t = 0; t < nq; ++t) { /* a score inf or NaN: perhaps a sum beyond T's range */
+        T *z = s + t * FA_RB, sum = FA_NAME(sum)(nk, z);
+        for (fa_idx r = 0; sum - sum != 0 && r < nk; ++r)
+            if (z[r] - z[r] != 0)
+                z[r] = (st == FA_STORE_I8 ? (T)a->k_scale[(s0 + r) * a->ksc_s] : 1) *
+                       FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
     }
     /* the rest of the per-score stage; nothing to do past the soft-cap
      * without a mask or ALiBi in a block the bounds leave whole */
