@@ -177,7 +177,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
  * rescaled by an underflowed factor, 0 x inf), and values near T's largest
  * overflow the unnormalised sum (two values of 3e38).  normalized: the
  * maximum and the sum over all the keys are found first (the logits
- * computed three times), so that m never rises while the values are added
+ * computed twice), so that m never rises while the values are added
  * and each weight is divided by l before its value row is: such a key's
  * weight is then 0 and its value row skipped, and o, a weighted mean, stays
  * within the values' range (attn_rows). */
@@ -188,54 +188,31 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
     const fa_idx Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
-    for (fa_idx s0 = s_lo; normalized && s0 < s_hi; s0 += FA_RB) {
-        const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
-        FA_NAME(rows_logits)(a, w, k, NULL, mask, i0, nq, s0, nk);
-        for (fa_idx t = 0; t < nq; ++t) {
-            T bm = m[t];
-            for (fa_idx r = 0; r < nk; ++r) bm = s[t * FA_RB + r] > bm ? s[t * FA_RB + r] : bm;
-            if (bm > m[t] && m[t] != ninf) { /* the sink's term of l; o is still 0 */
-                T alpha = m[t] - bm;
-                FA_NAME(vexp)(1, &alpha, &alpha);
-                l[t] *= alpha;
+    /* normalized: a first pass finds m and l alone, the second adds the values */
+    for (int values = !normalized; values < 2; ++values)
+        for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
+            const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
+            FA_NAME(rows_logits)(a, w, k, values ? v : NULL, mask, i0, nq, s0, nk);
+            for (fa_idx t = 0; t < nq; ++t) {
+                T *st = s + t * FA_RB, bm = ninf;
+                for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
+                if (bm > m[t] && m[t] != ninf) { /* the sink's term and the keys' so far */
+                    T alpha = m[t] - bm;
+                    FA_NAME(vexp)(1, &alpha, &alpha);
+                    l[t] *= alpha;
+                    for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] *= alpha;
+                }
+                m[t] = bm > m[t] ? bm : m[t];
+                const T ms = m[t] == ninf ? 0 : m[t];
+                for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
+                FA_NAME(vexp)(nk, st, st);
+                if (!(values && normalized))
+                    l[t] += FA_NAME(sum)(nk, st);
+                else if (l[t] != 0)
+                    for (fa_idx r = 0; r < nk; ++r) st[r] /= l[t];
             }
-            m[t] = bm;
+            if (values) FA_NAME(rows_values)(a, v, nq, s0, nk, s, o, w->gather);
         }
-    }
-    for (fa_idx s0 = s_lo; normalized && s0 < s_hi; s0 += FA_RB) {
-        const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
-        FA_NAME(rows_logits)(a, w, k, NULL, mask, i0, nq, s0, nk);
-        for (fa_idx t = 0; t < nq; ++t) {
-            T *st = s + t * FA_RB;
-            const T ms = m[t] == ninf ? 0 : m[t];
-            for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
-            FA_NAME(vexp)(nk, st, st);
-            l[t] += FA_NAME(sum)(nk, st);
-        }
-    }
-    for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
-        const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
-        FA_NAME(rows_logits)(a, w, k, v, mask, i0, nq, s0, nk);
-        for (fa_idx t = 0; t < nq; ++t) {
-            T *st = s + t * FA_RB, bm = ninf;
-            for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
-            if (bm > m[t] && m[t] != ninf) {
-                T alpha = m[t] - bm;
-                FA_NAME(vexp)(1, &alpha, &alpha);
-                l[t] *= alpha;
-                for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] *= alpha;
-            }
-            m[t] = bm > m[t] ? bm : m[t];
-            const T ms = m[t] == ninf ? 0 : m[t];
-            for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
-            FA_NAME(vexp)(nk, st, st);
-            if (!normalized)
-                l[t] += FA_NAME(sum)(nk, st);
-            else if (l[t] != 0)
-                for (fa_idx r = 0; r < nk; ++r) st[r] /= l[t];
-        }
-        FA_NAME(rows_values)(a, v, nq, s0, nk, s, o, w->gather);
-    }
 }
 
 /* w.qs = the query rows; the state starts empty, or with the sink alone. */
