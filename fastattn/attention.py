@@ -496,7 +496,8 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
         sum_p exp(lse_p - lse) * out_p: the attention over all the keys.
     lse : ndarray, shape (..., L)
         log sum_p exp(lse_p); -inf for a row that saw no key in any part
-        (its output is zeros).  A NaN in a part gives NaN.
+        (its output is zeros); +inf where a part's is (a sink of +inf: the
+        output is that part's).  A NaN in a part gives NaN.
 
     With sinks, give them to one part only: each part's lse counts them.
 
