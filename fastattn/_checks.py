@@ -217,7 +217,7 @@ def has_internal_overlap(a: NDArray[Any]) -> bool:
     return False
 
 
-def _overlap(a: NDArray[Any], b: NDArray[Any]) -> bool:
+def overlap(a: NDArray[Any], b: NDArray[Any]) -> bool:
     """True when a and b may share an element: the cheap bounds test, then,
     for interleaved views within one buffer, NumPy's exact test (bounded;
     when it gives up the answer stays "may")."""
@@ -247,7 +247,7 @@ def check_out(out: NDArray[Any], shape: Shape, dtype: np.dtype[Any],
         raise ValueError(f"{name} has elements that share memory (strides {out.strides}, a "
                          "broadcast or overlapping view); pass an array of distinct elements")
     for in_name, a in inputs.items():
-        if a is not None and _overlap(out, a):
+        if a is not None and overlap(out, a):
             raise ValueError(f"{name} overlaps {in_name}; pass a separate output array")
     return out
 

@@ -40,15 +40,18 @@ def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
 
 def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
                  attn_mask: Optional[MaskArray], dropout_p: object, is_causal: object,
-                 scale: object, causal_alignment: object,
+                 scale: object, enable_gqa: object, causal_alignment: object,
+                 out: Optional[NDArray[Float]],
                  num_threads: Optional[int]) -> Optional[NDArray[Float]]:
     """scaled_dot_product_attention for the common call, or None for a call
     to leave to the general path.  A tiny call is mostly its checks: these
     take a fraction of the general path's time (plain type, identity and
-    tuple tests, no message built).  The caller has seen plain ndarrays and
-    out, the variants, enable_gqa, need_weights and return_lse at their
+    tuple tests, no message built).  The caller has seen plain ndarrays (out
+    one or None) and the variants, need_weights and return_lse at their
     defaults (the kernel's defaults are those of _variants.NONE, and the
-    native storage of float32 and float64).
+    native storage of float32 and float64).  Grouped-query calls and an out
+    array are taken too: a model's decoding step makes both, once per layer
+    and token.
 
     It takes only calls that the general path accepts, and passes the kernel
     what the general path passes, so the result is bitwise the same.  It
@@ -66,8 +69,17 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
         return None
     batch = qs[:-2]  # the same leading axes: no broadcast
     L, E, S, Ev = qs[-2], qs[-1], ks[-2], vs[-1]
-    if (batch != ks[:-2] or batch != vs[:-2] or ks[-1] != E or vs[-2] != S
-            or E > _MAX_FEATURES or Ev > _MAX_FEATURES):
+    group = 1
+    if enable_gqa is True:  # the same axes before the heads; Hkv divides Hq
+        if len(qs) < 3 or qs[:-3] != ks[:-3] or ks[:-2] != vs[:-2]:
+            return None
+        hq, hkv = qs[-3], ks[-3]
+        if hkv == 0 or hq % hkv:
+            return None
+        group = hq // hkv
+    elif enable_gqa is not False or batch != ks[:-2] or batch != vs[:-2]:
+        return None
+    if ks[-1] != E or vs[-2] != S or E > _MAX_FEATURES or Ev > _MAX_FEATURES:
         return None
     if (type(dropout_p) is not float and type(dropout_p) is not int) or dropout_p != 0:
         return None
@@ -100,11 +112,17 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
             mask = C.broadcast_view(C.kernel_view(attn_mask), batch + (L, S))
         except ValueError:
             return None
+    if out is None:
+        out = np.empty(batch + (L, Ev), dtype)
+    elif not (out.dtype is dtype and out.shape == batch + (L, Ev) and out.flags.writeable
+              and C.kernel_view(out) is out and not C.has_internal_overlap(out)
+              and not any(C.overlap(out, a) for a in (query, key, value, attn_mask)
+                          if a is not None)):
+        return None
     nthreads = _runtime.resolve_threads(num_threads)
-    out = np.empty(batch + (L, Ev), dtype)
     if out.size:
         _core.attention(_runtime.isa(), C.kernel_view(query), C.kernel_view(key),
-                        C.kernel_view(value), mask, kind, out, None, 1, is_causal, offset,
+                        C.kernel_view(value), mask, kind, out, None, group, is_causal, offset,
                         scale, nthreads)
     return out
 
@@ -317,11 +335,11 @@ def scaled_dot_product_attention(
     """
     # the common call first: see _common_call
     if (type(query) is np.ndarray and type(key) is np.ndarray and type(value) is np.ndarray
-            and out is None and enable_gqa is False and need_weights is False
+            and (out is None or type(out) is np.ndarray) and need_weights is False
             and return_lse is False and window_size is None and alibi_slopes is None
             and softcap is None and sinks is None):
         result = _common_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                              causal_alignment, num_threads)
+                              enable_gqa, causal_alignment, out, num_threads)
         if result is not None:
             return result
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,

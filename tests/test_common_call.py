@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 from conftest import assert_close, f64
-from test_errors import HOSTILE, misaligned
+from test_errors import HOSTILE, misaligned, self_overlapping
 
 import fastattn
 from fastattn import _checks as C
@@ -23,10 +23,10 @@ def data(rng, shape, dtype=np.float32):
 
 
 def common_call(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                causal_alignment="upper_left", num_threads=None):
+                enable_gqa=False, causal_alignment="upper_left", out=None, num_threads=None):
     """What the short route returns for a call with these arguments."""
-    return short_route(q, k, v, attn_mask, dropout_p, is_causal, scale, causal_alignment,
-                       num_threads)
+    return short_route(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       causal_alignment, out, num_threads)
 
 
 def general_path(monkeypatch, call):
@@ -82,6 +82,37 @@ def strided(rng):
 
 TAKEN["strided, misaligned"] = strided(np.random.default_rng(1))
 
+
+def gqa(B, Hq, Hkv, L, S, E, Ev, **kwargs):
+    """(q, k, v, kwargs) of a grouped-query call: Hq query heads, Hkv key/value heads."""
+    q, _, _, _ = case(B, Hq, L, S, E, Ev)
+    _, k, v, _ = case(B, Hkv, L, S, E, Ev)
+    return q, k, v, dict(kwargs, enable_gqa=True)
+
+
+def decode_step(rng):
+    """A model's decoding step: one token of 8 query heads over 2 key/value
+    heads, written through out= into the (B, L, H, Ev) layout it returns."""
+    q = data(rng, (2, 1, 8, 16)).transpose(0, 2, 1, 3)
+    k, v = data(rng, (2, 2, 30, 16)), data(rng, (2, 2, 30, 16))
+    out = np.full((2, 1, 8, 16), np.nan, np.float32).transpose(0, 2, 1, 3)
+    mask = rng.random((2, 1, 1, 30)) > 0.2
+    return q, k, v, {"enable_gqa": True, "out": out, "attn_mask": mask, "is_causal": True,
+                     "causal_alignment": "lower_right"}
+
+
+TAKEN.update({
+    "grouped-query": gqa(2, 6, 2, 9, 11, 8, 8),
+    "grouped-query, Hq = Hkv": gqa(1, 3, 3, 5, 7, 8, 4),
+    "grouped-query 3-D": (data(rng0, (4, 3, 8)), data(rng0, (2, 5, 8)), data(rng0, (2, 5, 8)),
+                          {"enable_gqa": True}),
+    "out": case(2, 3, 6, 7, 8, 5, out=np.empty((2, 3, 6, 5), np.float32)),
+    "out Fortran-ordered": case(2, 3, 6, 7, 8, 8, out=np.empty((2, 3, 6, 8), np.float32, order="F")),
+    "out float64, causal": case(1, 2, 9, 9, 8, 8, np.float64, is_causal=True,
+                                out=np.empty((1, 2, 9, 8))),
+    "decoding step": decode_step(np.random.default_rng(2)),
+})
+
 LEFT = {  # valid calls the short route leaves to the general path
     "leading axes broadcast": case(2, 3, 6, 7, 8, 8)[:2] + (data(rng0, (1, 3, 7, 8)), {}),
     "np.bool_ flag": case(1, 2, 6, 6, 8, 8, is_causal=np.True_),
@@ -92,13 +123,16 @@ LEFT = {  # valid calls the short route leaves to the general path
     "float16 inputs": case(1, 2, 6, 7, 8, 8, np.float16),
     "alignment a str subclass": case(1, 2, 4, 6, 8, 8, is_causal=True,
                                      causal_alignment=np.str_("lower_right")),
+    "grouped-query, batch broadcast": gqa(2, 4, 2, 5, 6, 8, 8)[:1] + (
+        data(rng0, (1, 2, 6, 8)), data(rng0, (1, 2, 6, 8)), {"enable_gqa": True}),
+    "grouped-query flag np.True_": gqa(1, 4, 2, 5, 6, 8, 8)[:3] + ({"enable_gqa": np.True_},),
 }
 
 
 def expected(q, k, v, kwargs):
     kwargs = dict(kwargs)
-    kwargs.pop("num_threads", None)
-    kwargs.pop("dropout_p", None)
+    for name in ("num_threads", "dropout_p", "out"):
+        kwargs.pop(name, None)
     mask = kwargs.pop("attn_mask", None)
     rq, rk, rv = f64(q, k, v)
     if mask is not None:
@@ -107,9 +141,17 @@ def expected(q, k, v, kwargs):
 
 
 def check(q, k, v, kwargs, monkeypatch):
-    """sdpa against the general path (bitwise) and the float64 reference."""
-    out = sdpa(q, k, v, **kwargs)
-    np.testing.assert_array_equal(out, general_path(monkeypatch, lambda: sdpa(q, k, v, **kwargs)))
+    """sdpa against the general path (bitwise) and the float64 reference;
+    an out array is the result, each path writing its own copy of it."""
+    given = kwargs.get("out")
+    out = sdpa(q, k, v, **dict(kwargs, out=None if given is None else given.copy()))
+    general = general_path(monkeypatch, lambda: sdpa(
+        q, k, v, **dict(kwargs, out=None if given is None else given.copy())))
+    np.testing.assert_array_equal(out, general)
+    if given is not None:
+        mine = given.copy()
+        assert sdpa(q, k, v, **dict(kwargs, out=mine)) is mine
+        np.testing.assert_array_equal(mine, out)
     r = expected(q, k, v, kwargs)
     assert_close(out, r, q.dtype, q.shape[-1] + k.shape[-2],
                  magnitude=float(np.abs(v).max(initial=1)))
@@ -130,8 +172,8 @@ def test_valid_calls_left_to_the_general_path(name, monkeypatch):
 
 
 def test_only_plain_ndarrays_and_default_options_reach_it(monkeypatch):
-    """Subclasses and the options the short route does not read (out, the
-    variants, enable_gqa, need_weights, return_lse) never reach it."""
+    """Subclasses and the options the short route does not read (the
+    variants, need_weights, return_lse) never reach it."""
     q, k, v, _ = TAKEN["tiny"]
 
     class Sub(np.ndarray):
@@ -139,8 +181,8 @@ def test_only_plain_ndarrays_and_default_options_reach_it(monkeypatch):
 
     seen = []
     monkeypatch.setattr(attention, "_common_call", lambda *args: seen.append(args))
-    for args, kwargs in [((q.view(Sub), k, v), {}), ((q, k, v), {"out": np.empty_like(q)}),
-                         ((q, k, v), {"enable_gqa": True}), ((q, k, v), {"need_weights": True}),
+    for args, kwargs in [((q.view(Sub), k, v), {}), ((q, k, v), {"out": np.empty_like(q).view(Sub)}),
+                         ((q, k, v), {"need_weights": True}),
                          ((q, k, v), {"return_lse": True}), ((q, k, v), {"window_size": (2, 0)}),
                          ((q, k, v), {"softcap": 30.0}),
                          ((q, k, v), {"alibi_slopes": np.ones(1)}),
@@ -173,6 +215,20 @@ EDGES = [
     ((f32.astype(">f4"), f32.astype(">f4"), f32.astype(">f4")), {}),
     ((bcast(np.zeros((1, 1), np.float32), (4, 2**20 + 1)),) * 3, {}),  # E past the bound
     ((bcast(np.zeros((1, 1, 1), np.float32), (2**40, 2**12, 1)),) * 3, {}),  # the scores
+    ((f32, f32, f32), {"out": np.empty((2, 3, 4, 7), np.float32)}),
+    ((f32, f32, f32), {"out": np.empty((2, 3, 4, 8), np.float64)}),
+    ((f32, f32, f32), {"out": np.frombuffer(bytes(f32.nbytes), np.float32).reshape(f32.shape)}),
+    ((f32, f32, f32), {"out": bcast(np.zeros(8, np.float32), f32.shape)}),
+    ((f32, f32, f32), {"out": self_overlapping(f32.shape)}),
+    ((f32, f32, f32), {"out": misaligned(f32.shape)}),
+    ((f32, f32, f32), {"out": f32}),
+    ((f32, f32, f32), {"out": np.empty((2, 3, 4, 8), np.float32), "num_threads": 0}),
+    ((f32, f32, f32), {"out": np.empty((2, 3, 4, 7), np.float32), "num_threads": 0}),
+    ((f32, f32[:, :2], f32[:, :2]), {"enable_gqa": True}),
+    ((f32, f32[:, :0], f32[:, :0]), {"enable_gqa": True}),
+    ((f32, f32[:, :1], f32[:, :3]), {"enable_gqa": True}),
+    ((f32[0, 0], f32[0, 0], f32[0, 0]), {"enable_gqa": True}),
+    ((f32, f32[:, :1], f32[:, :1]), {"enable_gqa": 1}),
 ]
 
 
