@@ -10,7 +10,7 @@ import numpy as np
 from . import _checks as C
 from . import _core, _masks, _runtime
 from ._typing import DTypeLike, Float, MaskArray, NDArray, Scalar
-from .attention import StoredKV, _attention, narrow
+from .attention import StoredKV, _attention, narrow, scaled_dot_product_attention
 
 # storage -> (its NumPy dtype's name, the kernels' kind)
 _STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _core.STORE_NATIVE),
@@ -412,11 +412,15 @@ class KVCache:
                            self.dtype)
         n = self._length
         key, value = self._key[:, :, :n], self._value[:, :, :n]
-        stored = None
-        if key.dtype != self._dtype:  # read in its storage by the kernel
-            stored = StoredKV(_STORAGES[self._storage][1],
-                              None if self._key_scale is None else self._key_scale[:, :, :n],
-                              None if self._value_scale is None else self._value_scale[:, :, :n])
+        if key.dtype == self._dtype:  # a decoding step may take the functional API's short route
+            return scaled_dot_product_attention(
+                query, key, value, mask, 0.0, is_causal, scale, True,
+                causal_alignment="lower_right", need_weights=need_weights,
+                window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
+                sinks=sinks, out=out, num_threads=num_threads)
+        stored = StoredKV(_STORAGES[self._storage][1],  # read in its storage by the kernel
+                          None if self._key_scale is None else self._key_scale[:, :, :n],
+                          None if self._value_scale is None else self._value_scale[:, :, :n])
         return cast("Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]", _attention(
             query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
             False, window_size, alibi_slopes, softcap, sinks, out, num_threads, stored))

@@ -245,6 +245,24 @@ def test_errors_are_the_general_paths(args, kwargs, monkeypatch):
     assert general_path(monkeypatch, lambda: raised(lambda: sdpa(*args, **kwargs))) == with_route
 
 
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_cache_step_takes_it(padding, monkeypatch):
+    """KVCache.attend on a cache in the query's dtype: the short route,
+    with the general path's bits."""
+    rng = np.random.default_rng(3)
+    cache = fastattn.KVCache(2, 2, 40, 16)
+    pad = np.arange(30) >= np.array([[30], [25]]) if padding else None  # True = padding
+    cache.append(data(rng, (2, 2, 30, 16)), data(rng, (2, 2, 30, 16)), key_padding_mask=pad)
+    q, out = data(rng, (2, 6, 1, 16)), np.empty((2, 6, 1, 16), np.float32)
+    seen = []
+    taken = attention._common_call
+    monkeypatch.setattr(attention, "_common_call", lambda *a: seen.append(1) or taken(*a))
+    mine = cache.attend(q, out=out)
+    assert mine is out and seen == [1]
+    general = general_path(monkeypatch, lambda: cache.attend(q))
+    np.testing.assert_array_equal(mine, general)
+
+
 def test_num_threads_is_resolved_once(monkeypatch):
     """A call on the short route asks resolve_threads once, with the argument."""
     calls = []
