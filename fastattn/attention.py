@@ -19,7 +19,6 @@ _ALIGNMENTS = {"upper_left", "lower_right"}
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
 # how the kernels read 16-bit inputs (converted to float32 a tile at a time)
 _STORE = {"float16": _core.STORE_F16, "bfloat16": _core.STORE_BF16}
-# The dtypes of _common_call, with the most elements one array of each holds.
 # the short route's dtypes: their element bound, and the largest scale they hold
 _COMMON_DTYPES = {dt: (C.max_elements(dt), float(np.finfo(dt).max))
                   for dt in (np.dtype(np.float32), np.dtype(np.float64))}
@@ -61,7 +60,7 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
     gives the error."""
     dtype = query.dtype
     bounds = _COMMON_DTYPES.get(dtype)
-    if bounds is None or key.dtype is not dtype or value.dtype is not dtype:
+    if bounds is None or key.dtype != dtype or value.dtype != dtype:
         return None
     limit, largest = bounds
     qs, ks, vs = query.shape, key.shape, value.shape
@@ -102,9 +101,9 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
     else:
         if type(attn_mask) is not np.ndarray:
             return None
-        if attn_mask.dtype is _BOOL:
+        if attn_mask.dtype == _BOOL:
             kind = _core.MASK_BOOL
-        elif attn_mask.dtype is dtype:
+        elif attn_mask.dtype == dtype:
             kind = _core.MASK_ADD
         else:
             return None
@@ -114,7 +113,7 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
             return None
     if out is None:
         out = np.empty(batch + (L, Ev), dtype)
-    elif not (out.dtype is dtype and out.shape == batch + (L, Ev) and out.flags.writeable
+    elif not (out.dtype == dtype and out.shape == batch + (L, Ev) and out.flags.writeable
               and C.kernel_view(out) is out and not C.has_internal_overlap(out)
               and not any(C.overlap(out, a) for a in (query, key, value, attn_mask)
                           if a is not None)):
@@ -318,12 +317,14 @@ def scaled_dot_product_attention(
         An argument that is not an ndarray (or is a numpy.ma.MaskedArray,
         whose mask would be ignored); dtypes other than float32, float64,
         float16 and bfloat16, non-native byte order, or dtypes that
-        differ; a mask neither bool nor floating; flags that are not bools.
+        differ; a mask neither bool nor floating; flags that are not bools;
+        an ``out`` of a dtype other than query's.
     ValueError
         Shapes that do not agree or broadcast, Hq not a multiple of Hkv,
         E or Ev above 2**20, broadcast shapes with more elements than a
         64-bit index addresses, dropout_p != 0, a bad
-        ``out`` (wrong shape, read-only, overlapping an input or itself), an
+        ``out`` (wrong shape, read-only, misaligned, overlapping an input
+        or itself), an
         unknown causal_alignment, num_threads outside 1..MAX_THREADS, a
         window side below -1, softcap <= 0, alibi_slopes or sinks of the
         wrong shape, sinks NaN or +inf; a scale or softcap that is not

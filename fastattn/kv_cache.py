@@ -410,6 +410,10 @@ class KVCache:
                              "positions held; append their keys and values first")
         mask = _masks.both(attn_mask, "attn_mask", self.attn_mask, "the cache's padding",
                            self.dtype)
+        if (mask is not attn_mask and isinstance(out, np.ndarray)
+                and isinstance(attn_mask, np.ndarray) and C.overlap(out, attn_mask)):
+            # the kernel's call sees the mask combined with the padding, not the caller's
+            raise ValueError("out overlaps attn_mask; pass a separate output array")
         n = self._length
         key, value = self._key[:, :, :n], self._value[:, :, :n]
         if key.dtype == self._dtype:  # a decoding step may take the functional API's short route

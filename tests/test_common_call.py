@@ -2,6 +2,7 @@
 the calls it takes give bitwise the result of the general path, and every
 call it leaves, valid or not, gets the general path's result or error."""
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -111,6 +112,9 @@ TAKEN.update({
     "out float64, causal": case(1, 2, 9, 9, 8, 8, np.float64, is_causal=True,
                                 out=np.empty((1, 2, 9, 8))),
     "decoding step": decode_step(np.random.default_rng(2)),
+    # unpickled arrays (multiprocessing) carry an equal dtype that is another object
+    "unpickled": pickle.loads(pickle.dumps(case(1, 2, 6, 7, 8, 8, attn_mask=rng0.random((6, 7)) > 0.5,
+                                                out=np.empty((1, 2, 6, 8), np.float32)))),
 })
 
 LEFT = {  # valid calls the short route leaves to the general path

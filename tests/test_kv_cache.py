@@ -250,6 +250,19 @@ def test_cache_constructor_errors(args, kwargs, exc, msg):
     assert msg in str(info.value)
 
 
+@pytest.mark.parametrize("padding", [False, True])
+def test_attend_out_overlapping_the_mask_is_an_error(padding):
+    """Refused with or without padding (combined with the caller's mask, the
+    mask the kernel sees is a new array), and the caller's mask untouched."""
+    cache = fastattn.KVCache(1, 1, 8, 4)
+    kv = np.ones((1, 1, 4, 4), np.float32)
+    cache.append(kv, kv, key_padding_mask=np.array([[padding, False, False, False]]))
+    buf = np.zeros((1, 1, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="out overlaps attn_mask"):
+        cache.attend(np.ones((1, 1, 1, 4), np.float32), attn_mask=buf, out=buf)
+    np.testing.assert_array_equal(buf, 0)
+
+
 def test_attend_more_queries_than_positions_is_an_error(rng):
     cache = fastattn.KVCache(1, 1, 8, 2)
     kv = np.ones((1, 1, 2, 2), np.float32)
