@@ -92,23 +92,27 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq
     }
 }
 
-/* scale * q_t . k_key (w.qs holds q_t) for a score whose dot product came
- * out inf or NaN: each product scaled before they are summed, in order (a
- * product itself beyond T's range with the query's element scaled first).
- * The block kernel scales each half of a score before adding the two, so a
+/* scale * q_t . k_key (w.qs holds q_t) for a score that came out inf or
+ * NaN: each product scaled before they are summed, in order (a product
+ * itself beyond T's range with the query's element scaled first).  The
+ * block kernel scales each half of a score before adding the two, so a
  * product beyond T's range that the scale brings back stays finite there;
- * here it then does for any E and any path's vector width. */
+ * here it then does for any E and any path's vector width.  When the scaled
+ * products overflow both ways (inf - inf: a scale near T's largest), the
+ * score is the scale times the dot product summed in order, as the score
+ * would be without this repair: beyond T's range, it is +-inf. */
 static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                   const void *k, fa_idx t, fa_idx key)
 {
     const T scale = (T)a->scale, *x = w->qs + t * FA_EP(a);
     const char *row = (const char *)FA_NAME(st_at)(a->kv_store, k, key * a->k_ss);
-    T s = 0;
+    T s = 0, d = 0;
     for (fa_idx c = 0; c < a->E; ++c) {
         const T y = FA_NAME(st_get)(a->kv_store, row, c * a->k_es), p = x[c] * y;
         s += p - p == 0 ? scale * p : (scale * x[c]) * y;
+        d += p;
     }
-    return s;
+    return s == s ? s : scale * d;
 }
 
 /* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;

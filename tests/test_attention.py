@@ -449,6 +449,29 @@ def test_scale_brings_back_products_near_the_float_limit(simd, E, L, softcap):
     check_lse(lse, r_lse, np.float32, E)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("E", [4, 8, 16, 64, 128])
+@pytest.mark.parametrize("L", [1, 2, 64])
+def test_a_scale_near_the_float_limit_overflows_a_score_to_minus_inf(simd, dtype, E, L):
+    # scale near dtype's largest: key 1's score, scale * -E, is beyond the
+    # range and -inf, as in float arithmetic (PyTorch, the reference in
+    # dtype), so key 0 (scale * -0.5) takes all the weight and key 2
+    # (scale * -0.6) none.  Key 1's products alternate in sign, each beyond
+    # the range once scaled (inf - inf): the row kernel, which recomputes a
+    # non-finite score product by product, gave NaN rows
+    big = float(np.finfo(dtype).max) * 0.9
+    q = np.full((1, 1, L, E), 1.0 / E, dtype)
+    k = np.empty((1, 1, 3, E), dtype)
+    k[..., 0, :], k[..., 2, :] = -0.5, -0.6
+    k[..., 1, :] = np.tile([2.0 * E, -4.0 * E], E // 2)
+    v = np.arange(9, dtype=dtype).reshape(1, 1, 3, 3)
+    out, w, lse = fastattn.scaled_dot_product_attention(q, k, v, scale=big, need_weights=True,
+                                                        return_lse=True)
+    np.testing.assert_array_equal(out, np.broadcast_to(v[..., :1, :], out.shape))
+    np.testing.assert_array_equal(w, np.broadcast_to(np.eye(3, dtype=dtype)[0], w.shape))
+    np.testing.assert_allclose(lse, dtype(big) * dtype(-0.5), rtol=4 * np.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("L", [1, 64])
 @pytest.mark.parametrize("S", [2, 300, 2100])
 @pytest.mark.parametrize("threads", [1, 2])
