@@ -322,9 +322,8 @@ def scaled_dot_product_attention(
     ValueError
         Shapes that do not agree or broadcast, Hq not a multiple of Hkv,
         E or Ev above 2**20, broadcast shapes with more elements than a
-        64-bit index addresses, dropout_p != 0, a bad
-        ``out`` (wrong shape, read-only, misaligned, overlapping an input
-        or itself), an
+        64-bit index addresses, dropout_p != 0, a bad ``out`` (wrong
+        shape, read-only, misaligned, overlapping an input or itself), an
         unknown causal_alignment, num_threads outside 1..MAX_THREADS, a
         window side below -1, softcap <= 0, alibi_slopes or sinks of the
         wrong shape, sinks NaN or +inf; a scale or softcap that is not
