@@ -47,9 +47,10 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.f
     if a.shape == (Hq,) or (len(batch) >= 2 and a.shape == (batch[0], Hq)):
         values = a.astype(np.float64)
     else:
-        expected = f"({Hq},)" + (f" or ({batch[0]}, {Hq})" if len(batch) >= 2 else "")
-        raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {expected} "
-                         f"(Hq, or batch and Hq) for a call of batch shape {C.shape_str(batch)}")
+        expected = (f"({Hq},) or ({batch[0]}, {Hq}) (Hq, or batch and Hq) for a call of "
+                    f"batch shape {C.shape_str(batch)}" if len(batch) >= 2 else
+                    f"({Hq},), one per query head")
+        raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {expected}")
     bad = ~np.isfinite(values) if finite else (np.isnan(values) | (values == np.inf))
     if bad.any():
         raise ValueError(f"{name} must be {'finite' if finite else 'real or -inf'}, "

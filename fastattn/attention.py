@@ -479,7 +479,8 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
 def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,
            out: Optional[NDArray[Any]] = None) -> NDArray[Any]:
     """x (float32) rounded to nearest-even dtype (float16 or bfloat16), into
-    out when given: what NumPy's and ml_dtypes' astype give, on the threads."""
+    out when given: what NumPy's and ml_dtypes' astype give (NaN's payload
+    bits aside), on the threads."""
     x = np.ascontiguousarray(x)
     y = out if out is not None and out.flags.c_contiguous else np.empty(x.shape, dtype)
     _core.narrow(_runtime.isa(), _STORE[dtype.name], x, y, nthreads)
@@ -546,7 +547,9 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
                              f"{C.shape_str(s.shape)}; expected {C.shape_str(shape)} and "
                              f"{C.shape_str(shape[:-1])} (the rows of every part alike)")
     lse = np.stack(ls)                                   # (P, ..., L)
-    with np.errstate(invalid="ignore"):                  # -inf - -inf: the where below
+    # -inf - -inf: the where below; lse - m below T's lowest (-3e38 - 3e38):
+    # -inf, whose exp is the right factor, 0
+    with np.errstate(invalid="ignore", over="ignore"):
         m = lse.max(axis=0)                              # NaN when a part's row is NaN
         # 0 for an empty part; 1 for a part at the maximum, +inf included
         # (a sink of +inf: inf - inf would be NaN)

@@ -406,6 +406,12 @@ def test_simd_option_refuses_a_path_the_cpu_lacks(monkeypatch):
     assert bench_cli._simd_paths("portable, portable") == ["portable"]
 
 
+def test_list_options_run_each_case_once():
+    assert bench_cli._names("tiny,bert-base,tiny", ["tiny", "bert-base"], "shape") == [
+        "tiny", "bert-base"]
+    assert bench_cli._threads("2,1,2") == [2, 1]
+
+
 def test_cli_bench_into_a_closed_pipe_keeps_its_json():
     """The files are written before the table: a reader that stops early
     (fastattn bench --json f | head) costs nothing."""

@@ -311,7 +311,7 @@ HOSTILE = [
         "do not agree"),
     row("varlen", fastattn.varlen_attention, (z(5, 2, 8), z(6, 2, 8), z(6, 2, 8),
                                               np.array([0, 5]), np.array([0, 6])),
-        {"sinks": np.zeros((1, 2))}, ValueError, "sinks has shape (1, 2); expected (2,)"),
+        {"sinks": np.zeros((1, 2))}, ValueError, "sinks has shape (1, 2); expected (2,), one per query head"),
     row("merge", fastattn.merge_attention, ([z(2, 4, 8)], [z(2, 5)]), {}, ValueError,
         "outputs[0] has shape (2, 4, 8) and lses[0] (2, 5); expected (2, 4, 8) and (2, 4)"),
     row("merge", fastattn.merge_attention, ([], []), {}, ValueError,

@@ -10,6 +10,8 @@ relative for float16, 2**-8 for bfloat16) plus the float32 bound of
 conftest.  A cache in int8 holds scale * code with |error| <= max|row| / 254
 per element; attention over it is checked against the reference over what
 it holds (``cache.key``, ``cache.value``)."""
+import warnings
+
 import numpy as np
 import pytest
 from conftest import assert_close, simd_path, tolerance
@@ -261,6 +263,20 @@ def test_merge_attention_of_a_part_with_lse_inf(dtype):
     np.testing.assert_array_equal(out[0], 0)
     assert lse[0] == np.inf
     assert np.isnan(out[1]).all() and np.isnan(lse[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: d.__name__)
+def test_merge_attention_of_lses_far_apart(dtype):
+    """lses near the dtype's largest apart (-3e38 and 3e38 in float32): their difference
+    overflows to -inf, whose factor 0 is right, silently (no NumPy warning)."""
+    big = float(np.finfo(dtype).max) * 0.9
+    o1, o2 = np.ones((1, 3), dtype), np.full((1, 3), 2, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = fastattn.merge_attention([o1, o2], [np.array([-big], dtype),
+                                                       np.array([big], dtype)])
+    np.testing.assert_array_equal(out, o2)
+    np.testing.assert_array_equal(lse, np.array([big], dtype))
 
 
 def test_half_out_must_have_the_inputs_dtype():

@@ -21,7 +21,7 @@ def _names(text, known, what):
         raise argparse.ArgumentTypeError(
             f"unknown {what} {', '.join(unknown) or '(none given)'}; expected some of: "
             f"{', '.join(known)}")
-    return names
+    return list(dict.fromkeys(names))  # each once, in the order first given
 
 
 def _simd_paths(text):
@@ -34,7 +34,7 @@ def _simd_paths(text):
         raise argparse.ArgumentTypeError(
             f"SIMD path {', '.join(absent)} not available on this CPU or build; available: "
             f"{', '.join(known)}")
-    return list(dict.fromkeys(names))
+    return names
 
 
 def _threads(text):
@@ -48,7 +48,7 @@ def _threads(text):
     if not values or any(not 1 <= v <= MAX_THREADS for v in values):
         raise argparse.ArgumentTypeError(
             f"expected thread counts from 1 to {MAX_THREADS} like 1,2, got {text!r}")
-    return values
+    return list(dict.fromkeys(values))
 
 
 def _at_least(kind, low):
