@@ -288,14 +288,14 @@ def check_scale(scale: object, E: int, compute: np.dtype[Any]) -> float:
     """The scale the kernels take: 1/sqrt(E) when None (PyTorch's default),
     else a real number finite in the dtype computed in."""
     x = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else check_real(scale, "scale")
-    largest = _LARGEST.get(compute, 0.0)
+    largest = LARGEST.get(compute, 0.0)
     if not -largest <= x <= largest:  # else plainly finite there
         check_finite_in(x, "scale", compute)
     return x
 
 
 # each computing dtype's largest finite value, as a Python float
-_LARGEST = {np.dtype(t): float(np.finfo(t).max) for t in (np.float32, np.float64)}
+LARGEST = {np.dtype(t): float(np.finfo(t).max) for t in (np.float32, np.float64)}
 
 
 def check_index(x: object, name: str, minimum: int) -> int:

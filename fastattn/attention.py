@@ -20,8 +20,7 @@ _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/
 # how the kernels read 16-bit inputs (converted to float32 a tile at a time)
 _STORE = {"float16": _core.STORE_F16, "bfloat16": _core.STORE_BF16}
 # the short route's dtypes: their element bound, and the largest scale they hold
-_COMMON_DTYPES = {dt: (C.max_elements(dt), float(np.finfo(dt).max))
-                  for dt in (np.dtype(np.float32), np.dtype(np.float64))}
+_COMMON_DTYPES = {dt: (C.max_elements(dt), largest) for dt, largest in C.LARGEST.items()}
 _BOOL = np.dtype(np.bool_)
 
 
@@ -113,11 +112,12 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
             return None
     if out is None:
         out = np.empty(batch + (L, Ev), dtype)
-    elif not (out.dtype == dtype and out.shape == batch + (L, Ev) and out.flags.writeable
-              and C.kernel_view(out) is out and not C.has_internal_overlap(out)
-              and not any(C.overlap(out, a) for a in (query, key, value, attn_mask)
-                          if a is not None)):
-        return None
+    else:  # the general path's checks; its error is left to it
+        try:
+            C.check_out(out, batch + (L, Ev), dtype,
+                        {"query": query, "key": key, "value": value, "attn_mask": attn_mask})
+        except (TypeError, ValueError):
+            return None
     nthreads = _runtime.resolve_threads(num_threads)
     if out.size:
         _core.attention(_runtime.isa(), C.kernel_view(query), C.kernel_view(key),
