@@ -90,8 +90,8 @@ static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_nex
     if (next->i1 > next->i0 && a->q_store == FA_STORE_NATIVE)
         FA_NAME(ahead_stream)(&h, 1, (const T *)next->q + next->i0 * a->q_ls, next->i1 - next->i0,
                               a->q_ls, a->q_es, a->E);
-    if (next->i1 > next->i0 && a->kv_store == FA_STORE_NATIVE && next->k != NULL &&
-        next->v != NULL && next->k != k) {
+    if (next->i1 > next->i0 && a->kv_store == FA_STORE_NATIVE && a->block_table == NULL &&
+        next->k != NULL && next->v != NULL && next->k != k) {
         fa_idx b, e;
         FA_NAME(key_range)(a, next->i0, next->i1, &b, &e);
         if (e > b) {
@@ -118,12 +118,14 @@ static void FA_NAME(fetch_some)(FA_NAME(ahead) *h)
         }
 }
 
-/* Key and value tiles converted from their storage (fa_load_impl.h): KB
- * rows of E and of Ev, also where a block of queries is converted; none
- * when everything is stored as T. */
+/* Key and value tiles converted from their storage or gathered from
+ * their blocks (fa_load_impl.h): KB rows of E and of Ev, also where a
+ * block of queries is converted; none when everything is stored as T,
+ * densely. */
 static size_t FA_NAME(panels_work)(const fa_attn_args *a)
 {
-    if (a->kv_store == FA_STORE_NATIVE && a->q_store == FA_STORE_NATIVE) return 0;
+    if (a->kv_store == FA_STORE_NATIVE && a->q_store == FA_STORE_NATIVE && a->block_table == NULL)
+        return 0;
     return sizeof(T) * (size_t)FA_KB * (size_t)(FA_EP(a) + FA_EVP(a));
 }
 

@@ -12,6 +12,49 @@
  * Needs T, FA_NAME, prefetch_bytes and the primitives cvt_body, dot_body,
  * gemv_t_any. */
 
+#ifndef FA_PLACEMENT
+#define FA_PLACEMENT
+/* Where key or value row j of an item lies (fa_attn_args' placement), in
+ * elements from the item's start, for row stride ss and block stride bs:
+ * dense j * ss, paged the row's place in its block. */
+static FA_ALWAYS_INLINE fa_idx fa_kv_row(const fa_attn_args *a, fa_idx j, fa_idx ss, fa_idx bs)
+{
+    if (a->block_table == NULL) return j * ss;
+    return (fa_idx)a->block_table[j / a->block_size] * bs + (j % a->block_size) * ss;
+}
+
+/* How many of the n rows from row j follow it at its row stride: all when
+ * dense, else those up to the end of its block.  The kernels read a run at
+ * a time, as they read a dense array, so that paging changes no result. */
+static FA_ALWAYS_INLINE fa_idx fa_kv_run(const fa_attn_args *a, fa_idx j, fa_idx n)
+{
+    if (a->block_table == NULL) return n;
+    const fa_idx left = a->block_size - j % a->block_size;
+    return left < n ? left : n;
+}
+
+static FA_ALWAYS_INLINE fa_idx fa_key_at(const fa_attn_args *a, fa_idx j)
+{
+    return fa_kv_row(a, j, a->k_ss, a->k_bs);
+}
+
+static FA_ALWAYS_INLINE fa_idx fa_value_at(const fa_attn_args *a, fa_idx j)
+{
+    return fa_kv_row(a, j, a->v_ss, a->v_bs);
+}
+
+/* The I8 scales of key and value row j. */
+static FA_ALWAYS_INLINE float fa_key_scale(const fa_attn_args *a, fa_idx j)
+{
+    return a->k_scale[fa_kv_row(a, j, a->ksc_s, a->ksc_bs)];
+}
+
+static FA_ALWAYS_INLINE float fa_value_scale(const fa_attn_args *a, fa_idx j)
+{
+    return a->v_scale[fa_kv_row(a, j, a->vsc_s, a->vsc_bs)];
+}
+#endif
+
 /* dst[0..n) = elements src[e * es] of a row stored as st, as T */
 static void FA_NAME(load_row)(fa_store st, fa_idx n, const void *src, fa_idx es, T *dst)
 {
@@ -108,25 +151,30 @@ typedef struct {
     fa_idx ss, es;
 } FA_NAME(tile);
 
-/* Rows s0..s0+nk-1 (n features each) of the key or value x with strides
- * ss, es and I8 row scales scale[j * sc_s]: in place when stored as T, else
- * converted into panel (nk x ld), int8 rows times their scale. */
+/* Rows s0..s0+nk-1 (n features each) of the key or value x with row,
+ * feature and block strides ss, es and bs (fa_attn_args' placement), and
+ * I8 row scales sc at rows sc_s and blocks sc_bs apart: in place when
+ * stored as T and in one block, else copied or converted into panel
+ * (nk x ld), int8 rows times their scale. */
 static FA_NAME(tile) FA_NAME(load_tile)(const fa_attn_args *a, const void *x, fa_idx ss,
-                                        fa_idx es, fa_idx n, const float *scale, fa_idx sc_s,
-                                        fa_idx s0, fa_idx nk, T *panel, fa_idx ld)
+                                        fa_idx es, fa_idx bs, fa_idx n, const float *sc,
+                                        fa_idx sc_s, fa_idx sc_bs, fa_idx s0, fa_idx nk,
+                                        T *panel, fa_idx ld)
 {
     FA_NAME(tile) t = {panel, ld, 1};
-    if (a->kv_store == FA_STORE_NATIVE) {
-        t.p = (const T *)x + s0 * ss;
+    if (a->kv_store == FA_STORE_NATIVE && fa_kv_run(a, s0, nk) == nk) {
+        t.p = (const T *)x + fa_kv_row(a, s0, ss, bs);
         t.ss = ss;
         t.es = es;
         return t;
     }
     for (fa_idx r = 0; r < nk; ++r) {
         T *row = panel + r * ld;
-        FA_NAME(load_row)(a->kv_store, n, FA_NAME(st_at)(a->kv_store, x, (s0 + r) * ss), es, row);
+        const fa_idx j = s0 + r;
+        FA_NAME(load_row)(a->kv_store, n, FA_NAME(st_at)(a->kv_store, x, fa_kv_row(a, j, ss, bs)),
+                          es, row);
         if (a->kv_store == FA_STORE_I8) {
-            const T f = (T)scale[(s0 + r) * sc_s];
+            const T f = (T)sc[fa_kv_row(a, j, sc_s, sc_bs)];
             for (fa_idx e = 0; e < n; ++e) row[e] *= f;
         }
     }
@@ -136,15 +184,15 @@ static FA_NAME(tile) FA_NAME(load_tile)(const fa_attn_args *a, const void *x, fa
 static FA_NAME(tile) FA_NAME(key_tile)(const fa_attn_args *a, const void *k, fa_idx s0, fa_idx nk,
                                        T *panel)
 {
-    return FA_NAME(load_tile)(a, k, a->k_ss, a->k_es, a->E, a->k_scale, a->ksc_s, s0, nk, panel,
-                              FA_PAD(a->E, (fa_idx)sizeof(T)));
+    return FA_NAME(load_tile)(a, k, a->k_ss, a->k_es, a->k_bs, a->E, a->k_scale, a->ksc_s,
+                              a->ksc_bs, s0, nk, panel, FA_PAD(a->E, (fa_idx)sizeof(T)));
 }
 
 static FA_NAME(tile) FA_NAME(value_tile)(const fa_attn_args *a, const void *v, fa_idx s0,
                                          fa_idx nk, T *panel)
 {
-    return FA_NAME(load_tile)(a, v, a->v_ss, a->v_es, a->Ev, a->v_scale, a->vsc_s, s0, nk, panel,
-                              FA_PAD(a->Ev, (fa_idx)sizeof(T)));
+    return FA_NAME(load_tile)(a, v, a->v_ss, a->v_es, a->v_bs, a->Ev, a->v_scale, a->vsc_s,
+                              a->vsc_bs, s0, nk, panel, FA_PAD(a->Ev, (fa_idx)sizeof(T)));
 }
 
 #if FA_IS_F32

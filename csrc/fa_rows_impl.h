@@ -61,20 +61,29 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
  * every layout of the same numbers goes through the same vector arithmetic:
  * results are bitwise the same whatever the strides. */
 
-/* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB); an
- * int8 row's scale is folded into its weights (s is changed then). */
+/* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB),
+ * a run of rows in one block at a time (fa_kv_run): each output element
+ * sums its keys in order whatever the placement; an int8 row's scale is
+ * folded into its weights (s is changed then). */
 static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq, fa_idx s0,
                                  fa_idx nk, T *s, T *o, T *buf)
 {
     const fa_idx Ev = a->Ev;
     const fa_store st = a->kv_store;
     if (st == FA_STORE_I8)
-        for (fa_idx t = 0; t < nq; ++t)
-            for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] *= (T)a->v_scale[(s0 + r) * a->vsc_s];
+        for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
+            n = fa_kv_run(a, s0 + r0, nk - r0);
+            const float *sc = a->v_scale + fa_kv_row(a, s0 + r0, a->vsc_s, a->vsc_bs);
+            for (fa_idx t = 0; t < nq; ++t)
+                for (fa_idx r = 0; r < n; ++r) s[t * FA_RB + r0 + r] *= (T)sc[r * a->vsc_s];
+        }
     if (a->v_es == 1) {
-        for (fa_idx t = 0; t < nq; ++t)
-            FA_NAME(gemv_t_st)(st, nk, Ev, s + t * FA_RB, FA_NAME(st_at)(st, v, s0 * a->v_ss),
-                               a->v_ss, o + t * FA_EVP(a));
+        for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
+            n = fa_kv_run(a, s0 + r0, nk - r0);
+            const void *rows = FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0));
+            for (fa_idx t = 0; t < nq; ++t)
+                FA_NAME(gemv_t_st)(st, n, Ev, s + t * FA_RB + r0, rows, a->v_ss, o + t * FA_EVP(a));
+        }
         return;
     }
     /* the same products, a tile at a time: each output element still sums
@@ -84,7 +93,8 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq
         for (fa_idx r0 = 0; r0 < nk; r0 += FA_VT_ROWS) {
             const fa_idx nr = nk - r0 < FA_VT_ROWS ? nk - r0 : FA_VT_ROWS;
             for (fa_idx r = 0; r < nr; ++r)
-                FA_NAME(load_row)(st, nc, FA_NAME(st_at)(st, v, (s0 + r0 + r) * a->v_ss + c0 * a->v_es),
+                FA_NAME(load_row)(st, nc,
+                                  FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0 + r) + c0 * a->v_es),
                                   a->v_es, buf + r * FA_VT_COLS);
             for (fa_idx t = 0; t < nq; ++t)
                 FA_NAME(gemv_t)(nr, nc, s + t * FA_RB + r0, buf, FA_VT_COLS, o + t * FA_EVP(a) + c0);
@@ -105,7 +115,7 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
                                   const void *k, fa_idx t, fa_idx key)
 {
     const T scale = (T)a->scale, *x = w->qs + t * FA_EP(a);
-    const char *row = (const char *)FA_NAME(st_at)(a->kv_store, k, key * a->k_ss);
+    const char *row = (const char *)FA_NAME(st_at)(a->kv_store, k, fa_key_at(a, key));
     T s = 0, d = 0;
     for (fa_idx c = 0; c < a->E; ++c) {
         const T y = FA_NAME(st_get)(a->kv_store, row, c * a->k_es), p = x[c] * y;
@@ -130,36 +140,50 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                          : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
                                                          : 1;
     const fa_idx eb = FA_NAME(st_bytes)(st);
-    fa_ahead_rows vrows = {NULL, 0, 0, 0};
-    if (v != NULL && a->v_es == 1 && nk > 0)
-        vrows = (fa_ahead_rows){(const char *)v + s0 * a->v_ss * eb, a->v_ss * eb, a->Ev * eb, nk};
-    if (a->k_es == 1) { /* in place; rows further on asked for while these are read */
-        const fa_idx npf = a->S - s0 - ahead < 0 ? 0 : a->S - s0 - ahead;
-        fa_ahead_rows krows = {NULL, 0, 0, 0};
-        if (npf > 0)
-            krows = (fa_ahead_rows){(const char *)k + (s0 + ahead) * a->k_ss * eb, a->k_ss * eb,
-                                    row_bytes, npf < nk ? npf : nk};
-        FA_NAME(dots)(st, nq, nk, a->E, w->qs, FA_EP(a), FA_NAME(st_at)(st, k, s0 * a->k_ss),
-                      a->k_ss, s, FA_RB, &krows, &vrows);
+    const fa_ahead_rows none = {NULL, 0, 0, 0};
+    if (a->k_es == 1) {
+        /* in place, a run of rows in one block at a time, split again where
+         * the rows `ahead` further on, asked for while these are read,
+         * cross into another block */
+        for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
+            const fa_idx j = s0 + r0, ja = j + ahead;
+            n = fa_kv_run(a, j, nk - r0);
+            fa_ahead_rows krows = none, vrows = none;
+            if (ahead > 0 && ja < a->S) {
+                const fa_idx na = fa_kv_run(a, ja, a->S - ja);
+                n = n < na ? n : na;
+                krows = (fa_ahead_rows){(const char *)k + fa_key_at(a, ja) * eb, a->k_ss * eb,
+                                        row_bytes, n};
+            }
+            if (v != NULL && a->v_es == 1)
+                vrows = (fa_ahead_rows){(const char *)v + fa_value_at(a, j) * eb, a->v_ss * eb,
+                                        a->Ev * eb, n};
+            FA_NAME(dots)(st, nq, n, a->E, w->qs, FA_EP(a), FA_NAME(st_at)(st, k, fa_key_at(a, j)),
+                          a->k_ss, s + r0, FA_RB, &krows, &vrows);
+        }
     } else { /* each key row copied contiguous first */
-        const fa_ahead_rows none = {NULL, 0, 0, 0};
         for (fa_idx r = 0; r < nk; ++r) {
-            FA_NAME(load_row)(st, a->E, FA_NAME(st_at)(st, k, (s0 + r) * a->k_ss), a->k_es,
+            FA_NAME(load_row)(st, a->E, FA_NAME(st_at)(st, k, fa_key_at(a, s0 + r)), a->k_es,
                               w->gather);
             FA_NAME(dots)(FA_STORE_NATIVE, nq, 1, a->E, w->qs, FA_EP(a), w->gather, 0, s + r,
                           FA_RB, &none, &none);
         }
     }
-    for (fa_idx r = 0; r < nk; ++r) { /* int8: times the row's scale */
-        const T f = st == FA_STORE_I8 ? (T)a->k_scale[(s0 + r) * a->ksc_s] : 1;
-        for (fa_idx t = 0; t < nq; ++t)
-            s[t * FA_RB + r] = scale * (st == FA_STORE_I8 ? f * s[t * FA_RB + r] : s[t * FA_RB + r]);
+    for (fa_idx r0 = 0, n; r0 < nk; r0 += n) { /* int8: times the row's scale */
+        n = fa_kv_run(a, s0 + r0, nk - r0);
+        const float *sc = st == FA_STORE_I8 ? a->k_scale + fa_kv_row(a, s0 + r0, a->ksc_s, a->ksc_bs)
+                                            : NULL;
+        for (fa_idx r = r0; r < r0 + n; ++r) {
+            const T f = sc != NULL ? (T)sc[(r - r0) * a->ksc_s] : 1;
+            for (fa_idx t = 0; t < nq; ++t)
+                s[t * FA_RB + r] = scale * (sc != NULL ? f * s[t * FA_RB + r] : s[t * FA_RB + r]);
+        }
     }
     for (fa_idx t = 0; t < nq; ++t) { /* a score inf or NaN: perhaps a sum beyond T's range */
         T *z = s + t * FA_RB, sum = FA_NAME(sum)(nk, z);
         for (fa_idx r = 0; sum - sum != 0 && r < nk; ++r)
             if (z[r] - z[r] != 0)
-                z[r] = (st == FA_STORE_I8 ? (T)a->k_scale[(s0 + r) * a->ksc_s] : 1) *
+                z[r] = (st == FA_STORE_I8 ? (T)fa_key_scale(a, s0 + r) : 1) *
                        FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
     }
     /* the rest of the per-score stage; nothing to do past the soft-cap

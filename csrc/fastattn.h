@@ -9,6 +9,7 @@
 #ifndef FASTATTN_H
 #define FASTATTN_H
 
+#include <stdint.h>
 #include "fa_common.h"
 
 /* ---- CPU ---------------------------------------------------------------- */
@@ -91,6 +92,17 @@ typedef struct {
     const float *k_scale;        /* I8: key row j is k_scale[j * ksc_s] * its codes */
     const float *v_scale;        /* I8: value row j is v_scale[j * vsc_s] * its codes */
     fa_idx ksc_s, vsc_s;
+    /* Placement of the keys and values (and of their I8 scales): dense when
+     * block_table is NULL, row j at k + j * k_ss as above.  Paged otherwise
+     * (vLLM's PagedAttention, Kwon et al. 2023): the rows lie in blocks of
+     * block_size rows, row j in block b = block_table[j / block_size] at
+     * k + b * k_bs + (j % block_size) * k_ss; v, k_scale and v_scale alike
+     * with v_bs, ksc_bs and vsc_bs.  The caller checks that the first
+     * ceil(S / block_size) entries are blocks of its arrays; the kernels
+     * read no other entry.  A result never depends on the placement. */
+    const int32_t *block_table;
+    fa_idx block_size;
+    fa_idx k_bs, v_bs, ksc_bs, vsc_bs;
 } fa_attn_args;
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
