@@ -27,6 +27,7 @@ from .attention import merge_attention, scaled_dot_product_attention
 from .kv_cache import KVCache
 from .mha import MultiHeadAttention
 from .ops import matmul, merge_heads, softmax, split_heads
+from .paged import paged_attention
 from .varlen import varlen_attention
 
 try:
@@ -35,7 +36,7 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
     __version__ = "0+unknown"
 
 __all__ = [
-    "scaled_dot_product_attention", "merge_attention", "varlen_attention",
+    "scaled_dot_product_attention", "merge_attention", "varlen_attention", "paged_attention",
     "MultiHeadAttention", "KVCache", "matmul", "softmax",
     "split_heads", "merge_heads",
     "reference", "simd_path", "set_simd_path", "available_simd_paths", "openmp_enabled",

@@ -8,7 +8,8 @@ csrc/fastattn.h), spread over OpenMP threads when the build has OpenMP.
 """
 from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport INFINITY, log
-from libc.stdlib cimport free, malloc
+from libc.stdint cimport int32_t
+from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memset
 
 cimport numpy as cnp
@@ -71,6 +72,9 @@ cdef extern from "fastattn.h" nogil:
         const float *k_scale
         const float *v_scale
         fa_idx ksc_s, vsc_s
+        const int32_t *block_table
+        fa_idx block_size
+        fa_idx k_bs, v_bs, ksc_bs, vsc_bs
 
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
@@ -777,6 +781,274 @@ def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     free(tasks)
     stop_raise(&stop)
     raise_on(err, "varlen attention")
+
+
+cdef struct Paged:
+    # The operands of one paged() call: the arguments shared by its
+    # sequences and heads, and where each sequence's and head's start.
+    fa_attn_args a
+    char *q
+    char *k
+    char *v
+    char *o
+    char *lse
+    const float *ksc
+    const float *vsc
+    const int32_t *table
+    const cnp.int64_t *cu_q
+    const cnp.int64_t *seq_lens
+    const double *slope   # (B, Hq) or NULL
+    const double *sink    # (Hq,) or NULL
+    fa_idx table_s, Hq, group, qh, kh, vh, oh, lh, ksch, vsch
+    int qsize, kvsize, es
+
+
+cdef struct PagedTask:
+    # Rows i0..i1-1 of (sequence, head); when the item's keys are split
+    # (nsplit > 1), its keys s_lo..s_hi-1 into the state at `state`
+    # (elements from the start of the call's states).  order: when made.
+    fa_idx seq, head, i0, i1, s_lo, s_hi, nsplit, state, order
+    double cost
+
+
+cdef int costlier_first(const void *x, const void *y) noexcept nogil:
+    """qsort's order of tasks: costlier first, then as made (qsort is not
+    stable), so that the heads of one key/value head stay together."""
+    cdef const PagedTask *s = <const PagedTask *>x
+    cdef const PagedTask *t = <const PagedTask *>y
+    if s.cost != t.cost:
+        return -1 if s.cost > t.cost else 1
+    return -1 if s.order < t.order else (1 if s.order > t.order else 0)
+
+
+cdef inline fa_attn_args paged_args(const Paged *p, fa_idx b, fa_idx h) noexcept nogil:
+    """The arguments of sequence b, query head h: its L and S (the queries
+    its last L positions), block table row, scales, slope and sink."""
+    cdef fa_attn_args r = p.a
+    r.L = p.cu_q[b + 1] - p.cu_q[b]
+    r.S = p.seq_lens[b]
+    r.causal_offset = r.S - r.L
+    r.block_table = p.table + b * p.table_s
+    if p.ksc != NULL:
+        r.k_scale = p.ksc + (h // p.group) * p.ksch
+        r.v_scale = p.vsc + (h // p.group) * p.vsch
+    if p.slope != NULL:
+        r.alibi_slope = p.slope[b * p.Hq + h]
+    if p.sink != NULL:
+        r.sink = p.sink[h]
+    return r
+
+
+cdef int paged_run(int isa, const Paged *p, const PagedTask *t, char *states, bint merge,
+                   void *work) noexcept nogil:
+    """Task t of paged(), or (merge) the merge of its item's split pieces,
+    their repair and lse; the kernels' return code."""
+    cdef fa_idx b = t.seq, h = t.head, i
+    cdef fa_attn_args ai = paged_args(p, b, h)
+    cdef char *q = p.q + p.qsize * (p.cu_q[b] * ai.q_ls + h * p.qh)
+    cdef char *k = p.k + p.kvsize * ((h // p.group) * p.kh)
+    cdef char *v = p.v + p.kvsize * ((h // p.group) * p.vh)
+    cdef char *o = p.o + p.es * (p.cu_q[b] * ai.o_ls + h * p.oh)
+    cdef char *lse = p.lse + p.es * (h * p.lh + p.cu_q[b] * ai.lse_s) if p.lse != NULL else NULL
+    cdef char *st = states + p.es * t.state if t.nsplit > 1 else NULL
+    cdef float mlf[2 * 4]   # the merged maximum and sum of at most FA_ROWS_MAX rows
+    cdef double mld[2 * 4]
+    cdef void *ml = <void *>mlf if p.es == 4 else <void *>mld
+    cdef int rc
+    if not merge and st == NULL:
+        if p.es == 4:
+            return fa_attn_f32(<fa_isa>isa, &ai, q, k, v, NULL, <float *>o, NULL, <float *>lse,
+                               t.i0, t.i1, NULL, work)
+        return fa_attn_f64(<fa_isa>isa, &ai, <double *>q, <double *>k, <double *>v, NULL,
+                           <double *>o, NULL, <double *>lse, t.i0, t.i1, NULL, work)
+    if not merge:
+        if p.es == 4:
+            return fa_attn_part_f32(<fa_isa>isa, &ai, q, k, v, NULL, 0, ai.L, t.s_lo, t.s_hi,
+                                    <float *>st, work)
+        return fa_attn_part_f64(<fa_isa>isa, &ai, <double *>q, <double *>k, <double *>v, NULL, 0,
+                                ai.L, t.s_lo, t.s_hi, <double *>st, work)
+    # as split_attention does: merged, the rows that came out non-finite
+    # computed again, then each row's lse from the merged maximum and sum
+    if p.es == 4:
+        rc = fa_attn_merge_f32(<fa_isa>isa, &ai, t.nsplit, <float *>st, <float *>o, mlf, 0, ai.L)
+        if rc == 0:
+            rc = fa_attn_repair_f32(<fa_isa>isa, &ai, q, k, v, NULL, t.nsplit, <float *>st,
+                                    <float *>o, NULL, 0, ai.L, work)
+    else:
+        rc = fa_attn_merge_f64(<fa_isa>isa, &ai, t.nsplit, <double *>st, <double *>o, mld, 0, ai.L)
+        if rc == 0:
+            rc = fa_attn_repair_f64(<fa_isa>isa, &ai, <double *>q, <double *>k, <double *>v, NULL,
+                                    t.nsplit, <double *>st, <double *>o, NULL, 0, ai.L, work)
+    if lse != NULL:
+        for i in range(ai.L):
+            row_lse(p.es, ml, i, lse, ai.lse_s)
+    return rc
+
+
+cdef double paged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
+    """About the time of rows i0..i1-1 over keys s_lo..s_hi-1 (those the
+    bounds leave), in key-rows: a block of rows reads each key once for all
+    of them, and a key read costs some 8 rows' products (decoding is bound
+    by memory, blocks of rows by arithmetic)."""
+    cdef fa_idx lo = s_lo, hi = s_hi
+    if a.causal or a.window_right >= 0:
+        hi = min(hi, max(a.causal_offset + i1 + (0 if a.causal else a.window_right), 0))
+    if a.window_left >= 0:
+        lo = max(lo, a.causal_offset + i0 - a.window_left)
+    return <double>max(hi - lo, 0) * <double>(i1 - i0 + 8)
+
+
+def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache,
+          object k_scale, object v_scale, const int32_t[:, ::1] block_table,
+          const cnp.int64_t[::1] seq_lens, const cnp.int64_t[::1] cu_q, cnp.ndarray out,
+          object lse, fa_idx group, bint causal, double scale, int nthreads, fa_idx window_left,
+          fa_idx window_right, double softcap, object slopes, object sinks, int q_store,
+          int kv_store):
+    """Attention of packed queries over paged caches (checked by the
+    caller): q (total_q, Hq, E) stored as q_store, key_cache (num_blocks,
+    Hkv, block_size, E) and value_cache (..., Ev) as kv_store, with int8
+    scales k_scale, v_scale (num_blocks, Hkv, block_size) float32 or None;
+    out (total_q, Hq, Ev) and lse None or (Hq, total_q) in the kernels'
+    dtype; sequence b holds rows cu_q[b]..cu_q[b+1]-1, its last positions,
+    and seq_lens[b] keys in the blocks block_table[b, :] (every entry it
+    reads valid).  slopes (B, Hq) and sinks (Hq,) float64 or None.
+
+    One task list for the whole ragged batch: a task per block of query
+    rows of each (sequence, head), of the sequence's own length, or, where
+    scaled_dot_product_attention splits a sequence's keys (decoding), a
+    task per piece, merged after; costlier tasks first."""
+    cdef Paged p
+    cdef fa_idx nseq = cu_q.shape[0] - 1, Hq = out.shape[1]
+    cdef fa_idx b, h, i0, nqb, piece, chunk, nsplit, ntasks = 0, nitems = 0, nstate = 0
+    cdef fa_idx t, slen
+    cdef cnp.ndarray x_arr
+    memset(&p, 0, sizeof(p))
+    p.es = cnp.PyArray_ITEMSIZE(out)
+    p.qsize, p.kvsize = cnp.PyArray_ITEMSIZE(q), cnp.PyArray_ITEMSIZE(key_cache)
+    p.a.E, p.a.Ev = q.shape[2], value_cache.shape[3]
+    p.a.q_ls, p.a.q_es = estride(q, 0), estride(q, 2)
+    p.a.k_bs, p.a.k_ss, p.a.k_es = estride(key_cache, 0), estride(key_cache, 2), estride(key_cache, 3)
+    p.a.v_bs, p.a.v_ss, p.a.v_es = (estride(value_cache, 0), estride(value_cache, 2),
+                                    estride(value_cache, 3))
+    p.a.o_ls, p.a.o_es = estride(out, 0), estride(out, 2)
+    p.a.mask_kind = FA_MASK_NONE
+    p.a.scale, p.a.softcap, p.a.causal = scale, softcap, causal
+    p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
+    p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
+    p.a.block_size = key_cache.shape[2]
+    p.a.block_table = &block_table[0, 0] if block_table.shape[0] > 0 and block_table.shape[1] > 0 else NULL
+    p.q, p.k = <char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(key_cache)
+    p.v, p.o = <char *>cnp.PyArray_DATA(value_cache), <char *>cnp.PyArray_DATA(out)
+    p.qh, p.kh, p.vh, p.oh = estride(q, 1), estride(key_cache, 1), estride(value_cache, 1), estride(out, 1)
+    p.table, p.table_s = p.a.block_table, block_table.shape[1]
+    p.cu_q, p.seq_lens = &cu_q[0], (&seq_lens[0] if nseq > 0 else NULL)
+    p.Hq, p.group = Hq, group
+    if k_scale is not None:
+        x_arr = k_scale
+        p.ksc = <const float *>cnp.PyArray_DATA(x_arr)
+        p.a.ksc_bs, p.ksch, p.a.ksc_s = estride(x_arr, 0), estride(x_arr, 1), estride(x_arr, 2)
+        p.a.k_scale = p.ksc
+        x_arr = v_scale
+        p.vsc = <const float *>cnp.PyArray_DATA(x_arr)
+        p.a.vsc_bs, p.vsch, p.a.vsc_s = estride(x_arr, 0), estride(x_arr, 1), estride(x_arr, 2)
+        p.a.v_scale = p.vsc
+    if lse is not None:
+        x_arr = lse
+        p.lse = <char *>cnp.PyArray_DATA(x_arr)
+        p.lh, p.a.lse_s = estride(x_arr, 0), estride(x_arr, 1)
+    if slopes is not None:
+        x_arr = slopes  # C-contiguous (B, Hq)
+        p.slope = <const double *>cnp.PyArray_DATA(x_arr)
+    if sinks is not None:
+        x_arr = sinks   # C-contiguous (Hq,)
+        p.sink = <const double *>cnp.PyArray_DATA(x_arr)
+    if p.table == NULL or Hq == 0:
+        return
+
+    # the tasks: every (sequence, head) as scaled_dot_product_attention on
+    # that sequence alone splits it (fa_attn_splits), so its bits are that
+    # call's; then sorted costlier first
+    cdef fa_idx qb = fa_attn_query_block(p.es)
+    cdef fa_attn_args ai
+    for b in range(nseq):
+        ai = paged_args(&p, b, 0)
+        if ai.L == 0:
+            continue
+        nsplit = fa_attn_splits(&ai)
+        ntasks += Hq * (nsplit if nsplit > 1 else (ai.L + qb - 1) // qb)
+        nitems += Hq if nsplit > 1 else 0
+    if ntasks == 0:
+        return
+    cdef PagedTask *tasks = <PagedTask *>malloc((ntasks + nitems) * sizeof(PagedTask))
+    if tasks == NULL:
+        raise MemoryError("fastattn: cannot allocate the task list")
+    cdef PagedTask *items = tasks + ntasks  # the split items, to merge
+    cdef PagedTask *x
+    t = 0
+    nitems = 0
+    for b in range(nseq):
+        ai = paged_args(&p, b, 0)
+        if ai.L == 0:
+            continue
+        nsplit = fa_attn_splits(&ai)
+        nqb = (ai.L + qb - 1) // qb
+        slen = fa_attn_state_len(&ai, 0, ai.L)
+        chunk = (ai.S + nsplit - 1) // nsplit
+        for h in range(Hq):
+            if nsplit > 1:
+                items[nitems] = PagedTask(b, h, 0, ai.L, 0, ai.S, nsplit, nstate, nitems, 0)
+                nitems += 1
+            for piece in range(nsplit if nsplit > 1 else nqb):
+                x = &tasks[t]
+                x.seq, x.head, x.nsplit, x.order = b, h, nsplit, t
+                if nsplit > 1:
+                    x.i0, x.i1, x.s_lo = 0, ai.L, piece * chunk
+                    x.s_hi = min(x.s_lo + chunk, ai.S)
+                    x.state = nstate
+                    nstate += slen
+                else:
+                    x.i0 = piece * qb
+                    x.i1 = min(x.i0 + qb, ai.L)
+                    x.s_lo, x.s_hi, x.state = 0, ai.S, 0
+                x.cost = paged_cost(&ai, x.i0, x.i1, x.s_lo, x.s_hi)
+                t += 1
+    qsort(tasks, ntasks, sizeof(PagedTask), costlier_first)
+
+    cdef char *states = <char *>malloc(max(nstate, 1) * p.es)
+    if states == NULL:
+        free(tasks)
+        raise MemoryError("fastattn: cannot allocate the split-attention state")
+    cdef size_t work_bytes = fa_attn_work_bytes(&p.a, p.es)
+    cdef void *work
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef fa_stop stop
+    stop_init(&stop)
+    with nogil, parallel(num_threads=min(nthreads, ntasks)):
+        work = malloc(work_bytes)
+        if work == NULL:
+            errp[0] = 1
+        for t in prange(ntasks, schedule="dynamic"):
+            if work == NULL or stopped(&stop):
+                continue
+            if paged_run(isa, &p, &tasks[t], states, False, work) != 0:
+                errp[0] = 2
+        free(work)
+    if err == 0 and stop.flag == 0 and nitems > 0:
+        with nogil, parallel(num_threads=min(nthreads, nitems)):
+            work = malloc(work_bytes)
+            if work == NULL:
+                errp[0] = 1
+            for t in prange(nitems, schedule="dynamic"):
+                if work == NULL:
+                    continue
+                if paged_run(isa, &p, &items[t], states, True, work) != 0:
+                    errp[0] = 2
+            free(work)
+    free(states)
+    free(tasks)
+    stop_raise(&stop)
+    raise_on(err, "paged attention")
 
 
 def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray out,

@@ -1,0 +1,271 @@
+"""paged_attention: one attention call for a ragged batch of sequences whose
+keys and values lie in blocks of a shared pool (a paged cache)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from . import _checks as C
+from . import _core, _runtime, _variants
+from ._typing import Float, NDArray
+from .attention import narrow
+from .varlen import _cu_seqlens
+
+# a cache's dtype -> how the kernels read it (its elements converted exactly
+# to float32 as they are loaded; int8 rows times their float32 scale)
+_CACHE_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
+                 "bfloat16": _core.STORE_BF16, "int8": _core.STORE_I8}
+_QUERY_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
+                 "bfloat16": _core.STORE_BF16}
+
+
+def _ints(x: object, name: str, ndim: int, layout: str) -> NDArray[np.integer[Any]]:
+    a = C.require_array(x, name)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} has dtype {a.dtype}; expected int32 (or another integer dtype)")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {layout}")
+    return a
+
+
+def _cache_dtypes(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
+                  k_scale: object, v_scale: object) -> tuple[int, int]:
+    """The kernels' storage kinds of query and of the caches; TypeError for
+    dtypes that do not go together, and for int8 scales that are missing
+    or given to another cache."""
+    qd, kd = query.dtype, key_cache.dtype
+    if value_cache.dtype != kd:
+        raise TypeError(f"key_cache has dtype {kd} and value_cache {value_cache.dtype}; "
+                        "expected one dtype")
+    if qd == np.float64:
+        if kd != np.float64:
+            raise TypeError(f"key_cache has dtype {kd}; a float64 query reads float64 caches")
+        q_store = kv_store = _core.STORE_NATIVE
+    else:
+        if qd.name not in _QUERY_STORES or not qd.isnative:
+            raise TypeError(f"query has dtype {qd}; expected float32, float64, float16 or "
+                            "bfloat16 (native byte order)")
+        if kd.name not in _CACHE_STORES or not kd.isnative:
+            raise TypeError(f"key_cache has dtype {kd}; expected float32, float16, bfloat16 "
+                            f"or int8 (with k_scale and v_scale) for a {qd} query")
+        q_store, kv_store = _QUERY_STORES[qd.name], _CACHE_STORES[kd.name]
+    if kv_store == _core.STORE_I8 and (k_scale is None or v_scale is None):
+        raise TypeError("int8 caches need k_scale and v_scale, the float32 scale of every "
+                        "row (num_blocks, num_kv_heads, block_size)")
+    if kv_store != _core.STORE_I8 and (k_scale is not None or v_scale is not None):
+        raise TypeError(f"k_scale and v_scale are the scales of int8 caches; key_cache has "
+                        f"dtype {kd}")
+    return q_store, kv_store
+
+
+def _scales(k_scale: object, v_scale: object, shape: C.Shape
+            ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+    out = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        a = C.require_array(s, name)
+        if a.dtype != np.float32:
+            raise TypeError(f"{name} has dtype {a.dtype}; expected float32")
+        if a.shape != shape:
+            raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected (num_blocks, "
+                             f"num_kv_heads, block_size) = {C.shape_str(shape)}")
+        out.append(C.kernel_view(a))
+    return out[0], out[1]
+
+
+def _block_table(block_table: object, seq_lens: object, B: int, num_blocks: int,
+                 block_size: int) -> tuple[NDArray[np.int32], NDArray[np.int64]]:
+    """The table as the kernels read it (C-contiguous int32) and seq_lens as
+    int64, after checking every entry a sequence's keys occupy."""
+    table = _ints(block_table, "block_table", 2, "(B, max_blocks)")
+    lens = _ints(seq_lens, "seq_lens", 1, "(B,)")
+    if table.shape[0] != B or lens.shape[0] != B:
+        raise ValueError(f"block_table {C.shape_str(table.shape)} and seq_lens "
+                         f"{C.shape_str(lens.shape)} must have one row per sequence: "
+                         f"cu_seqlens_q holds B + 1 = {B + 1} values")
+    lens64 = lens.astype(np.int64)
+    max_blocks = table.shape[1]
+    bad = np.flatnonzero((lens64 < 0) | (lens64 > max_blocks * block_size))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"seq_lens[{b}] = {lens64[b]}: sequence {b} can hold 0 to "
+                         f"max_blocks x block_size = {max_blocks} x {block_size} = "
+                         f"{max_blocks * block_size} keys")
+    used = np.arange(max_blocks)[None, :] < (-(-lens64 // block_size))[:, None]
+    wrong = used & ((table < 0) | (table >= num_blocks))
+    if wrong.any():
+        b, i = (int(x) for x in np.argwhere(wrong)[0])
+        raise ValueError(f"block_table[{b}, {i}] = {table[b, i]} is not a block of the caches "
+                         f"(0 to num_blocks - 1 = {num_blocks - 1}): sequence {b} holds "
+                         f"{lens64[b]} keys in its first {-(-lens64[b] // block_size)} blocks")
+    # the entries past a sequence's blocks are never read: any value, even one
+    # an int32 cannot hold
+    if table.dtype != np.int32:
+        table = np.where(used, table, 0)
+    return np.ascontiguousarray(table, dtype=np.int32), np.ascontiguousarray(lens64)
+
+
+def paged_attention(
+        query: NDArray[Float], key_cache: NDArray[Any], value_cache: NDArray[Any],
+        block_table: NDArray[np.integer[Any]], seq_lens: NDArray[np.integer[Any]],
+        cu_seqlens_q: NDArray[np.integer[Any]], *, scale: Optional[float] = None,
+        is_causal: bool = True, window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
+        k_scale: Optional[NDArray[np.float32]] = None,
+        v_scale: Optional[NDArray[np.float32]] = None,
+        out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
+    """Attention of a ragged batch of sequences over a paged key/value cache,
+    in one call: a serving step that mixes prefill chunks, single decoding
+    tokens and several speculative tokens.
+
+    The contract of vLLM's unified CPU attention and of FlashAttention's
+    ``flash_attn_with_kvcache`` with a ``block_table``, PagedAttention's
+    layout (Kwon et al., "Efficient Memory Management for Large Language
+    Model Serving with PagedAttention", SOSP 2023): each sequence's keys and
+    values lie in blocks of ``block_size`` positions anywhere in a shared
+    pool, listed in order by its row of ``block_table``.
+
+    Each sequence's output is bitwise equal to
+    ``scaled_dot_product_attention(q, k, v, causal_alignment="lower_right",
+    enable_gqa=True, ...)`` on that sequence's queries and its keys and
+    values alone (as ``KVCache.attend`` reads them, for 16-bit and int8
+    caches), whatever the block size, the order of the blocks in memory and
+    the other sequences of the call.
+
+    Parameters
+    ----------
+    query : ndarray, shape (total_q, Hq, E)
+        The new tokens' queries of every sequence, packed: sequence b owns
+        rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1] - 1``, which are
+        its LAST positions (the keys and values of these tokens are already
+        in the cache).  float32, float64, float16 or bfloat16; any strides.
+    key_cache : ndarray, shape (num_blocks, Hkv, block_size, E)
+    value_cache : ndarray, shape (num_blocks, Hkv, block_size, Ev)
+        The pool of blocks (vLLM's and FlashAttention's layout, any
+        strides).  For a float64 query float64; else float32, float16,
+        bfloat16 or int8 (with ``k_scale`` and ``v_scale``), converted
+        exactly to float32 as they are read, a tile at a time.  Hq must be
+        a multiple of Hkv (grouped-query attention: query head h reads
+        key/value head h // (Hq // Hkv)).
+    block_table : ndarray of int32, shape (B, max_blocks)
+        Row b lists sequence b's blocks in order: its key j is in block
+        ``block_table[b, j // block_size]`` at row ``j % block_size``.
+        Entries past a sequence's ``ceil(seq_lens[b] / block_size)`` blocks
+        are ignored, whatever they hold; a block may appear in several rows
+        (a shared prefix).  Other integer dtypes are converted.
+    seq_lens : ndarray of int, shape (B,)
+        Keys held per sequence, its new tokens included.
+    cu_seqlens_q : ndarray of int32 or int64, shape (B + 1,)
+        Cumulative query counts: start at 0, never decrease, end at
+        total_q.  A sequence may have no query (it is then skipped).
+    scale, window_size, alibi_slopes, softcap, sinks
+        As for ``scaled_dot_product_attention``, per sequence, with query
+        row i of sequence b at position ``seq_lens[b] - L_b + i``
+        (lower-right alignment); alibi_slopes of shape (Hq,) or (B, Hq),
+        sinks (Hq,).
+    is_causal : bool
+        Query i of sequence b sees keys 0 to ``seq_lens[b] - L_b + i``
+        (default True: every query sees its own key and the earlier ones).
+    return_lse : bool
+        Also return each row's log-sum-exp, shape (Hq, total_q), as
+        ``varlen_attention`` (FlashAttention's varlen ``softmax_lse``).
+    k_scale, v_scale : ndarray of float32, shape (num_blocks, Hkv, block_size), or None
+        For int8 caches only: row j stands for its scale times its codes
+        (``KVCache``'s int8 storage).  Per row, unlike vLLM's per-tensor
+        ``k_scale`` of its fp8 cache.
+    out : ndarray or None, shape (total_q, Hq, Ev), query's dtype
+        Written through its strides; must not overlap an input.
+    num_threads : int or None
+
+    Returns
+    -------
+    out : ndarray, shape (total_q, Hq, Ev), query's dtype
+        (out, lse) with ``return_lse=True``; lse in float32 for 16-bit
+        queries.  A query row that sees no key (seq_lens[b] = 0 without
+        is_causal, or a window that hides every key) gives zeros, lse -inf.
+
+    Raises
+    ------
+    TypeError
+        Non-ndarrays; a query dtype other than those above, caches of a
+        dtype the query cannot read or of two dtypes; non-integer block
+        tables, seq_lens or cu_seqlens_q; int8 caches without their scales
+        or scales for other caches; flags that are not bools.
+    ValueError
+        Shapes that do not agree; Hq not a multiple of Hkv; cu_seqlens_q
+        not starting at 0, decreasing or not ending at total_q; a seq_lens
+        entry below 0 or beyond max_blocks x block_size; a block-table entry
+        that a sequence reads and that is not a block of the caches (the
+        message names the sequence); with is_causal, a sequence with more
+        queries than keys (its queries are its last positions, whose keys
+        must be in the cache); a bad ``out``; and the bad option values of
+        ``scaled_dot_product_attention``.
+
+    The caller's arrays are never modified.
+    """
+    for name, a, layout in (("query", query, "(total_q, Hq, E)"),
+                            ("key_cache", key_cache, "(num_blocks, Hkv, block_size, E)"),
+                            ("value_cache", value_cache, "(num_blocks, Hkv, block_size, Ev)")):
+        C.require_array(a, name)
+        if a.ndim != len(layout.split(",")):
+            raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {layout}")
+    q_store, kv_store = _cache_dtypes(query, key_cache, value_cache, k_scale, v_scale)
+    dtype = query.dtype
+    compute = C.compute_dtype(dtype)
+    total_q, Hq, E = query.shape
+    num_blocks, Hkv, block_size, Ek = key_cache.shape
+    Ev = value_cache.shape[3]
+    if Ek != E or value_cache.shape[:3] != key_cache.shape[:3]:
+        raise ValueError(f"query {C.shape_str(query.shape)}, key_cache "
+                         f"{C.shape_str(key_cache.shape)} and value_cache "
+                         f"{C.shape_str(value_cache.shape)} do not agree: expected (total_q, "
+                         "Hq, E), (num_blocks, Hkv, block_size, E) and (num_blocks, Hkv, "
+                         "block_size, Ev)")
+    if block_size == 0:
+        raise ValueError("key_cache has block_size 0; expected blocks of at least one position")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if E > _core.ATTN_MAX_FEATURES or Ev > _core.ATTN_MAX_FEATURES:
+        raise ValueError(f"E = {E} and Ev = {Ev}: at most {_core.ATTN_MAX_FEATURES} features "
+                         "are supported")
+    scales = (None, None)
+    if kv_store == _core.STORE_I8:
+        scales = _scales(k_scale, v_scale, key_cache.shape[:3])
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
+    B = cu_q.shape[0] - 1
+    table, lens = _block_table(block_table, seq_lens, B, num_blocks, block_size)
+    causal = C.check_bool(is_causal, "is_causal")
+    lse_wanted = C.check_bool(return_lse, "return_lse")
+    q_lens = np.diff(cu_q)
+    if causal and (q_lens > lens).any():
+        b = int(np.flatnonzero(q_lens > lens)[0])
+        raise ValueError(f"sequence {b} has {q_lens[b]} queries but seq_lens[{b}] = {lens[b]} "
+                         "keys: with is_causal the queries are a sequence's last positions, "
+                         "whose keys and values must be in the cache first")
+    scale = C.check_scale(scale, E, compute)
+    nthreads = _runtime.resolve_threads(num_threads)
+    lengths = int(max(q_lens.max(initial=0), 1)), int(max(lens.max(initial=0), 1))
+    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths,
+                               compute)
+    slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
+    sink = None if sinks is None else np.ascontiguousarray(
+        _variants.per_head(sinks, "sinks", (Hq,), finite=False))
+
+    out_shape = (total_q, Hq, Ev)
+    if out is not None:
+        C.check_out(out, out_shape, dtype, {"query": query, "key_cache": key_cache,
+                                            "value_cache": value_cache, "block_table": block_table,
+                                            "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q,
+                                            "k_scale": k_scale, "v_scale": v_scale})
+    # the kernels write float32 for 16-bit queries, rounded to them at the end
+    result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
+    lse = np.empty((Hq, total_q), compute) if lse_wanted else None
+    if result.size or (lse is not None and lse.size):  # every row is in a sequence: all written
+        _core.paged(_runtime.isa(), C.kernel_view(query), C.kernel_view(key_cache),
+                    C.kernel_view(value_cache), scales[0], scales[1], table, lens, cu_q, result,
+                    lse, Hq // Hkv, causal, scale, nthreads, variants.window_left,
+                    variants.window_right, variants.softcap, slopes, sink, q_store, kv_store)
+    out = narrow(result, dtype, nthreads, out) if compute != dtype else result
+    return out if lse is None else (out, lse)
