@@ -8,27 +8,9 @@ from typing import Any, Literal, Optional, Union, cast, overload
 import numpy as np
 
 from . import _checks as C
-from . import _core, _masks, _runtime
-from ._typing import DTypeLike, Float, MaskArray, NDArray, Scalar
-from .attention import StoredKV, _attention, narrow, scaled_dot_product_attention
-
-# storage -> (its NumPy dtype's name, the kernels' kind)
-_STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _core.STORE_NATIVE),
-             "float16": ("float16", _core.STORE_F16), "bfloat16": ("bfloat16", _core.STORE_BF16),
-             "int8": ("int8", _core.STORE_I8)}
-
-_LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}  # their largest finite values
-
-
-def _storage_dtype(storage: str) -> np.dtype[Any]:
-    if storage == "bfloat16":
-        return C.bfloat16("storage='bfloat16'")
-    return np.dtype(_STORAGES[storage][0])
-
-
-def _read_only(a: NDArray[Scalar]) -> NDArray[Scalar]:
-    a.flags.writeable = False
-    return a
+from . import _masks, _runtime, _storage
+from ._typing import DTypeLike, Float, MaskArray, NDArray
+from .attention import StoredKV, _attention, scaled_dot_product_attention
 
 
 class KVCache:
@@ -103,12 +85,8 @@ class KVCache:
         head_dim = C.check_index(head_dim, "head_dim", 0)
         value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
         dtype = C.check_float_dtype(dtype, "dtype")
-        storage = dtype.name if storage is None else storage
-        allowed = ("float64",) if dtype == np.float64 else ("float32", "float16", "bfloat16", "int8")
-        if storage not in allowed:  # (also what is not a str)
-            raise ValueError(f"storage must be one of {', '.join(map(repr, allowed))} for a "
-                             f"{dtype.name} KVCache, got {storage!r}")
-        stored = _storage_dtype(storage)
+        storage = _storage.check(storage, dtype, "KVCache")
+        stored = _storage.storage_dtype(storage)
         shapes = [(batch_size, num_kv_heads, capacity, head_dim),
                   (batch_size, num_kv_heads, capacity, value_dim), (batch_size, capacity)]
         scales = 2 * 4 * batch_size * num_kv_heads * capacity if storage == "int8" else 0
@@ -202,17 +180,17 @@ class KVCache:
               ) -> NDArray[np.floating[Any]]:
         held = buf[:, :, :self._length]
         if held.dtype == self._dtype:
-            return _read_only(held)
+            return _storage.read_only(held)
         if scale is None:  # read-only too: a write to it would change nothing held
-            return _read_only(held.astype(self._dtype))
-        return _read_only(held.astype(self._dtype) * scale[:, :, :self._length, None])
+            return _storage.read_only(held.astype(self._dtype))
+        return _storage.read_only(held.astype(self._dtype) * scale[:, :, :self._length, None])
 
     @property
     def attn_mask(self) -> Optional[NDArray[np.bool_]]:
         """Read-only bool view (batch_size, 1, 1, length), True = a real token
         that may be attended (the functional API's convention), or None when
         no padding was ever appended."""
-        return _read_only(self._real[:, None, None, :self._length]) if self._padded else None
+        return _storage.read_only(self._real[:, None, None, :self._length]) if self._padded else None
 
     def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
@@ -299,40 +277,12 @@ class KVCache:
 
     def _half_hint(self, dtype: np.dtype[Any], name: str) -> str:
         """The fix for 16-bit arrays given to a cache, to end a dtype error."""
-        if not C.is_half(dtype):
-            return ""
-        return (f"; pass {name}.astype(np.{self.dtype.name}): a KVCache computes in float32 "
-                f"and holds its keys and values in {dtype.name} with storage='{dtype.name}'")
+        return _storage.half_hint(dtype, self.dtype, name, "KVCache")
 
     def _encode(self, x: NDArray[np.floating[Any]], name: str
                 ) -> tuple[NDArray[Any], Optional[NDArray[np.float32]]]:
-        """x in the storage, and its int8 row scales (None otherwise); a
-        ValueError for what the storage cannot hold."""
-        stored = self._key.dtype
-        if stored == x.dtype:
-            return x, None
-        if self._storage != "int8":  # rounded as astype rounds, on the kernels' threads
-            y = narrow(x, stored, _runtime.resolve_threads(None))
-            overflow = np.isfinite(x) & np.isinf(y)
-            if overflow.any():
-                raise ValueError(f"{name} holds {x[overflow].flat[0]}, beyond the range of this "
-                                 f"KVCache's {self._storage} storage (largest finite "
-                                 f"{_LARGEST[self._storage]:g}); use storage='float32'")
-            return y, None
-        if not np.isfinite(x).all():
-            raise ValueError(f"{name} holds a non-finite value, which int8 storage cannot hold; "
-                             "use storage='float32' (or 'float16')")
-        scale = (np.abs(x).max(axis=-1, initial=0) / 127).astype(np.float32)
-        with np.errstate(over="ignore"):
-            read_back = scale * np.float32(127)  # what a largest code is read as
-        if np.isinf(read_back).any():
-            raise ValueError(f"{name} holds {np.abs(x).max()}, beyond the range of int8 storage "
-                             f"(127 times its scale must stay a finite float32); use "
-                             "storage='float32'")
-        with np.errstate(invalid="ignore", divide="ignore"):  # 0 / 0 for an all-zero row
-            codes = np.rint(x / scale[..., None])
-        codes = np.clip(np.nan_to_num(codes, nan=0.0), -127, 127).astype(np.int8)
-        return codes, scale
+        """x in the storage, and its int8 row scales (None otherwise)."""
+        return _storage.encode(x, self._storage, name, _runtime.resolve_threads(None))
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
@@ -422,7 +372,7 @@ class KVCache:
                 causal_alignment="lower_right", need_weights=need_weights,
                 window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
                 sinks=sinks, out=out, num_threads=num_threads)
-        stored = StoredKV(_STORAGES[self._storage][1],  # read in its storage by the kernel
+        stored = StoredKV(_storage.kind(self._storage),  # read in its storage by the kernel
                           None if self._key_scale is None else self._key_scale[:, :, :n],
                           None if self._value_scale is None else self._value_scale[:, :, :n])
         return cast("Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]", _attention(
