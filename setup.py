@@ -30,7 +30,7 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, CompileError, ExecError, PlatformError
 
 CSRC = "csrc"
-PORTABLE_SOURCES = ["fa_api.c", "fa_portable.c", "fa_peak.c"]
+PORTABLE_SOURCES = ["fa_api.c", "fa_portable.c", "fa_peak.c", "fa_rotary.c"]
 # x86-64 paths, each compiled for its instruction set and chosen at run time
 SIMD_SOURCES = {"fa_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
                 "fa_avx512.c": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],

@@ -189,6 +189,20 @@ int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const
                        const double *v, const void *mask, fa_idx nsplit, const double *states,
                        double *out, double *lse, fa_idx i0, fa_idx i1, void *work);
 
+/* ---- Rotary position embedding (fa_rotary.c) --------------------------- */
+
+/* y = x with its first 2 * half features rotated in pairs by the angles
+ * whose cosines and sines are c[0..half) and s[0..half), the other n - 2 *
+ * half copied: y_a = x_a c_i - x_b s_i, y_b = x_b c_i + x_a s_i for the pairs
+ * (a, b) = (i, i + half) (GPT-NeoX's layout, FlashAttention's default), or
+ * (2i, 2i + 1) when interleaved (GPT-J's).  x and y hold n elements at
+ * strides xs and ys; y may be x.  Returns 0, or -1 when 2 * half > n or
+ * either is negative. */
+int fa_rotary_f32(fa_idx n, fa_idx half, int interleaved, const float *x, fa_idx xs,
+                  const float *c, const float *s, float *y, fa_idx ys);
+int fa_rotary_f64(fa_idx n, fa_idx half, int interleaved, const double *x, fa_idx xs,
+                  const double *c, const double *s, double *y, fa_idx ys);
+
 /* ---- Outputs in 16 bits ------------------------------------------------- */
 
 /* y[0..n) = x[0..n) rounded to nearest-even F16 or BF16 (st), both

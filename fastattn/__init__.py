@@ -28,6 +28,8 @@ from .kv_cache import KVCache
 from .mha import MultiHeadAttention
 from .ops import matmul, merge_heads, softmax, split_heads
 from .paged import paged_attention
+from .paged_cache import OutOfBlocksError, PagedKVCache
+from .rotary import rotary
 from .varlen import varlen_attention
 
 try:
@@ -37,7 +39,7 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
 
 __all__ = [
     "scaled_dot_product_attention", "merge_attention", "varlen_attention", "paged_attention",
-    "MultiHeadAttention", "KVCache", "matmul", "softmax",
+    "MultiHeadAttention", "KVCache", "PagedKVCache", "OutOfBlocksError", "rotary", "matmul", "softmax",
     "split_heads", "merge_heads",
     "reference", "simd_path", "set_simd_path", "available_simd_paths", "openmp_enabled",
     "get_num_threads", "set_num_threads", "__version__",

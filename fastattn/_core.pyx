@@ -132,6 +132,10 @@ cdef extern from "fastattn.h" nogil:
                             const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                             void *work)
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
+    int fa_rotary_f32(fa_idx n, fa_idx half, int interleaved, const float *x, fa_idx xs,
+                      const float *c, const float *s, float *y, fa_idx ys)
+    int fa_rotary_f64(fa_idx n, fa_idx half, int interleaved, const double *x, fa_idx xs,
+                      const double *c, const double *s, double *y, fa_idx ys)
     void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y, int mode)
     void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y, int mode)
 
@@ -1049,6 +1053,41 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     free(tasks)
     stop_raise(&stop)
     raise_on(err, "paged attention")
+
+
+def rotary(cnp.ndarray x, const cnp.int64_t[::1] positions, cnp.ndarray cos, cnp.ndarray sin,
+           bint interleaved, cnp.ndarray out, int nthreads):
+    """out (n, H, D) = x (n, H, D) with each token's heads rotated at its
+    position (fa_rotary_*); cos and sin C-contiguous (max_pos, half) in x's
+    dtype, every position below max_pos (checked by the caller).  out may be
+    x or another array of its shape and dtype."""
+    cdef fa_idx n = x.shape[0], H = x.shape[1], D = x.shape[2], half = cos.shape[1]
+    cdef fa_idx x_ts = estride(x, 0), x_hs = estride(x, 1), x_es = estride(x, 2)
+    cdef fa_idx o_ts = estride(out, 0), o_hs = estride(out, 1), o_es = estride(out, 2)
+    cdef char *xp = <char *>cnp.PyArray_DATA(x)
+    cdef char *op = <char *>cnp.PyArray_DATA(out)
+    cdef char *cp = <char *>cnp.PyArray_DATA(cos)
+    cdef char *sp = <char *>cnp.PyArray_DATA(sin)
+    cdef int es = cnp.PyArray_ITEMSIZE(x)
+    cdef fa_idx t, h, p
+    cdef int err = 0
+    cdef int *errp = &err
+    if n == 0 or H == 0:
+        return
+    with nogil:
+        for t in prange(n, schedule="static", num_threads=min(nthreads, n)):
+            p = positions[t] * half
+            for h in range(H):
+                if es == 4:
+                    if fa_rotary_f32(D, half, interleaved, <float *>xp + t * x_ts + h * x_hs, x_es,
+                                     <float *>cp + p, <float *>sp + p,
+                                     <float *>op + t * o_ts + h * o_hs, o_es) != 0:
+                        errp[0] = 2
+                elif fa_rotary_f64(D, half, interleaved, <double *>xp + t * x_ts + h * x_hs, x_es,
+                                   <double *>cp + p, <double *>sp + p,
+                                   <double *>op + t * o_ts + h * o_hs, o_es) != 0:
+                    errp[0] = 2
+    raise_on(err, "rotary")
 
 
 def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray out,

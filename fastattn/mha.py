@@ -11,6 +11,7 @@ from . import _masks, _runtime
 from ._typing import DTypeLike, MaskArray, NDArray
 from .attention import narrow, scaled_dot_product_attention
 from .kv_cache import KVCache
+from .paged_cache import PagedKVCache
 from .ops import split_heads
 
 Array = NDArray[np.floating[Any]]  # float32 or float64: the module's dtype
@@ -282,6 +283,16 @@ class MultiHeadAttention:
                 f"{extra}, bias={self.in_proj_bias is not None}, "
                 f"batch_first={self.batch_first}, dtype={self.dtype.name})")
 
+    def new_paged_cache(self, num_blocks: int, block_size: int, *,
+                        storage: Optional[str] = None) -> PagedKVCache:
+        """An empty PagedKVCache for this layer: a pool of num_blocks blocks of
+        block_size positions of (num_kv_heads, head_dim), in the dtype the
+        layer computes in; storage as ``new_cache``'s."""
+        if storage is None and self._compute != self.dtype:
+            storage = self.dtype.name
+        return PagedKVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                            dtype=self._compute, storage=storage)
+
     def new_cache(self, batch_size: int, capacity: int, *,
                   storage: Optional[str] = None) -> KVCache:
         """An empty KVCache sized for this layer: (batch_size, num_kv_heads,
@@ -302,7 +313,10 @@ class MultiHeadAttention:
                 window_size: Optional[tuple[int, int]] = None,
                 alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                 sinks: Optional[NDArray[Any]] = None,
-                num_threads: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+                num_threads: Optional[int] = None, seq_ids: Optional[Sequence[int]] = None,
+                cu_seqlens: Optional[NDArray[np.integer[Any]]] = None,
+                rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
+                rotary_interleaved: bool = False) -> Tuple[Array, Optional[Array]]:
         """Attention of query over key/value, with the projections.
 
         The arguments up to is_causal have the names and order of
@@ -340,7 +354,7 @@ class MultiHeadAttention:
         average_attn_weights : bool
             Weights averaged over the heads, (N, L, S), else per head
             (N, num_heads, L, S); unbatched without N.
-        cache : KVCache or None
+        cache : KVCache, PagedKVCache or None
             Self-attention step of a decoder: the new keys and values
             (projected from key/value, or from query when omitted) are
             appended to the cache, and query attends to everything it holds;
@@ -348,7 +362,21 @@ class MultiHeadAttention:
             weights, while key_padding_mask (bool only) marks padding among
             the new positions.  The cache must have the batch size,
             num_kv_heads, head_dim and dtype of this layer
-            (``new_cache`` makes one).
+            (``new_cache`` makes one).  A PagedKVCache (``new_paged_cache``)
+            serves a ragged batch: see seq_ids.
+        seq_ids, cu_seqlens : with a PagedKVCache only
+            The batch's sequences of the cache.  query (N, L, embed_dim)
+            (batch_first; (L, N, embed_dim) otherwise) gives L new tokens to
+            each of the N = len(seq_ids) sequences; or query packed
+            (total, embed_dim) with cu_seqlens (B + 1,) gives seq_ids[b] the
+            rows cu_seqlens[b] to cu_seqlens[b + 1] - 1 (one row each when
+            cu_seqlens is None): prefill chunks and decoding tokens in one
+            call.  Self-attention only (key and value None), no masks (each
+            sequence sees its own positions), no weights.
+        rotary, rotary_interleaved : with a PagedKVCache only
+            Rotary position embedding of the queries and keys at each
+            token's position in its sequence (``fastattn.rotary``'s
+            (cos, sin) tables).
         window_size, alibi_slopes, softcap, sinks
             The attention variants of ``scaled_dot_product_attention``
             (sliding window, ALiBi, soft-cap, sinks), per head of this layer;
@@ -384,6 +412,20 @@ class MultiHeadAttention:
         average = C.check_bool(average_attn_weights, "average_attn_weights")
         is_causal = cache is not None if is_causal is None else C.check_bool(is_causal, "is_causal")
         _runtime.resolve_threads(num_threads)  # checked before a cache is written
+        variants: dict[str, Any] = dict(window_size=window_size, alibi_slopes=alibi_slopes,
+                                        softcap=softcap, sinks=sinks)
+        if isinstance(cache, PagedKVCache):
+            if key is not None or value is not None:
+                raise ValueError("a PagedKVCache holds self-attention keys and values: pass query "
+                                 "alone (key and value None)")
+            if key_padding_mask is not None or attn_mask is not None or need_weights:
+                raise ValueError("key_padding_mask, attn_mask and need_weights do not go with a "
+                                 "PagedKVCache: each sequence sees its own positions, ragged, "
+                                 "with no padding")
+            return self._forward_paged(query, cache, seq_ids, cu_seqlens, is_causal, rotary,
+                                       rotary_interleaved, variants, num_threads)
+        if seq_ids is not None or cu_seqlens is not None or rotary is not None:
+            raise ValueError("seq_ids, cu_seqlens and rotary go with a PagedKVCache cache")
         self._check_inputs(query, key, value)
         batched = query.ndim == 3
         self_attention = key is None  # and value too (checked)
@@ -411,8 +453,6 @@ class MultiHeadAttention:
         kpm = self._check_key_padding_mask(key_padding_mask, N, S_new, cache is not None)
         mask = self._attn_mask(attn_mask, N, L, S)
 
-        variants: dict[str, Any] = dict(window_size=window_size, alibi_slopes=alibi_slopes,
-                                        softcap=softcap, sinks=sinks)
         if self._compute != self.dtype:  # the projections in float32, one copy per array
             converted = {id(a): a.astype(self._compute) for a in (query, key, value)}
             query, key, value = converted[id(query)], converted[id(key)], converted[id(value)]
@@ -454,6 +494,60 @@ class MultiHeadAttention:
         return output, weights
 
     __call__ = forward
+
+    def _forward_paged(self, query: Array, cache: PagedKVCache, seq_ids: object,
+                       cu_seqlens: Optional[NDArray[np.integer[Any]]], is_causal: bool,
+                       rotary: Optional[tuple[NDArray[Any], NDArray[Any]]],
+                       rotary_interleaved: bool, variants: dict[str, Any],
+                       num_threads: Optional[int]) -> Tuple[Array, Optional[Array]]:
+        """forward with a PagedKVCache: the new tokens of a ragged batch
+        projected, appended to their sequences and attended, packed."""
+        if seq_ids is None:
+            raise ValueError("a PagedKVCache needs seq_ids, the sequences of the batch")
+        self._check_inputs(query, None, None)
+        want = (self.num_kv_heads, self.head_dim, self.head_dim, self._compute)
+        have = (cache.num_kv_heads, cache.head_dim, cache.value_dim, cache.dtype)
+        if have != want:
+            raise ValueError(f"cache {cache!r} does not fit this layer: it needs num_kv_heads="
+                             f"{self.num_kv_heads}, head_dim=value_dim={self.head_dim}, "
+                             f"dtype={self._compute.name}")
+        ids = cache._ids(seq_ids, distinct=True)
+        shape = query.shape
+        if query.ndim == 3:  # (N, L, E) or (L, N, E): L tokens for each sequence
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens goes with a packed (total, embed_dim) query; a "
+                                 "(N, L, embed_dim) one gives L tokens to each sequence")
+            x = query if self.batch_first else query.transpose(1, 0, 2)
+            if x.shape[0] != len(ids):
+                raise ValueError(f"query holds {x.shape[0]} sequences and seq_ids {len(ids)}")
+            cu_seqlens = np.arange(len(ids) + 1) * x.shape[1]
+            x = x.reshape(-1, self.embed_dim)
+        else:
+            x = query
+        if self._compute != self.dtype:  # the projections in float32
+            x = x.astype(self._compute)
+        q, k, v = self._project(x, x, x, True)
+        total, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        concat = np.empty((total, self.embed_dim), self._compute)
+        before = [cache.seq_lens[s] for s in ids]
+        cache.append(ids, k.reshape(total, Hkv, D), v.reshape(total, Hkv, D), cu_seqlens,
+                     rotary=rotary, rotary_interleaved=rotary_interleaved,
+                     num_threads=num_threads)
+        try:
+            cache.attend(ids, q.reshape(total, H, D), cu_seqlens, is_causal=is_causal,
+                         rotary=rotary, rotary_interleaved=rotary_interleaved,
+                         out=concat.reshape(total, H, D), num_threads=num_threads, **variants)
+        except BaseException:  # KeyboardInterrupt: the step did not happen
+            cache._truncate(ids, before)
+            raise
+        w = self._weights
+        output = _linear(concat, w["out_proj.weight"], w.get("out_proj.bias"))
+        if self._compute != self.dtype:
+            output = narrow(output, self.dtype, _runtime.resolve_threads(num_threads))
+        if query.ndim == 3:
+            output = output.reshape(shape if self.batch_first else shape[1::-1] + shape[2:])
+            output = output if self.batch_first else output.transpose(1, 0, 2)
+        return output, None
 
     # ---- forward's pieces ---------------------------------------------------
     def _check_inputs(self, query: Array, key: Optional[Array], value: Optional[Array]) -> None:

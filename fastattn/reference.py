@@ -125,6 +125,46 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array,
     return (out,) + extra if extra else out  # type: ignore[return-value]
 
 
+def rotary(x: Array, positions: NDArray[np.integer[Any]], cos: Array, sin: Array,
+           interleaved: bool = False) -> Array:
+    """Rotary position embedding of x (n, H, D) at positions (n,): the
+    first rotary_dim = 2 * cos.shape[1] features rotated in pairs (i, i +
+    rotary_dim / 2), or (2i, 2i + 1) when interleaved; the rest copied."""
+    half = cos.shape[1]
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]   # (n, 1, half)
+    a = np.arange(half) * 2 if interleaved else np.arange(half)      # the pairs' indices
+    b = a + (1 if interleaved else half)
+    y = x.copy()
+    y[..., a] = x[..., a] * c - x[..., b] * s
+    y[..., b] = x[..., b] * c + x[..., a] * s
+    return y
+
+
+def paged_attention(query: Array, key_cache: Array, value_cache: Array,
+                    block_table: NDArray[np.integer[Any]], seq_lens: NDArray[np.integer[Any]],
+                    cu_seqlens_q: NDArray[np.integer[Any]], *, is_causal: bool = True,
+                    **options: Any) -> Array:
+    """fastattn.paged_attention (float caches): each sequence's keys and
+    values gathered from its blocks in order, then attention of its queries,
+    its last positions, with lower-right alignment.  options as for
+    scaled_dot_product_attention; alibi_slopes (B, Hq) are per sequence."""
+    block_size = key_cache.shape[2]
+    outs = []
+    for b in range(len(seq_lens)):
+        j = np.arange(seq_lens[b])
+        blocks = block_table[b, j // block_size]
+        k = key_cache[blocks, :, j % block_size].transpose(1, 0, 2)  # (Hkv, S, E)
+        v = value_cache[blocks, :, j % block_size].transpose(1, 0, 2)
+        q = query[cu_seqlens_q[b]:cu_seqlens_q[b + 1]].transpose(1, 0, 2)
+        seq = dict(options)
+        if seq.get("alibi_slopes") is not None and np.ndim(seq["alibi_slopes"]) == 2:
+            seq["alibi_slopes"] = seq["alibi_slopes"][b]
+        out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True,
+                                           causal_alignment="lower_right", **seq)
+        outs.append(cast(Array, out).transpose(1, 0, 2))
+    return np.concatenate(outs) if outs else np.zeros((0, query.shape[1], value_cache.shape[3]))
+
+
 def self_attention(x: Array, w_q: Array, w_k: Array, w_v: Array, **kwargs: Any) -> Result:
     """Step 1 too: Q = X W_Q, K = X W_K, V = X W_V, then attention."""
     return scaled_dot_product_attention(x @ w_q, x @ w_k, x @ w_v, **kwargs)

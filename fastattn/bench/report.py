@@ -3,7 +3,7 @@ table and the plot."""
 import textwrap
 
 from .runners import BASELINES, PEERS, RUNNERS
-from .shapes import ALL_SHAPES, SHAPES
+from .shapes import ALL_SHAPES
 
 MB = 1 << 20
 BUSY = 0.1  # cores used by other processes above which a measurement is disturbed

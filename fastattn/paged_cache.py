@@ -1,0 +1,444 @@
+"""PagedKVCache: the keys and values of many sequences in blocks of a shared
+pool, for serving requests that arrive and finish at different times."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _checks as C
+from . import _runtime, _storage
+from ._typing import DTypeLike, Float, NDArray
+from .paged import paged_attention
+from .rotary import rotate
+from .varlen import _cu_seqlens
+
+SeqIds = Union[Sequence[int], NDArray[np.integer[Any]]]
+
+
+class OutOfBlocksError(MemoryError):
+    """A PagedKVCache has fewer free blocks than an append needs; nothing
+    was written.  Free finished sequences (or preempt one) and try again."""
+
+
+class PagedKVCache:
+    """Keys and values of many sequences, in blocks of ``block_size``
+    positions taken from one pool as the sequences grow: PagedAttention's
+    block manager (Kwon et al., SOSP 2023; vLLM's), for continuous batching.
+
+    A sequence holds only the blocks its tokens fill (no padding to the
+    longest, no reservation for the worst case); a finished one gives its
+    blocks back at once (``free``), and a new one may join at any step
+    (``add_sequence``).  ``fork`` shares every block of a sequence with a new
+    one (parallel sampling, beam search, a shared prompt): a shared block
+    is copied only when one of them writes into it (copy-on-write of the
+    last, partly filled block).  Attention (``attend``) is one
+    ``paged_attention`` call over any set of live sequences, each with its
+    own number of new queries.
+
+    The pool is two arrays, ``key_cache`` (num_blocks, num_kv_heads,
+    block_size, head_dim) and ``value_cache`` (..., value_dim): vLLM's and
+    FlashAttention's layout, which ``paged_attention`` takes directly with
+    ``block_table(seq_ids)`` and the lengths in ``seq_lens``.
+
+    Parameters
+    ----------
+    num_blocks, block_size, num_kv_heads, head_dim : int
+        The pool holds num_blocks x block_size positions (each >= 1).
+    value_dim : int or None
+        Size of a value head; None means head_dim.
+    dtype : float32 or float64
+        Of the keys, values and queries given: what attention computes in.
+    storage : {"float32", "float16", "bfloat16", "int8"} or None
+        How the rows are held, as ``KVCache``'s (None: as dtype; float64
+        only as "float64"): 16-bit rounded to nearest-even, int8 with a
+        float32 absmax scale per row (``k_scale``, ``v_scale``).
+
+    Raises
+    ------
+    TypeError for non-int sizes or another dtype; ValueError for sizes < 1
+    (head_dim and value_dim may be 0), a storage it cannot hold, or a pool
+    larger than any address space; ImportError for "bfloat16" without
+    ml_dtypes; MemoryError, with the bytes, when the pool cannot be allocated.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                 value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
+                 storage: Optional[str] = None) -> None:
+        num_blocks = C.check_index(num_blocks, "num_blocks", 1)
+        block_size = C.check_index(block_size, "block_size", 1)
+        num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
+        head_dim = C.check_index(head_dim, "head_dim", 0)
+        value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
+        self._dtype = C.check_float_dtype(dtype, "dtype")
+        self._storage = _storage.check(storage, self._dtype, "PagedKVCache")
+        stored = _storage.storage_dtype(self._storage)
+        shapes = [(num_blocks, num_kv_heads, block_size, head_dim),
+                  (num_blocks, num_kv_heads, block_size, value_dim)]
+        if not all(C.addressable(s, max(stored.itemsize, 4)) for s in shapes):
+            raise ValueError(f"a pool of {num_blocks} blocks of {block_size} positions would need "
+                             "arrays larger than any address space; lower num_blocks")
+        int8 = self._storage == "int8"
+        try:  # zeros, so that every slot holds a finite number (calloc: no page touched yet)
+            self._key: NDArray[Any] = np.zeros(shapes[0], stored)
+            self._value: NDArray[Any] = np.zeros(shapes[1], stored)
+            self._k_scale = np.zeros(shapes[0][:3], np.float32) if int8 else None
+            self._v_scale = np.zeros(shapes[0][:3], np.float32) if int8 else None
+        except MemoryError:
+            nbytes = sum(math.prod(s) for s in shapes) * stored.itemsize
+            raise MemoryError(f"a pool of {num_blocks} blocks of {block_size} positions needs "
+                              f"{nbytes / 2**30:.1f} GiB, which could not be allocated; lower "
+                              "num_blocks") from None
+        self._refs = np.zeros(num_blocks, np.int64)    # sequences holding each block
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest first
+        self._blocks: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_id = 0
+
+    # ---- sizes -------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return int(self._key.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self._key.shape[2])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self._key.shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self._key.shape[3])
+
+    @property
+    def value_dim(self) -> int:
+        return int(self._value.shape[3])
+
+    @property
+    def dtype(self) -> np.dtype[np.floating[Any]]:
+        """The dtype of the keys, values and queries given."""
+        return self._dtype
+
+    @property
+    def storage(self) -> str:
+        return self._storage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that no sequence holds."""
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool (keys, values and int8 scales)."""
+        scales = [a.nbytes for a in (self._k_scale, self._v_scale) if a is not None]
+        return int(self._key.nbytes + self._value.nbytes + sum(scales))
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """The live sequences, in the order they were added."""
+        return list(self._lens)
+
+    @property
+    def seq_lens(self) -> dict[int, int]:
+        """Positions held per live sequence (a new dict)."""
+        return dict(self._lens)
+
+    @property
+    def key_cache(self) -> NDArray[Any]:
+        """The pool of keys, (num_blocks, num_kv_heads, block_size, head_dim)
+        in the storage's dtype: a read-only view."""
+        return _storage.read_only(self._key.view())
+
+    @property
+    def value_cache(self) -> NDArray[Any]:
+        """The pool of values, (..., value_dim): a read-only view."""
+        return _storage.read_only(self._value.view())
+
+    @property
+    def k_scale(self) -> Optional[NDArray[np.float32]]:
+        """int8 storage: each key row's scale (num_blocks, num_kv_heads,
+        block_size), a read-only view; None otherwise."""
+        return None if self._k_scale is None else _storage.read_only(self._k_scale.view())
+
+    @property
+    def v_scale(self) -> Optional[NDArray[np.float32]]:
+        return None if self._v_scale is None else _storage.read_only(self._v_scale.view())
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"value_dim={self.value_dim}, dtype={self.dtype.name}, storage={self.storage}, "
+                f"sequences={len(self._lens)}, free blocks={self.num_free_blocks})")
+
+    # ---- sequences ---------------------------------------------------------
+    def add_sequence(self) -> int:
+        """A new, empty sequence: its id (never reused).  It takes no block
+        until tokens are appended."""
+        seq_id = self._next_id
+        self._next_id += 1
+        self._blocks[seq_id], self._lens[seq_id] = [], 0
+        return seq_id
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence holding every position of seq_id, sharing its
+        blocks (nothing is copied now); the last block, when partly filled,
+        is copied by the first of the two that appends to it."""
+        seq_id = self._ids([seq_id], "seq_id")[0]
+        child = self.add_sequence()
+        self._blocks[child] = list(self._blocks[seq_id])
+        self._lens[child] = self._lens[seq_id]
+        self._refs[self._blocks[child]] += 1
+        return child
+
+    def free(self, seq_id: int) -> None:
+        """Forget seq_id: the blocks no other sequence shares go back to the
+        pool at once."""
+        seq_id = self._ids([seq_id], "seq_id")[0]
+        for block in self._blocks.pop(seq_id):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+        del self._lens[seq_id]
+
+    def _ids(self, seq_ids: object, name: str = "seq_ids", distinct: bool = False) -> list[int]:
+        """seq_ids as a list of live ids; a clear error otherwise."""
+        if isinstance(seq_ids, np.ndarray):
+            if seq_ids.ndim != 1 or seq_ids.dtype.kind not in "iu":
+                raise TypeError(f"{name} must be a list of ints or a 1-D integer array, got an "
+                                f"array of dtype {seq_ids.dtype} and shape "
+                                f"{C.shape_str(seq_ids.shape)}")
+            ids = [int(s) for s in seq_ids]
+        elif isinstance(seq_ids, (list, tuple)):
+            ids = [C.check_index(s, f"{name}[{i}]", 0) for i, s in enumerate(seq_ids)]
+        else:
+            raise TypeError(f"{name} must be a list of ints or a 1-D integer array, got "
+                            f"{type(seq_ids).__name__}")
+        for i, s in enumerate(ids):
+            if s not in self._lens:
+                what = name if name == "seq_id" else f"{name}[{i}]"
+                raise ValueError(f"{what} = {s} is not a live sequence of this cache "
+                                 "(add_sequence() makes one; a freed one is gone)")
+        if distinct and len(set(ids)) != len(ids):
+            raise ValueError(f"{name} names a sequence twice ({ids}); give each sequence's new "
+                             "tokens once, consecutively")
+        return ids
+
+    def block_table(self, seq_ids: SeqIds) -> NDArray[np.int32]:
+        """(len(seq_ids), max_blocks) int32: row b lists the blocks of
+        seq_ids[b] in order, -1 past them (``paged_attention``'s block_table)."""
+        ids = self._ids(seq_ids)
+        blocks = [self._blocks[s] for s in ids]
+        table = np.full((len(ids), max((len(b) for b in blocks), default=0)), -1, np.int32)
+        for row, b in zip(table, blocks):
+            row[:len(b)] = b
+        return table
+
+    def blocks_needed(self, seq_ids: SeqIds, num_new_tokens: Sequence[int]) -> int:
+        """Free blocks an append of num_new_tokens[b] positions to each
+        seq_ids[b] would take (copies of shared blocks included): what a
+        scheduler compares with num_free_blocks before admitting work."""
+        ids = self._ids(seq_ids, distinct=True)
+        counts = [C.check_index(c, f"num_new_tokens[{i}]", 0) for i, c in enumerate(num_new_tokens)]
+        if len(counts) != len(ids):
+            raise ValueError(f"num_new_tokens has {len(counts)} entries; expected one per "
+                             f"sequence ({len(ids)})")
+        return sum(self._needed(s, c)[0] for s, c in zip(ids, counts))
+
+    def _needed(self, seq_id: int, count: int) -> tuple[int, bool]:
+        """(blocks to take, whether the last block is shared and partly
+        filled, to copy before writing) for count new positions."""
+        n, blocks, bs = self._lens[seq_id], self._blocks[seq_id], self.block_size
+        if count == 0:
+            return 0, False
+        copy = n % bs != 0 and self._refs[blocks[-1]] > 1
+        return -(-(n + count) // bs) - len(blocks) + int(copy), bool(copy)
+
+    # ---- writing -----------------------------------------------------------
+    def append(self, seq_ids: SeqIds, key: NDArray[np.floating[Any]],
+               value: NDArray[np.floating[Any]],
+               cu_seqlens: Optional[NDArray[np.integer[Any]]] = None, *,
+               rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
+               rotary_interleaved: bool = False, num_threads: Optional[int] = None) -> None:
+        """Write new positions of several sequences after the ones they hold.
+
+        Parameters
+        ----------
+        seq_ids : list of int or 1-D int array, B distinct live sequences
+        key : ndarray, (n, num_kv_heads, head_dim), the cache's dtype
+        value : ndarray, (n, num_kv_heads, value_dim)
+            The new tokens of the B sequences, packed (any strides): rounded
+            or quantised into the storage, never kept.
+        cu_seqlens : int array (B + 1,) or None
+            seq_ids[b] gets rows cu_seqlens[b] to cu_seqlens[b + 1] - 1; None
+            means one token each (a decoding step, n = B).
+        rotary : (cos, sin) or None
+            Rotary position embedding of the keys at each token's own
+            position (``fastattn.rotary``'s tables, (max_pos, rotary_dim / 2)),
+            applied on the threads before the rows are written.
+        rotary_interleaved : bool
+            GPT-J's pairs (2i, 2i + 1) instead of GPT-NeoX's halves.
+        num_threads : int or None
+
+        Raises
+        ------
+        OutOfBlocksError (a MemoryError) when the pool lacks the blocks;
+        TypeError and ValueError for arguments that do not fit (a sequence
+        that is not live or named twice, a dtype other than the cache's,
+        shapes, values the storage cannot hold, positions past the rotary
+        tables).  Nothing is written then.
+        """
+        ids = self._ids(seq_ids, distinct=True)
+        Hkv, D, Dv = self.num_kv_heads, self.head_dim, self.value_dim
+        for name, a, last, last_name in (("key", key, D, "head_dim"),
+                                         ("value", value, Dv, "value_dim")):
+            C.require_array(a, name)
+            if a.dtype != self._dtype:
+                raise TypeError(f"{name} has dtype {a.dtype}; this PagedKVCache holds "
+                                f"{self._dtype}"
+                                f"{_storage.half_hint(a.dtype, self._dtype, name, 'PagedKVCache')}")
+            if a.ndim != 3 or a.shape[1:] != (Hkv, last):
+                raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected (n, "
+                                 f"num_kv_heads, {last_name}) = (n, {Hkv}, {last})")
+        n = key.shape[0]
+        if value.shape[0] != n:
+            raise ValueError(f"key and value must hold the same number of tokens, got {n} and "
+                             f"{value.shape[0]}")
+        cu = self._cu(cu_seqlens, "cu_seqlens", len(ids), n)
+        counts = np.diff(cu)
+        nthreads = _runtime.resolve_threads(num_threads)
+        interleaved = C.check_bool(rotary_interleaved, "rotary_interleaved")
+        starts = np.array([self._lens[s] for s in ids], np.int64)
+        seq = np.repeat(np.arange(len(ids)), counts)
+        positions = starts[seq] + np.arange(n) - cu[:-1][seq]
+        if rotary is not None:
+            key = self._rotate(key, positions, rotary, interleaved, nthreads)
+        keys, key_scale = _storage.encode(key, self._storage, "key", nthreads)
+        values, value_scale = _storage.encode(value, self._storage, "value", nthreads)
+        plans = [self._needed(s, int(c)) for s, c in zip(ids, counts)]
+        need = sum(p[0] for p in plans)
+        if need > len(self._free):
+            raise OutOfBlocksError(
+                f"this append needs {need} free blocks of {self.block_size} positions and the "
+                f"pool has {len(self._free)} of {self.num_blocks}; free finished sequences "
+                "(free(seq_id)) or create the cache with more blocks")
+        # from here on nothing can fail: blocks taken, shared ones copied, rows written
+        for s, (take, copy) in zip(ids, plans):
+            blocks = self._blocks[s]
+            if copy:  # the shared, partly filled last block: this sequence's own copy
+                old, new = blocks[-1], self._take()
+                for buf in (self._key, self._value, self._k_scale, self._v_scale):
+                    if buf is not None:
+                        buf[new] = buf[old]
+                self._refs[old] -= 1
+                blocks[-1] = new
+                take -= 1
+            blocks.extend(self._take() for _ in range(take))
+        table = self.block_table(ids)
+        where = table[seq, positions // self.block_size], positions % self.block_size
+        self._key[where[0], :, where[1]] = keys
+        self._value[where[0], :, where[1]] = values
+        if self._k_scale is not None and self._v_scale is not None:
+            self._k_scale[where[0], :, where[1]] = key_scale
+            self._v_scale[where[0], :, where[1]] = value_scale
+        for s, c in zip(ids, counts):
+            self._lens[s] += int(c)
+
+    def _truncate(self, seq_ids: list[int], lengths: list[int]) -> None:
+        """seq_ids back to these lengths, their blocks past them returned: a
+        step that failed after its append (Ctrl-C during the attention)
+        leaves the sequences as before it (a copied shared block stays
+        copied, which changes nothing read)."""
+        for s, n in zip(seq_ids, lengths):
+            blocks = self._blocks[s]
+            keep = -(-n // self.block_size)
+            for block in blocks[keep:]:
+                self._refs[block] -= 1
+                if self._refs[block] == 0:
+                    self._free.append(block)
+            del blocks[keep:]
+            self._lens[s] = n
+
+    def _take(self) -> int:
+        block = self._free.pop()
+        self._refs[block] = 1
+        return block
+
+    @staticmethod
+    def _cu(cu_seqlens: object, name: str, B: int, total: int) -> NDArray[np.int64]:
+        if cu_seqlens is None:
+            if total != B:
+                raise ValueError(f"without {name}, each sequence gets one token: expected "
+                                 f"{B} rows, got {total}")
+            return np.arange(B + 1, dtype=np.int64)
+        cu = _cu_seqlens(cu_seqlens, name, total)
+        if cu.shape[0] != B + 1:
+            raise ValueError(f"{name} holds {cu.shape[0]} values; expected one more than the "
+                             f"{B} sequences")
+        return cu
+
+    @staticmethod
+    def _rotate(x: NDArray[Any], positions: NDArray[np.int64], rotary: object,
+                interleaved: bool, nthreads: int) -> NDArray[Any]:
+        if not isinstance(rotary, tuple) or len(rotary) != 2:
+            raise TypeError(f"rotary must be a pair (cos, sin) of tables, got "
+                            f"{type(rotary).__name__}")
+        return rotate(x, positions, rotary[0], rotary[1], interleaved, nthreads)
+
+    # ---- attention ---------------------------------------------------------
+    def attend(self, seq_ids: SeqIds, query: NDArray[Float],
+               cu_seqlens_q: Optional[NDArray[np.integer[Any]]] = None, *,
+               rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
+               rotary_interleaved: bool = False, **options: Any
+               ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
+        """Attention of each sequence's new queries over every position it
+        holds: one ``paged_attention`` call.
+
+        Parameters
+        ----------
+        seq_ids : list of int or 1-D int array, B live sequences
+        query : ndarray, (total_q, Hq, head_dim), the cache's dtype
+            Packed queries; Hq a multiple of num_kv_heads.  With is_causal
+            (the default) seq_ids[b]'s rows are its last positions, whose
+            keys and values were appended first.
+        cu_seqlens_q : int array (B + 1,) or None
+            As ``append``'s cu_seqlens (None: one query each).
+        rotary, rotary_interleaved
+            As ``append``'s, at each query's position (its sequence's length
+            minus its L queries, plus its row).
+        **options
+            ``paged_attention``'s: scale, is_causal, window_size,
+            alibi_slopes, softcap, sinks, return_lse, out, num_threads.
+
+        Returns and raises as ``paged_attention``; ValueError for a sequence
+        that is not live, or, with is_causal, that holds fewer positions
+        than its queries.
+        """
+        ids = self._ids(seq_ids)
+        C.require_array(query, "query")
+        if query.dtype != self._dtype:
+            raise TypeError(f"query has dtype {query.dtype}; this PagedKVCache holds "
+                            f"{self._dtype}"
+                            f"{_storage.half_hint(query.dtype, self._dtype, 'query', 'PagedKVCache')}")
+        if query.ndim != 3 or query.shape[2] != self.head_dim:
+            raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected (total_q, Hq, "
+                             f"head_dim) = (total_q, Hq, {self.head_dim})")
+        cu = self._cu(cu_seqlens_q, "cu_seqlens_q", len(ids), query.shape[0])
+        lens = np.array([self._lens[s] for s in ids], np.int64)
+        counts = np.diff(cu)
+        if C.check_bool(options.get("is_causal", True), "is_causal") and (counts > lens).any():
+            b = int(np.flatnonzero(counts > lens)[0])
+            raise ValueError(f"sequence {ids[b]} has {counts[b]} queries but holds {lens[b]} "
+                             "positions: with is_causal the queries are its last positions; "
+                             "append their keys and values first")
+        if rotary is not None:
+            seq = np.repeat(np.arange(len(ids)), counts)
+            positions = (lens - counts)[seq] + np.arange(query.shape[0]) - cu[:-1][seq]
+            query = self._rotate(query, positions, rotary,
+                                 C.check_bool(rotary_interleaved, "rotary_interleaved"),
+                                 _runtime.resolve_threads(options.get("num_threads")))
+        return paged_attention(query, self._key, self._value, self.block_table(ids), lens, cu,
+                               k_scale=self._k_scale, v_scale=self._v_scale, **options)
