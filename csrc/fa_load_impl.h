@@ -82,8 +82,9 @@ typedef struct {
 /* s[t * ld + r] = sum over c < n of x[t * ldx + c] * y_r[c], for the nq
  * rows of x and the nr rows y_r = y + r * rs (each contiguous, stored as
  * st): each row of y is read once for all the rows of x.  With row r, the
- * rows of l1 are asked for into L1 and those of l2 into L2.  One loop for
- * all the rows, so that its bounds and strides stay in registers. */
+ * rows of l1 are asked for into L1 and those of l2[0] and l2[1] into L2.
+ * One loop for all the rows, so that its bounds and strides stay in
+ * registers. */
 static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_idx nr, fa_idx n,
                                                const T *x, fa_idx ldx, const void *y,
                                                fa_idx rs, T *s, fa_idx ld,
@@ -93,8 +94,9 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
     for (fa_idx r = 0; r < nr; ++r) {
         const char *row = (const char *)y + r * rb;
         if (r < l1->count) FA_NAME(prefetch_bytes)(l1->p + r * l1->rb, l1->bytes);
-        if (r < l2->count)
-            for (fa_idx e = 0; e < l2->bytes; e += 64) FA_PREFETCH_L2(l2->p + r * l2->rb + e);
+        for (int u = 0; u < 2; ++u)
+            if (r < l2[u].count)
+                for (fa_idx e = 0; e < l2[u].bytes; e += 64) FA_PREFETCH_L2(l2[u].p + r * l2[u].rb + e);
         for (fa_idx t = 0; t < nq; ++t) s[t * ld + r] = FA_NAME(dot_body)(st, n, x + t * ldx, row);
     }
 }
