@@ -120,6 +120,11 @@ def add_arguments(p):
     p.add_argument("--memory", action="store_true",
                    help=f"only measure peak memory, at {LONG_16384.name} ({LONG_16384.describe()}; "
                         "--shapes is ignored)")
+    p.add_argument("--serving", action="store_true",
+                   help="instead of the shapes: one serving step of 64 sequences over a paged "
+                        "cache (decoding, and decoding mixed with prefill chunks) against a "
+                        "padded cache, one call per sequence and PyTorch (fastattn/bench/"
+                        "serving.py); --threads, --repeat, --seed and --json apply")
     p.add_argument("--busy", type=_at_least(int, 0), default=0, metavar="N",
                    help="keep N cores busy with spinning processes while the cases run, "
                         "as other programs do on a shared machine; the table then gives the "
@@ -156,6 +161,8 @@ def main(args):
     if args.plot and not require(["matplotlib"], "pip install 'fastattn[plot]'",
                                  "fastattn bench --plot"):
         return 2
+    if args.serving:
+        return _serving(args)
     from . import report as rep
     from .suite import run_suite
 
@@ -194,4 +201,22 @@ def main(args):
         print(rep.format_table(result))
     for path in written:
         print(f"wrote {path}")
+    return 0
+
+
+def _serving(args):
+    from . import serving
+
+    result = serving.run(args.threads, rounds=args.repeat or DEFAULT["repeat"], seed=args.seed,
+                         progress=not args.no_progress)
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        except OSError as e:
+            print(f"fastattn bench: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    print(serving.format_table(result))
+    if args.json:
+        print(f"wrote {args.json}")
     return 0

@@ -1,0 +1,254 @@
+"""`fastattn bench --serving`: one serving step of a ragged batch over a paged
+cache against the ways to do it without one, measured side by side in one
+process (alternating rounds, medians).
+
+Two steps of a Llama-shaped attention layer (32 query heads over 8
+key/value heads of 128, float32): "decode-64", one new token for each of 64
+sequences whose lengths are drawn from 64 to 8192 (fixed seed), and
+"mixed", the same 64 sequences where 4 bring a prefill chunk of 512 tokens
+and 60 a decoding token.  The rows:
+
+  paged           fastattn.paged_attention, blocks of 128 in shuffled order
+  paged-16        the same with blocks of 16 (each block's rows of a head
+                  are 8 KB: pieces that small in a random order read at
+                  about 60 % of a sequential stream's speed on Zen 4)
+  contiguous      the same keys and values read in place, each sequence's
+                  contiguous: varlen_attention (lower-right causal)
+  dense-equal     decode only: scaled_dot_product_attention on a dense batch
+                  of 64 sequences of equal length, the same number of keys:
+                  the time of reading these keys and values contiguously
+  padded          (a) one dense padded cache: every sequence padded (left)
+                  to the longest, queries too, a key padding mask
+  per-sequence    (b) one scaled_dot_product_attention call per sequence
+  torch-padded    (c) PyTorch's SDPA on the padded batch with a bool mask
+
+Every row's output is checked against the paged call's before it is timed.
+"""
+import contextlib
+import statistics
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+import fastattn
+
+HQ, HKV, E = 32, 8, 128
+BLOCK = 128
+
+
+@dataclass
+class Step:
+    name: str
+    q_lens: np.ndarray    # new tokens per sequence
+    k_lens: np.ndarray    # keys held per sequence, the new ones included
+
+    @property
+    def kv_bytes(self):
+        """Bytes of keys and values one step reads (float32)."""
+        return int(self.k_lens.sum()) * HKV * E * 2 * 4
+
+
+def steps(seed=0):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(64, 8193, 64)
+    decode = Step("decode-64", np.ones(64, np.int64), lens)
+    q_lens = np.ones(64, np.int64)
+    q_lens[rng.choice(64, 4, replace=False)] = 512
+    return [decode, Step("mixed", q_lens, np.maximum(lens, q_lens))]
+
+
+class Batch:
+    """A step's inputs in every layout the rows read: the packed queries,
+    each sequence's keys and values, the pool and its block table."""
+
+    def __init__(self, step, seed=0):
+        rng = np.random.default_rng(seed + 1)
+        self.step = step
+        self.cu_q = np.concatenate([[0], np.cumsum(step.q_lens)])
+        self.cu_k = np.concatenate([[0], np.cumsum(step.k_lens)])
+        T = int(self.cu_k[-1])
+        self.query = rng.standard_normal((int(self.cu_q[-1]), HQ, E), dtype=np.float32)
+        # (T, HKV, E) views of head-major arrays: every head's rows of a
+        # sequence contiguous, as in a dense cache
+        self.key = rng.standard_normal((HKV, T, E), dtype=np.float32).transpose(1, 0, 2)
+        self.value = rng.standard_normal((HKV, T, E), dtype=np.float32).transpose(1, 0, 2)
+        self.pools = {bs: self._pool(bs, rng) for bs in (BLOCK, 16)}
+
+    def _pool(self, block_size, rng):
+        need = -(-self.step.k_lens // block_size)
+        n = int(need.sum())
+        key = np.empty((n, HKV, block_size, E), np.float32)
+        value = np.empty_like(key)
+        order = rng.permutation(n)
+        table = np.zeros((len(need), int(need.max())), np.int32)
+        at = 0
+        for b, (c, S) in enumerate(zip(need, self.step.k_lens)):
+            blocks = order[at:at + c]
+            at += c
+            table[b, :c] = blocks
+            j = np.arange(S)
+            rows = slice(self.cu_k[b], self.cu_k[b + 1])
+            key[blocks[j // block_size], :, j % block_size] = self.key[rows]
+            value[blocks[j // block_size], :, j % block_size] = self.value[rows]
+        return key, value, table
+
+    def seq(self, b):
+        """Sequence b's query (HQ, L, E), key and value (HKV, S, E): views
+        whose rows are contiguous, as one dense cache per sequence holds them."""
+        q = self.query[self.cu_q[b]:self.cu_q[b + 1]].transpose(1, 0, 2)
+        k = self.key[self.cu_k[b]:self.cu_k[b + 1]].transpose(1, 0, 2)
+        v = self.value[self.cu_k[b]:self.cu_k[b + 1]].transpose(1, 0, 2)
+        return q, k, v
+
+    def padded(self):
+        """(B, HQ, Lmax, E) queries and (B, HKV, Smax, E) keys and values, each
+        sequence at the end (left padding), and the (B, 1, 1, Smax) key mask
+        (True = a real key)."""
+        B, Lm, Sm = len(self.step.q_lens), int(self.step.q_lens.max()), int(self.step.k_lens.max())
+        q = np.zeros((B, HQ, Lm, E), np.float32)
+        k = np.zeros((B, HKV, Sm, E), np.float32)
+        v = np.zeros((B, HKV, Sm, E), np.float32)
+        real = np.zeros((B, 1, 1, Sm), bool)
+        for b in range(B):
+            qb, kb, vb = self.seq(b)
+            q[b, :, Lm - qb.shape[1]:], k[b, :, Sm - kb.shape[1]:] = qb, kb
+            v[b, :, Sm - vb.shape[1]:] = vb
+            real[b, ..., Sm - kb.shape[1]:] = True
+        return q, k, v, real
+
+    def from_padded(self, out):
+        """The packed (total_q, HQ, E) rows of a padded (B, HQ, Lmax, E) output."""
+        Lm = out.shape[2]
+        return np.concatenate([out[b, :, Lm - L:].transpose(1, 0, 2)
+                               for b, L in enumerate(self.step.q_lens)])
+
+
+def rows(batch, threads) -> Dict[str, Callable[[], np.ndarray]]:
+    """Each row's call, returning the packed (total_q, HQ, E) output."""
+    s = batch.step
+    calls = {}
+    for name, bs in (("paged", BLOCK), ("paged-16", 16)):
+        key, value, table = batch.pools[bs]
+        calls[name] = (lambda key=key, value=value, table=table: fastattn.paged_attention(
+            batch.query, key, value, table, s.k_lens, batch.cu_q, num_threads=threads))
+    calls["contiguous"] = lambda: fastattn.varlen_attention(
+        batch.query, batch.key, batch.value, batch.cu_q, batch.cu_k, is_causal=True,
+        causal_alignment="lower_right", num_threads=threads)
+    if (s.q_lens == 1).all():  # the same number of keys in 64 equal sequences, dense
+        B, T = len(s.k_lens), int(batch.cu_k[-1])
+        S = T // B
+        k = batch.key[:B * S].transpose(1, 0, 2).reshape(HKV, B, S, E).transpose(1, 0, 2, 3)
+        v = batch.value[:B * S].transpose(1, 0, 2).reshape(HKV, B, S, E).transpose(1, 0, 2, 3)
+        q = batch.query.reshape(B, 1, HQ, E).transpose(0, 2, 1, 3)
+        calls["dense-equal"] = lambda: fastattn.scaled_dot_product_attention(
+            q, k, v, enable_gqa=True, num_threads=threads).transpose(0, 2, 1, 3).reshape(B, HQ, E)
+    pq, pk, pv, real = batch.padded()
+    calls["padded"] = lambda: batch.from_padded(fastattn.scaled_dot_product_attention(
+        pq, pk, pv, attn_mask=real, is_causal=True, causal_alignment="lower_right",
+        enable_gqa=True, num_threads=threads))
+    seqs = [batch.seq(b) for b in range(len(s.q_lens))]
+    calls["per-sequence"] = lambda: np.concatenate([fastattn.scaled_dot_product_attention(
+        q, k, v, is_causal=True, causal_alignment="lower_right", enable_gqa=True,
+        num_threads=threads).transpose(1, 0, 2) for q, k, v in seqs])
+    with contextlib.suppress(ImportError):
+        calls["torch-padded"] = _torch_padded(batch, pq, pk, pv, real, threads)
+    return calls
+
+
+def _torch_padded(batch, pq, pk, pv, real, threads):
+    import torch
+    import torch.nn.functional as F
+
+    Lm, Sm = pq.shape[2], pk.shape[2]
+    causal = np.arange(Sm)[None, :] <= np.arange(Lm)[:, None] + Sm - Lm
+    mask = torch.from_numpy(real & causal[None, None])
+    tq, tk, tv = (torch.from_numpy(a) for a in (pq, pk, pv))
+
+    def call():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)
+        finally:
+            torch.set_num_threads(before)
+        return batch.from_padded(out.numpy())
+    return call
+
+
+def measure(step, threads, *, rounds=5, seed=0, only: Optional[List[str]] = None,
+            progress=None):
+    """{row: {"median", "times", "max_abs_diff"}} for one step and thread
+    count: the rows timed in turn, round after round (slow ones, the padded
+    rows of the mixed step, in fewer rounds), after one untimed call whose
+    output is compared with the paged call's."""
+    batch = Batch(step, seed)
+    calls = rows(batch, threads)
+    if only:
+        calls = {n: c for n, c in calls.items() if n in only or n == "paged"}
+    want = calls["paged"]()
+    result = {}
+    for name, call in calls.items():
+        start = perf_counter()
+        out = call()
+        first = perf_counter() - start
+        result[name] = {"max_abs_diff": float(np.abs(out - want).max()) if out.size else 0.0,
+                        "times": [], "rounds": rounds if first < 2.0 else 1}
+        if progress:
+            progress(name)
+    for r in range(rounds):
+        for name, call in calls.items():
+            if r < result[name]["rounds"]:
+                start = perf_counter()
+                call()
+                result[name]["times"].append(perf_counter() - start)
+    for name, row in result.items():
+        row["median"] = statistics.median(row["times"])
+        del row["rounds"]
+    memory = {
+        "paged": int(-(-step.k_lens // BLOCK).sum()) * BLOCK * HKV * E * 2 * 4,
+        "padded": len(step.k_lens) * int(step.k_lens.max()) * HKV * E * 2 * 4,
+        "exact": step.kv_bytes}
+    return {"step": step.name, "threads": threads, "kv_bytes": step.kv_bytes, "rows": result,
+            "memory": memory, "tokens": int(step.k_lens.sum()),
+            "queries": int(step.q_lens.sum())}
+
+
+def run(threads=(1, 2), rounds=5, seed=0, progress=True):
+    from tqdm import tqdm
+
+    cases = [(s, n) for s in steps(seed) for n in threads]
+    out = []
+    with tqdm(total=len(cases), desc="fastattn bench --serving", unit="case",
+              disable=not progress, dynamic_ncols=True) as bar:
+        for step, n in cases:
+            bar.set_postfix_str(f"{step.name}, {n} thread(s)")
+            out.append(measure(step, n, rounds=rounds, seed=seed))
+            bar.update()
+    return {"machine": _machine(), "cases": out}
+
+
+def _machine():
+    from . import measure as m
+    return m.machine_info()
+
+
+def format_table(result):
+    lines = []
+    for case in result["cases"]:
+        paged = case["rows"]["paged"]["median"]
+        mem = case["memory"]
+        lines.append(f"{case['step']}: {len(case['rows'])} rows, {case['queries']} queries over "
+                     f"{case['tokens']} keys in 64 sequences ({case['kv_bytes'] / 2**30:.2f} GiB "
+                     f"of keys and values), {case['threads']} thread(s)")
+        lines.append(f"  {'row':14s} {'ms':>9s} {'x paged':>8s} {'GB/s':>7s} {'max |diff|':>11s}")
+        for name, row in case["rows"].items():
+            t = row["median"]
+            lines.append(f"  {name:14s} {t * 1e3:9.2f} {t / paged:8.2f} "
+                         f"{case['kv_bytes'] / t / 1e9:7.1f} {row['max_abs_diff']:11.1e}")
+        lines.append(f"  memory: paged {mem['paged'] / 2**30:.2f} GiB (blocks in use), padded "
+                     f"{mem['padded'] / 2**30:.2f} GiB, the keys themselves "
+                     f"{mem['exact'] / 2**30:.2f} GiB")
+        lines.append("")
+    return "\n".join(lines)
