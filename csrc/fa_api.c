@@ -168,7 +168,9 @@ size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
 
 static int rows_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
 {
-    return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize);
+    return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize) &&
+           (a->heads <= 1 || (a->heads <= FA_ROWS_MAX && a->heads * (i1 - i0) <= FA_ROWS_MAX &&
+                              a->mask_kind == FA_MASK_NONE));
 }
 
 /* far past any length, and far from overflowing i + offset -+ window */
@@ -210,7 +212,7 @@ int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
                 const void *v, const void *mask, float *out, float *w, float *lse,
                 fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
 {
-    if (!attn_ok(a, i0, i1, next, 4)) return -1;
+    if (!attn_ok(a, i0, i1, next, 4) || (w != NULL && a->heads > 1)) return -1;
     FA_DISPATCH(isa, attn, f32, (a, q, k, v, mask, out, w, lse, i0, i1, next, work));
     return 0;
 }
@@ -219,7 +221,7 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
                 const double *v, const void *mask, double *out, double *w, double *lse,
                 fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
 {
-    if (!attn_ok(a, i0, i1, next, 8)) return -1;
+    if (!attn_ok(a, i0, i1, next, 8) || (w != NULL && a->heads > 1)) return -1;
     FA_DISPATCH(isa, attn, f64, (a, q, k, v, mask, out, w, lse, i0, i1, next, work));
     return 0;
 }
@@ -240,7 +242,7 @@ fa_idx fa_attn_splits(const fa_attn_args *a)
 
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
 {
-    return (i1 - i0) * (FA_STATE_HEAD + a->Ev);
+    return (a->heads > 1 ? a->heads : 1) * (i1 - i0) * (FA_STATE_HEAD + a->Ev);
 }
 
 static int part_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
@@ -280,7 +282,7 @@ int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const 
                         const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
                         void *work)
 {
-    if (!part_ok(a, i0, i1, 0, a->S, 4)) return -1;
+    if (!part_ok(a, i0, i1, 0, a->S, 4) || a->heads > 1) return -1;
     FA_DISPATCH(isa, attn_weights, f32, (a, q, k, mask, ml, w, i0, i1, work));
     return 0;
 }
@@ -315,7 +317,7 @@ int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, cons
                         const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
                         void *work)
 {
-    if (!part_ok(a, i0, i1, 0, a->S, 8)) return -1;
+    if (!part_ok(a, i0, i1, 0, a->S, 8) || a->heads > 1) return -1;
     FA_DISPATCH(isa, attn_weights, f64, (a, q, k, mask, ml, w, i0, i1, work));
     return 0;
 }

@@ -292,7 +292,7 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
 
     if (nq <= 0) return;
-    if (nq <= FA_ROWS_MAX) {
+    if (nq <= FA_ROWS_MAX || a->heads > 1) { /* (heads x rows <= FA_ROWS_MAX: fa_api.c) */
         FA_NAME(attn_rows)(a, q, k, v, mask, out, w, lse, i0, i1, qp);
         return;
     }

@@ -63,6 +63,25 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     return w;
 }
 
+/* Rows of a call over n positions: n of each of the query heads that
+ * share the keys (fa_attn_args' heads), row t being head t / n at position
+ * i0 + t % n. */
+static FA_ALWAYS_INLINE fa_idx FA_NAME(heads)(const fa_attn_args *a)
+{
+    return a->heads > 1 ? a->heads : 1;
+}
+
+/* The arguments of query head g of a call: its ALiBi slope and sink, one
+ * head. */
+static fa_attn_args FA_NAME(head_args)(const fa_attn_args *a, fa_idx g)
+{
+    fa_attn_args h = *a;
+    h.heads = 1;
+    if (a->head_slopes != NULL) h.alibi_slope = a->head_slopes[g];
+    if (a->head_sinks != NULL) h.sink = a->head_sinks[g];
+    return h;
+}
+
 /* Where the row kernel loads keys and values (through fa_load_impl.h).
  * Rows whose features are strided are first copied contiguous, so that
  * every layout of the same numbers goes through the same vector arithmetic:
@@ -132,13 +151,14 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
     return s == s ? s : scale * d;
 }
 
-/* s[t, r] = logit of query i0 + t and key s0 + r, for nq rows and nk keys;
- * w.qs holds the query rows.  The value rows of these keys, when v is not
+/* s[t, r] = logit of row t (of n positions from i0, of every head) and key
+ * s0 + r, for nk keys; w.qs holds the query rows.  The value rows of these keys, when v is not
  * NULL, are asked for into L2 meanwhile: the sum over them follows. */
 static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                  const void *k, const void *v, const void *mask, fa_idx i0,
-                                 fa_idx nq, fa_idx s0, fa_idx nk)
+                                 fa_idx n, fa_idx s0, fa_idx nk)
 {
+    const fa_idx nq = FA_NAME(heads)(a) * n;
     T *s = w->s;
     const T scale = (T)a->scale;
     const fa_store st = a->kv_store;
@@ -204,16 +224,20 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     /* the rest of the per-score stage; nothing to do past the soft-cap
      * without a mask or ALiBi in a block the bounds leave whole */
     const int whole = a->mask_kind == FA_MASK_NONE && a->alibi_slope == 0 &&
-                      s0 >= FA_NAME(key_lo)(a, i0 + nq - 1) && s0 + nk - 1 <= FA_NAME(key_hi)(a, i0);
+                      a->head_slopes == NULL && s0 >= FA_NAME(key_lo)(a, i0 + n - 1) &&
+                      s0 + nk - 1 <= FA_NAME(key_hi)(a, i0);
     for (fa_idx t = 0; t < nq; ++t) {
         T *z = s + t * FA_RB;
         if (a->softcap > 0) FA_NAME(softcap)(a, nk, z);
-        for (fa_idx r = 0; !whole && r < nk; ++r) z[r] = FA_NAME(modify)(a, mask, i0 + t, s0 + r, z[r]);
+        if (whole) continue;
+        const fa_attn_args h = FA_NAME(head_args)(a, t / n);
+        for (fa_idx r = 0; r < nk; ++r) z[r] = FA_NAME(modify)(&h, mask, i0 + t % n, s0 + r, z[r]);
     }
 }
 
-/* Keys s_lo..s_hi-1 into the running state of nq rows: maximum m, sum l and
- * unnormalised output o (nq x Ev); w.qs holds the query rows.
+/* Keys s_lo..s_hi-1 into the running state of the rows of n positions:
+ * maximum m, sum l and unnormalised output o (a row of Ev each); w.qs holds
+ * the query rows.
  * Online, two things can make a row non-finite that is not: a key whose
  * weight is 0 only against a later maximum has a nonzero weight when its
  * value row is added (a non-finite value there gives inf, or NaN once
@@ -226,16 +250,16 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
  * within the values' range (attn_rows). */
 static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                      const void *k, const void *v, const void *mask, fa_idx i0,
-                                     fa_idx nq, fa_idx s_lo, fa_idx s_hi, int normalized)
+                                     fa_idx n, fa_idx s_lo, fa_idx s_hi, int normalized)
 {
-    const fa_idx Ev = a->Ev;
+    const fa_idx Ev = a->Ev, nq = FA_NAME(heads)(a) * n;
     const T ninf = -(T)INFINITY;
     T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
     /* normalized: a first pass finds m and l alone, the second adds the values */
     for (int values = !normalized; values < 2; ++values)
         for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
             const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
-            FA_NAME(rows_logits)(a, w, k, values ? v : NULL, mask, i0, nq, s0, nk);
+            FA_NAME(rows_logits)(a, w, k, values ? v : NULL, mask, i0, n, s0, nk);
             for (fa_idx t = 0; t < nq; ++t) {
                 T *st = s + t * FA_RB, bm = ninf;
                 for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
@@ -258,23 +282,28 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
         }
 }
 
-/* w.qs = the query rows; the state starts empty, or with the sink alone. */
-static void FA_NAME(rows_start)(const fa_attn_args *a, const void *q, fa_idx i0, fa_idx nq,
+/* w.qs = the query rows of n positions from i0 (of every head); the state
+ * starts empty, or with each head's sink alone. */
+static void FA_NAME(rows_start)(const fa_attn_args *a, const void *q, fa_idx i0, fa_idx n,
                                 const FA_NAME(rows_scratch) *w, int with_sink)
 {
-    for (fa_idx t = 0; t < nq; ++t) {
-        FA_NAME(load_row)(a->q_store, a->E, FA_NAME(st_at)(a->q_store, q, (i0 + t) * a->q_ls),
-                          a->q_es, w->qs + t * FA_EP(a));
+    for (fa_idx t = 0; t < FA_NAME(heads)(a) * n; ++t) {
+        const fa_idx at = (i0 + t % n) * a->q_ls + t / n * a->q_hs;
+        FA_NAME(load_row)(a->q_store, a->E, FA_NAME(st_at)(a->q_store, q, at), a->q_es,
+                          w->qs + t * FA_EP(a));
         for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] = 0;
         w->m[t] = -(T)INFINITY;
         w->l[t] = 0;
-        if (with_sink) FA_NAME(sink_start)(a, w->m + t, w->l + t);
+        if (with_sink) {
+            const fa_attn_args h = FA_NAME(head_args)(a, t / n);
+            FA_NAME(sink_start)(&h, w->m + t, w->l + t);
+        }
     }
 }
 
-/* The weights of rows i0..i0+nq-1, exp(z - m) / l, from their final maximum
- * m and sum l (in ws): 0 where hidden or where no key was visible, NaN all
- * along a NaN row; ws.qs holds the query rows. */
+/* The weights of rows i0..i0+nq-1 (one head), exp(z - m) / l, from their
+ * final maximum m and sum l (in ws): 0 where hidden or where no key was
+ * visible, NaN all along a NaN row; ws.qs holds the query rows. */
 static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scratch) *ws,
                                   const void *k, const void *mask, fa_idx i0, fa_idx nq, T *w)
 {
@@ -303,26 +332,38 @@ static void FA_NAME(rows_weights)(const fa_attn_args *a, const FA_NAME(rows_scra
     }
 }
 
-/* Output rows i0..i1-1 (at most FA_ROWS_MAX), their log-sum-exp when lse
- * is not NULL and their weights when w is not NULL; normalized as in
- * rows_accumulate.  Returns the rows (bit t: row i0 + t) that came out not
- * finite though no visible logit was NaN. */
+/* Where row t of a call over n positions from i0 (fa_NAME(heads)) writes
+ * its output, and its lse. */
+static FA_ALWAYS_INLINE fa_idx FA_NAME(out_at)(const fa_attn_args *a, fa_idx i0, fa_idx n, fa_idx t)
+{
+    return (i0 + t % n) * a->o_ls + t / n * a->o_hs;
+}
+
+static FA_ALWAYS_INLINE fa_idx FA_NAME(lse_at)(const fa_attn_args *a, fa_idx i0, fa_idx n, fa_idx t)
+{
+    return (i0 + t % n) * a->lse_s + t / n * a->lse_hs;
+}
+
+/* Output rows i0..i1-1 of every head (at most FA_ROWS_MAX rows), their
+ * log-sum-exp when lse is not NULL and their weights when w is not NULL
+ * (one head); normalized as in rows_accumulate.  Returns the rows (bit t:
+ * row t) that came out not finite though no visible logit was NaN. */
 static unsigned FA_NAME(rows_out)(const fa_attn_args *a, const void *q, const void *k,
                                   const void *v, const void *mask, T *out, T *w, T *lse,
                                   fa_idx i0, fa_idx i1, T *work, int normalized)
 {
-    const fa_idx nq = i1 - i0, Ev = a->Ev;
+    const fa_idx n = i1 - i0, nq = FA_NAME(heads)(a) * n, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, work);
     fa_idx s_begin, s_end;
     FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
 
-    FA_NAME(rows_start)(a, q, i0, nq, &ws, 1);
-    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_begin, s_end, normalized);
+    FA_NAME(rows_start)(a, q, i0, n, &ws, 1);
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, n, s_begin, s_end, normalized);
     /* l is 0 exactly when no key was visible (the maximum alone gives 1);
      * NaN when a visible logit was */
     unsigned again = 0;
     for (fa_idx t = 0; t < nq; ++t) {
-        T *orow = out + (i0 + t) * a->o_ls, bad = 0;
+        T *orow = out + FA_NAME(out_at)(a, i0, n, t), bad = 0;
         const T d = normalized ? 1 : ws.l[t];
         for (fa_idx c = 0; c < Ev; ++c) {
             const T y = ws.l[t] == 0 ? 0 : ws.o[t * FA_EVP(a) + c] / d;
@@ -330,26 +371,48 @@ static unsigned FA_NAME(rows_out)(const fa_attn_args *a, const void *q, const vo
             bad += y - y;
         }
         if (bad != 0 && ws.l[t] == ws.l[t]) again |= 1u << t;
-        if (lse) lse[(i0 + t) * a->lse_s] = FA_NAME(lse)(ws.m[t], ws.l[t]);
+        if (lse) lse[FA_NAME(lse_at)(a, i0, n, t)] = FA_NAME(lse)(ws.m[t], ws.l[t]);
     }
 
     if (w != NULL) FA_NAME(rows_weights)(a, &ws, k, mask, i0, nq, w);
     return again;
 }
 
-/* Rows i0..i1-1 (at most FA_ROWS_MAX): online, then, for a row that came out
- * non-finite though no visible logit was NaN, again normalized
- * (rows_accumulate): the same NaN or inf when they are genuine (an inf
- * logit, a non-finite value at a key of nonzero weight), else the finite
- * row. */
+/* Head g of a call alone: its arguments, and its q, out and lse. */
+typedef struct {
+    fa_attn_args a;
+    const void *q;
+    T *out, *lse;
+} FA_NAME(one_head);
+
+static FA_NAME(one_head) FA_NAME(one_head_of)(const fa_attn_args *a, fa_idx g, const void *q,
+                                              T *out, T *lse)
+{
+    FA_NAME(one_head) h;
+    h.a = FA_NAME(head_args)(a, g);
+    h.q = FA_NAME(st_at)(a->q_store, q, g * a->q_hs);
+    h.out = out + g * a->o_hs;
+    h.lse = lse != NULL ? lse + g * a->lse_hs : NULL;
+    return h;
+}
+
+/* Rows i0..i1-1 of every head (at most FA_ROWS_MAX rows): online, then,
+ * for a row that came out non-finite though no visible logit was NaN, that
+ * row alone again, normalized (rows_accumulate): the same NaN or inf when
+ * they are genuine (an inf logit, a non-finite value at a key of nonzero
+ * weight), else the finite row. */
 static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                                const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
                                T *work)
 {
+    const fa_idx n = i1 - i0;
     const unsigned again = FA_NAME(rows_out)(a, q, k, v, mask, out, w, lse, i0, i1, work, 0);
-    for (fa_idx t = 0; again && t < i1 - i0; ++t)
-        if (again >> t & 1u)
-            FA_NAME(rows_out)(a, q, k, v, mask, out, NULL, lse, i0 + t, i0 + t + 1, work, 1);
+    for (fa_idx t = 0; again && t < FA_NAME(heads)(a) * n; ++t)
+        if (again >> t & 1u) {
+            const FA_NAME(one_head) h = FA_NAME(one_head_of)(a, t / n, q, out, lse);
+            const fa_idx i = i0 + t % n;
+            FA_NAME(rows_out)(&h.a, h.q, k, v, mask, h.out, NULL, h.lse, i, i + 1, work, 1);
+        }
 }
 
 /* The state of nsplit pieces of nq rows (attn_part): row t of piece p at
@@ -357,18 +420,18 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void 
  * its unnormalised output. */
 #define FA_STATE_ROW(states, p, nq, t, Ev) ((states) + ((p) * (nq) + (t)) * (FA_STATE_HEAD + (Ev)))
 
-/* The state (m, l of rows_accumulate, o[0..Ev)) of rows i0..i1-1 over
- * keys s_lo..s_hi-1 only; fa_attn_merge combines such pieces. */
+/* The state (m, l of rows_accumulate, o[0..Ev)) of rows i0..i1-1 of every
+ * head over keys s_lo..s_hi-1 only; fa_attn_merge combines such pieces. */
 void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                         const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                         T *state, void *work)
 {
-    const fa_idx nq = i1 - i0, Ev = a->Ev;
+    const fa_idx n = i1 - i0, nq = FA_NAME(heads)(a) * n, Ev = a->Ev;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, (T *)FA_ALIGNED(work));
     fa_idx begin, end;
     FA_NAME(key_range)(a, i0, i1, &begin, &end);
-    FA_NAME(rows_start)(a, q, i0, nq, &ws, s_lo == 0);
-    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, nq, s_lo > begin ? s_lo : begin,
+    FA_NAME(rows_start)(a, q, i0, n, &ws, s_lo == 0);
+    FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, n, s_lo > begin ? s_lo : begin,
                              s_hi < end ? s_hi : end, 0);
     for (fa_idx t = 0; t < nq; ++t) {
         T *st = FA_STATE_ROW(state, 0, nq, t, Ev);
@@ -386,7 +449,7 @@ void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, con
 void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, T *out, T *ml,
                          fa_idx i0, fa_idx i1)
 {
-    const fa_idx nq = i1 - i0, Ev = a->Ev;
+    const fa_idx n = i1 - i0, nq = FA_NAME(heads)(a) * n, Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     for (fa_idx t = 0; t < nq; ++t) {
         T mx = ninf, l = 0, nan = 0;
@@ -395,7 +458,7 @@ void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, 
             mx = st[0] > mx ? st[0] : mx;
             nan += st[1] - st[1]; /* a NaN logit (the maximum ignores NaN) left l NaN */
         }
-        T *orow = out + (i0 + t) * a->o_ls;
+        T *orow = out + FA_NAME(out_at)(a, i0, n, t);
         for (fa_idx c = 0; c < Ev; ++c) orow[c * a->o_es] = nan;
         for (fa_idx p = 0; nan == 0 && mx != ninf && p < nsplit; ++p) {
             const T *st = FA_STATE_ROW(states, p, nq, t, Ev);
@@ -413,32 +476,37 @@ void FA_NAME(attn_merge)(const fa_attn_args *a, fa_idx nsplit, const T *states, 
     }
 }
 
-/* Rows i0..i1-1 of out, merged from nsplit pieces of state, that are not
- * finite though no visible logit was NaN (rows_accumulate says how): computed
- * again by attn_rows, consecutive ones together (lse too when not NULL). */
+/* Rows i0..i1-1 of out (of every head), merged from nsplit pieces of
+ * state, that are not finite though no visible logit was NaN
+ * (rows_accumulate says how): computed again by attn_rows, consecutive ones
+ * of a head together (lse too when not NULL). */
 void FA_NAME(attn_repair)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                           const void *mask, fa_idx nsplit, const T *states, T *out, T *lse,
                           fa_idx i0, fa_idx i1, void *work)
 {
-    const fa_idx nq = i1 - i0;
-    fa_idx run = 0; /* rows i - run .. i - 1 wait for attn_rows */
-    for (fa_idx i = i0; i <= i1; ++i) {
-        int again = 0;
-        if (i < i1) {
-            const T *orow = out + i * a->o_ls;
-            T bad = 0, nan = 0;
-            for (fa_idx c = 0; c < a->Ev; ++c) bad += orow[c * a->o_es] - orow[c * a->o_es];
-            for (fa_idx p = 0; bad != 0 && p < nsplit; ++p)
-                nan += FA_STATE_ROW(states, p, nq, i - i0, a->Ev)[1] * 0; /* NaN where l is */
-            again = bad != 0 && nan == 0;
+    const fa_idx n = i1 - i0, nq = FA_NAME(heads)(a) * n;
+    for (fa_idx g = 0; g < FA_NAME(heads)(a); ++g) {
+        const FA_NAME(one_head) h = FA_NAME(one_head_of)(a, g, q, out, lse);
+        fa_idx run = 0; /* rows i - run .. i - 1 wait for attn_rows */
+        for (fa_idx i = i0; i <= i1; ++i) {
+            int again = 0;
+            if (i < i1) {
+                const T *orow = h.out + i * a->o_ls;
+                T bad = 0, nan = 0;
+                for (fa_idx c = 0; c < a->Ev; ++c) bad += orow[c * a->o_es] - orow[c * a->o_es];
+                for (fa_idx p = 0; bad != 0 && p < nsplit; ++p) /* NaN where l is */
+                    nan += FA_STATE_ROW(states, p, nq, g * n + i - i0, a->Ev)[1] * 0;
+                again = bad != 0 && nan == 0;
+            }
+            if (again && run < FA_ROWS_MAX) {
+                ++run;
+                continue;
+            }
+            if (run > 0)
+                FA_NAME(attn_rows)(&h.a, h.q, k, v, mask, h.out, NULL, h.lse, i - run, i,
+                                   (T *)FA_ALIGNED(work));
+            run = again;
         }
-        if (again && run < FA_ROWS_MAX) {
-            ++run;
-            continue;
-        }
-        if (run > 0)
-            FA_NAME(attn_rows)(a, q, k, v, mask, out, NULL, lse, i - run, i, (T *)FA_ALIGNED(work));
-        run = again;
     }
 }
 

@@ -103,6 +103,20 @@ typedef struct {
     const int32_t *block_table;
     fa_idx block_size;
     fa_idx k_bs, v_bs, ksc_bs, vsc_bs;
+    /* Query heads that share these keys and values, computed in one call of
+     * the row kernel so that the keys and values are read once for all of
+     * them (grouped-query attention).  heads <= 1: one head.  With heads =
+     * G > 1, a call for rows i0..i1-1 (G (i1 - i0) <= 4, no mask, no
+     * weights) computes those rows of G heads: head g's queries at q + g *
+     * q_hs, its output at out + g * o_hs and its lse at lse + g * lse_hs,
+     * with ALiBi slope head_slopes[g] and sink head_sinks[g] where those are
+     * not NULL (else alibi_slope and sink).  Each head gets the bits of a
+     * call of its own: every row is computed alone over the same key
+     * blocks. */
+    fa_idx heads;
+    fa_idx q_hs, o_hs, lse_hs;
+    const double *head_slopes;
+    const double *head_sinks;
 } fa_attn_args;
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
@@ -152,7 +166,7 @@ int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double
  * It depends on the shape of one (batch, head) alone, never on the batch,
  * the thread count, the strides nor on whether weights are wanted. */
 fa_idx fa_attn_splits(const fa_attn_args *a);
-/* Values of state one piece holds: (i1 - i0) * (Ev + 3). */
+/* Values of state one piece holds: heads * (i1 - i0) * (Ev + 2). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
 /* The running maximum, sum, lowest logit of nonzero weight and unnormalised output of rows i0..i1-1 over
  * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn_*); the piece with

@@ -75,6 +75,10 @@ cdef extern from "fastattn.h" nogil:
         const int32_t *block_table
         fa_idx block_size
         fa_idx k_bs, v_bs, ksc_bs, vsc_bs
+        fa_idx heads
+        fa_idx q_hs, o_hs, lse_hs
+        const double *head_slopes
+        const double *head_sinks
 
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
@@ -390,9 +394,40 @@ cdef inline fa_attn_args item_args(const fa_attn_args *a, const Operands *o, con
         r.v_scale = <const float *>at(o.vsc, 4, b, o.vscs, item, o.group)
     if o.slope != NULL:
         r.alibi_slope = (<double *>at(o.slope, 8, b, o.slopes, item, 1))[0]
+        r.head_slopes = <double *>at(o.slope, 8, b, o.slopes, item, 1) if r.heads > 1 else NULL
     if o.sink != NULL:
         r.sink = (<double *>at(o.sink, 8, b, o.sinks, item, 1))[0]
+        r.head_sinks = <double *>at(o.sink, 8, b, o.sinks, item, 1) if r.heads > 1 else NULL
     return r
+
+
+cdef fa_idx group_heads(fa_attn_args *a, Batch *b, Operands *o, int nd) noexcept nogil:
+    """Decoding with grouped-query attention: the query heads of a key/value
+    head computed together, `together` of them per item (a divisor of the
+    group, as many as the row kernel's 4 rows hold), so that its keys and
+    values are read once for them all (fa_attn_args' heads): the last batch
+    axis counts chunks of heads from here on.  Only without a mask or
+    weights, with per-head slopes and sinks one element apart.  Returns the
+    heads per item (1: unchanged).  Each head keeps the bits of a call of
+    its own."""
+    cdef fa_idx together = min(o.group, 4 // a.L) if 0 < a.L <= 2 else 1
+    while together > 1 and o.group % together:
+        together -= 1
+    if (together < 2 or nd < 1 or a.mask_kind != FA_MASK_NONE or o.w != NULL
+            or (o.slope != NULL and o.slopes[nd - 1] != 1)
+            or (o.sink != NULL and o.sinks[nd - 1] != 1)):
+        return 1
+    a.heads = together
+    a.q_hs, a.o_hs, a.lse_hs = o.qs[nd - 1], o.os[nd - 1], o.lses[nd - 1]
+    b.shape[nd - 1] //= together
+    b.count //= together
+    o.group //= together
+    o.qs[nd - 1] *= together
+    o.os[nd - 1] *= together
+    o.lses[nd - 1] *= together
+    o.slopes[nd - 1] *= together
+    o.sinks[nd - 1] *= together
+    return together
 
 
 # Task t of the attention loop: head by head, so that the threads share one
@@ -516,6 +551,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         fill_strides(o.vscs, x_arr, nd)
         a.vsc_s = estride(x_arr, nd)
 
+    group_heads(&a, &b, &o, nd)
     cdef fa_idx qb = fa_attn_query_block(o.elsize)
     cdef fa_idx nqb = (a.L + qb - 1) // qb
     cdef fa_idx ntasks = nqb * b.count
@@ -558,15 +594,15 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     raise_on(err, "attention")
 
 
-cdef inline void row_lse(int es, void *ml, fa_idx i, void *lse, fa_idx lse_s) noexcept nogil:
-    """lse[i] from row i's merged maximum and sum in ml (fa_scores_impl.h's lse)."""
+cdef inline void row_lse(int es, void *ml, fa_idx i, void *lse, fa_idx at) noexcept nogil:
+    """lse[at] from row i's merged maximum and sum in ml (fa_scores_impl.h's lse)."""
     cdef double m, l
     if es == 4:
         m, l = (<float *>ml)[2 * i], (<float *>ml)[2 * i + 1]
-        (<float *>lse)[i * lse_s] = -INFINITY if l == 0 else <float>m + <float>log(l)
+        (<float *>lse)[at] = -INFINITY if l == 0 else <float>m + <float>log(l)
     else:
         m, l = (<double *>ml)[2 * i], (<double *>ml)[2 * i + 1]
-        (<double *>lse)[i * lse_s] = -INFINITY if l == 0 else m + log(l)
+        (<double *>lse)[at] = -INFINITY if l == 0 else m + log(l)
 
 
 cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const Operands *o,
@@ -582,7 +618,8 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
     cdef fa_idx t, item, piece, s_lo, s_hi
     cdef char *states = <char *>malloc(ntasks * slen * es)
     cdef bint want_ml = o.w != NULL or o.lse != NULL
-    cdef char *ml = <char *>malloc(b.count * a.L * 2 * es) if want_ml else NULL
+    cdef fa_idx rows = a.L * (a.heads if a.heads > 1 else 1)  # of an item (group_heads)
+    cdef char *ml = <char *>malloc(b.count * rows * 2 * es) if want_ml else NULL
     cdef void *work
     cdef void *mlrow
     cdef int err = 0
@@ -633,7 +670,7 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
             for item in prange(b.count, schedule="static"):
                 if work == NULL:
                     continue
-                mlrow = <void *>(ml + es * item * a.L * 2) if ml != NULL else NULL
+                mlrow = <void *>(ml + es * item * rows * 2) if ml != NULL else NULL
                 ai = item_args(a, o, b, item)
                 if es == 4:
                     rc = fa_attn_merge_f32(<fa_isa>isa, a, nsplit,
@@ -668,9 +705,10 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
                                                  work)
                 if rc != 0:
                     errp[0] = 2
-                if o.lse != NULL:
-                    for i in range(a.L):
-                        row_lse(es, mlrow, i, lse_at(o, b, item), a.lse_s)
+                if o.lse != NULL:  # row i: head i // L, query i % L
+                    for i in range(rows):
+                        row_lse(es, mlrow, i, lse_at(o, b, item),
+                                i // a.L * a.lse_hs + i % a.L * a.lse_s)
             free(work)
     free(states)
     free(ml)
@@ -808,10 +846,12 @@ cdef struct Paged:
 
 
 cdef struct PagedTask:
-    # Rows i0..i1-1 of (sequence, head); when the item's keys are split
-    # (nsplit > 1), its keys s_lo..s_hi-1 into the state at `state`
-    # (elements from the start of the call's states).  order: when made.
-    fa_idx seq, head, i0, i1, s_lo, s_hi, nsplit, state, order
+    # Rows i0..i1-1 of query heads head..head+heads-1 of a sequence (heads
+    # that share a key/value head, computed together so that its keys and
+    # values are read once); when the item's keys are split (nsplit > 1),
+    # its keys s_lo..s_hi-1 into the state at `state` (elements from the
+    # start of the call's states).  order: when made.
+    fa_idx seq, head, heads, i0, i1, s_lo, s_hi, nsplit, state, order
     double cost
 
 
@@ -825,21 +865,26 @@ cdef int costlier_first(const void *x, const void *y) noexcept nogil:
     return -1 if s.order < t.order else (1 if s.order > t.order else 0)
 
 
-cdef inline fa_attn_args paged_args(const Paged *p, fa_idx b, fa_idx h) noexcept nogil:
-    """The arguments of sequence b, query head h: its L and S (the queries
-    its last L positions), block table row, scales, slope and sink."""
+cdef inline fa_attn_args paged_args(const Paged *p, fa_idx b, fa_idx h,
+                                    fa_idx heads) noexcept nogil:
+    """The arguments of sequence b, query heads h..h+heads-1 (of one
+    key/value head): its L and S (the queries its last L positions), block
+    table row, scales, slopes and sinks."""
     cdef fa_attn_args r = p.a
     r.L = p.cu_q[b + 1] - p.cu_q[b]
     r.S = p.seq_lens[b]
     r.causal_offset = r.S - r.L
     r.block_table = p.table + b * p.table_s
+    r.heads = heads
     if p.ksc != NULL:
         r.k_scale = p.ksc + (h // p.group) * p.ksch
         r.v_scale = p.vsc + (h // p.group) * p.vsch
     if p.slope != NULL:
         r.alibi_slope = p.slope[b * p.Hq + h]
+        r.head_slopes = p.slope + b * p.Hq + h
     if p.sink != NULL:
         r.sink = p.sink[h]
+        r.head_sinks = p.sink + h
     return r
 
 
@@ -848,7 +893,7 @@ cdef int paged_run(int isa, const Paged *p, const PagedTask *t, char *states, bi
     """Task t of paged(), or (merge) the merge of its item's split pieces,
     their repair and lse; the kernels' return code."""
     cdef fa_idx b = t.seq, h = t.head, i
-    cdef fa_attn_args ai = paged_args(p, b, h)
+    cdef fa_attn_args ai = paged_args(p, b, h, t.heads)
     cdef char *q = p.q + p.qsize * (p.cu_q[b] * ai.q_ls + h * p.qh)
     cdef char *k = p.k + p.kvsize * ((h // p.group) * p.kh)
     cdef char *v = p.v + p.kvsize * ((h // p.group) * p.vh)
@@ -883,10 +928,17 @@ cdef int paged_run(int isa, const Paged *p, const PagedTask *t, char *states, bi
         if rc == 0:
             rc = fa_attn_repair_f64(<fa_isa>isa, &ai, <double *>q, <double *>k, <double *>v, NULL,
                                     t.nsplit, <double *>st, <double *>o, NULL, 0, ai.L, work)
-    if lse != NULL:
-        for i in range(ai.L):
-            row_lse(p.es, ml, i, lse, ai.lse_s)
+    if lse != NULL:  # row i of head g of the task: ml's row g L + i
+        for i in range(ai.L * t.heads):
+            row_lse(p.es, ml, i, lse, i // ai.L * p.lh + i % ai.L * ai.lse_s)
     return rc
+
+
+cdef inline fa_idx grouped(const fa_attn_args *a, fa_idx group) noexcept nogil:
+    """Query heads of one key/value head computed together for a sequence
+    of a->L queries: as many as the row kernel's 4 rows hold (1 when its
+    L > 4 rows go to the block kernel)."""
+    return max(1, min(group, 4 // a.L)) if a.L <= 4 else 1
 
 
 cdef double paged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
@@ -935,6 +987,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     p.a.v_bs, p.a.v_ss, p.a.v_es = (estride(value_cache, 0), estride(value_cache, 2),
                                     estride(value_cache, 3))
     p.a.o_ls, p.a.o_es = estride(out, 0), estride(out, 2)
+    p.a.q_hs, p.a.o_hs = estride(q, 1), estride(out, 1)
     p.a.mask_kind = FA_MASK_NONE
     p.a.scale, p.a.softcap, p.a.causal = scale, softcap, causal
     p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
@@ -960,6 +1013,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
         x_arr = lse
         p.lse = <char *>cnp.PyArray_DATA(x_arr)
         p.lh, p.a.lse_s = estride(x_arr, 0), estride(x_arr, 1)
+        p.a.lse_hs = p.lh
     if slopes is not None:
         x_arr = slopes  # C-contiguous (B, Hq)
         p.slope = <const double *>cnp.PyArray_DATA(x_arr)
@@ -971,16 +1025,21 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
 
     # the tasks: every (sequence, head) as scaled_dot_product_attention on
     # that sequence alone splits it (fa_attn_splits), so its bits are that
-    # call's; then sorted costlier first
+    # call's; a few rows (decoding) of the query heads of one key/value head
+    # together (fa_attn_args' heads: the keys read once for all); then
+    # sorted costlier first
     cdef fa_idx qb = fa_attn_query_block(p.es)
+    cdef fa_idx together, nchunks, h0
     cdef fa_attn_args ai
     for b in range(nseq):
-        ai = paged_args(&p, b, 0)
+        ai = paged_args(&p, b, 0, 1)
         if ai.L == 0:
             continue
         nsplit = fa_attn_splits(&ai)
-        ntasks += Hq * (nsplit if nsplit > 1 else (ai.L + qb - 1) // qb)
-        nitems += Hq if nsplit > 1 else 0
+        together = grouped(&ai, group)
+        nchunks = (Hq // group) * ((group + together - 1) // together)
+        ntasks += nchunks * (nsplit if nsplit > 1 else (ai.L + qb - 1) // qb)
+        nitems += nchunks if nsplit > 1 else 0
     if ntasks == 0:
         return
     cdef PagedTask *tasks = <PagedTask *>malloc((ntasks + nitems) * sizeof(PagedTask))
@@ -991,20 +1050,25 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     t = 0
     nitems = 0
     for b in range(nseq):
-        ai = paged_args(&p, b, 0)
+        ai = paged_args(&p, b, 0, 1)
         if ai.L == 0:
             continue
         nsplit = fa_attn_splits(&ai)
+        together = grouped(&ai, group)
         nqb = (ai.L + qb - 1) // qb
-        slen = fa_attn_state_len(&ai, 0, ai.L)
         chunk = (ai.S + nsplit - 1) // nsplit
-        for h in range(Hq):
+        for h0 in range(Hq):  # chunks of `together` heads of one key/value head
+            if h0 % group % together:
+                continue
+            h = min(together, group - h0 % group)
+            ai.heads = h
+            slen = fa_attn_state_len(&ai, 0, ai.L)
             if nsplit > 1:
-                items[nitems] = PagedTask(b, h, 0, ai.L, 0, ai.S, nsplit, nstate, nitems, 0)
+                items[nitems] = PagedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit, nstate, nitems, 0)
                 nitems += 1
             for piece in range(nsplit if nsplit > 1 else nqb):
                 x = &tasks[t]
-                x.seq, x.head, x.nsplit, x.order = b, h, nsplit, t
+                x.seq, x.head, x.heads, x.nsplit, x.order = b, h0, h, nsplit, t
                 if nsplit > 1:
                     x.i0, x.i1, x.s_lo = 0, ai.L, piece * chunk
                     x.s_hi = min(x.s_lo + chunk, ai.S)
@@ -1014,7 +1078,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
                     x.i0 = piece * qb
                     x.i1 = min(x.i0 + qb, ai.L)
                     x.s_lo, x.s_hi, x.state = 0, ai.S, 0
-                x.cost = paged_cost(&ai, x.i0, x.i1, x.s_lo, x.s_hi)
+                x.cost = paged_cost(&ai, x.i0, x.i1, x.s_lo, x.s_hi) * h
                 t += 1
     qsort(tasks, ntasks, sizeof(PagedTask), costlier_first)
 

@@ -522,3 +522,25 @@ def test_running_maximum_rises_block_by_block(simd, dtype, rng, step):
     z = rq @ rk.T / np.sqrt(E) + rm
     r_lse = z.max(axis=-1) + np.log(np.exp(z - z.max(axis=-1, keepdims=True)).sum(axis=-1))
     assert_close(lse, r_lse, dtype, E + S, magnitude=float(np.abs(r_lse).max()))
+
+
+@pytest.mark.parametrize("L", [1, 2])
+@pytest.mark.parametrize("Hq,Hkv", [(8, 2), (8, 1), (6, 2), (3, 1)])
+@pytest.mark.parametrize("S", [300, 2100])
+def test_grouped_query_decoding_is_each_head_alone(simd, dtype, L, Hq, Hkv, S):
+    """Decoding with grouped-query attention computes the query heads of a
+    key/value head together (their keys read once); each head keeps the
+    bits of the same call with the keys repeated per head (one head per
+    call), with its own slope and sink, its lse, split keys or not."""
+    rng = np.random.default_rng(Hq * S + L)
+    q = rng.standard_normal((2, Hq, L, 32)).astype(dtype)
+    k = rng.standard_normal((2, Hkv, S, 32)).astype(dtype)
+    v = rng.standard_normal((2, Hkv, S, 24)).astype(dtype)
+    options = dict(is_causal=True, causal_alignment="lower_right", return_lse=True,
+                   alibi_slopes=rng.random(Hq) * 0.01, sinks=rng.standard_normal(Hq))
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
+    group = Hq // Hkv
+    ko, vo = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    want, want_lse = fastattn.scaled_dot_product_attention(q, ko, vo, **options)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)

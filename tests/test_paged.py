@@ -338,3 +338,24 @@ def test_rows_outside_the_sequences_are_never_read(path):
     r = subprocess.run([sys.executable, "-c", NEVER_READ, path], capture_output=True, text=True,
                        cwd=tempfile.gettempdir(), timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+def test_rows_computed_again_as_alone():
+    """Values near float32's largest overflow the online sum: such rows are
+    computed again (the row kernel's normalized rerun), per head, also when
+    the query heads of a key/value head are computed together and when the
+    keys are split: still the bits of each sequence alone."""
+    rng = np.random.default_rng(13)
+    queries, keys, values = ragged(rng, [1, 2, 1], [2100, 30, 5], Hq=8, Hkv=2)
+    for v in values:
+        v[:, ::3] = 3e38
+    pool = Pool(rng, keys, values, 16)
+    query, cu = packed(queries)
+    out, lse = fastattn.paged_attention(query, pool.key_cache, pool.value_cache, pool.table,
+                                        pool.seq_lens, cu, return_lse=True)
+    assert np.isfinite(out).all()
+    for b, (q, k, v) in enumerate(zip(queries, keys, values)):
+        want, want_lse = sdpa(q, k, v, is_causal=True, causal_alignment="lower_right",
+                              enable_gqa=True, return_lse=True)
+        np.testing.assert_array_equal(per_sequence(out, cu, b), want)
+        np.testing.assert_array_equal(lse[:, cu[b]:cu[b + 1]], want_lse)
