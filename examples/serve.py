@@ -1,0 +1,257 @@
+"""Continuous batching on a paged cache: requests join a running batch as they
+arrive, leave when done, and their blocks serve the next ones.
+
+    python examples/serve.py                 # GPT-2 (learned positions)
+    python examples/serve.py --rope          # the same model with rotary positions
+    python examples/serve.py --plot serve.png
+
+The model is the NumPy GPT-2 of examples/gpt2.py with random weights, every
+attention layer a fastattn.MultiHeadAttention over its own PagedKVCache
+(blocks of --block-size positions from one pool).  A stream of requests with
+different prompt and output lengths arrives over time; each step of the
+server is ONE call per layer for everything running: the prompt chunks of
+requests just admitted and one token of each decoding request, packed
+(cu_seqlens).  A request is admitted when the pool has the blocks it will
+fill besides those the running ones will still take (so that no admitted
+request ever waits), and freed (free) when it has its tokens; greedy
+decoding.
+
+It prints the tokens per second, the blocks in use at the peak and the
+memory a padded dense cache for the same requests in flight would have
+needed, then checks that every request's tokens equal those of generating
+it alone (fastattn's attention gives each sequence the bits of a call of
+its own; NumPy's BLAS may round a projection of another batch differently
+in the last bits, which can only flip a token at a near-tie of its logits:
+reported if it happens).
+"""
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see examples/gpt2.py
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fastattn  # noqa: E402
+import gpt2  # noqa: E402  (the model of examples/gpt2.py)
+
+
+def rotary_tables(max_pos, head_dim, base=10000.0):
+    """cos and sin (max_pos, head_dim / 2) of RoFormer's angles (Llama's)."""
+    inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
+    angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class PagedGPT2(gpt2.GPT2):
+    """GPT-2 over paged caches: forward on a ragged batch of new tokens."""
+
+    def __init__(self, state_dict, num_heads, rope=False):
+        super().__init__(state_dict, num_heads)
+        head_dim = self.embed_dim // num_heads
+        self.rotary = rotary_tables(self.n_positions, head_dim) if rope else None
+
+    def new_paged_caches(self, num_blocks, block_size):
+        return [mha.new_paged_cache(num_blocks, block_size) for mha in self.attn]
+
+    def forward_ragged(self, tokens, positions, seq_ids, cu, caches):
+        """Logits (B, vocab) of the last new token of each of B sequences:
+        tokens and positions (n,) packed, sequence b's at cu[b]..cu[b+1]-1."""
+        w, eps = self.w, self.eps
+        x = w["transformer.wte.weight"][tokens]
+        if self.rotary is None:  # GPT-2's learned positions; with rotary, none added here
+            x = x + w["transformer.wpe.weight"][positions]
+        for i, mha in enumerate(self.attn):
+            p = f"transformer.h.{i}."
+            h = gpt2.layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
+            a, _ = mha(h, cache=caches[i], seq_ids=seq_ids, cu_seqlens=cu, rotary=self.rotary)
+            x = x + a
+            h = gpt2.layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
+            h = gpt2.gelu_new(gpt2.conv1d(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"]))
+            x = x + gpt2.conv1d(h, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"])
+        last = x[cu[1:] - 1]
+        last = gpt2.layer_norm(last, w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)
+        return last @ self.lm_head.T
+
+
+@dataclass
+class Request:
+    rid: int
+    arrival: int              # the step it arrives at
+    prompt: np.ndarray
+    new_tokens: int
+    tokens: list = field(default_factory=list)
+    seq: int = -1             # its sequence in the caches, once admitted
+    prefilled: int = 0        # prompt tokens in the cache so far
+    last_margin: float = np.inf  # smallest gap between its two best logits
+
+    def done(self):
+        return len(self.tokens) == self.new_tokens
+
+
+def requests(rng, n, vocab, max_prompt, max_new, rate):
+    arrivals = np.cumsum(rng.poisson(1 / rate, n))
+    return [Request(i, int(t), rng.integers(0, vocab, rng.integers(4, max_prompt + 1)),
+                    int(rng.integers(4, max_new + 1))) for i, t in enumerate(arrivals)]
+
+
+def blocks(r, block_size):
+    """Blocks a request holds when done: its prompt and its tokens but the
+    last (which is never fed back)."""
+    return -(-(len(r.prompt) + r.new_tokens - 1) // block_size)
+
+
+def serve(model, reqs, num_blocks, block_size, chunk):
+    """Runs the stream; returns the per-step log (tokens, blocks, padded positions)."""
+    caches = model.new_paged_caches(num_blocks, block_size)
+    waiting, running, log, step = list(reqs), [], [], 0
+    while waiting or running:
+        # admit arrived requests, first come first served, while the pool can
+        # hold all they will write and all the running ones still will: no
+        # request ever waits for a block once admitted (no preemption)
+        while waiting and waiting[0].arrival <= step:
+            r = waiting[0]
+            owed = sum(blocks(q, block_size) - len(caches[0].block_table([q.seq])[0])
+                       for q in running)
+            if blocks(r, block_size) + owed > caches[0].num_free_blocks:
+                break
+            waiting.pop(0)
+            for c in caches:
+                r.seq = c.add_sequence()
+            running.append(r)
+        if not running:
+            step += 1
+            continue
+        ids, toks, pos, cu = [], [], [], [0]
+        for r in running:  # a prompt chunk, or the last token generated
+            held = r.prefilled + max(len(r.tokens) - 1, 0)
+            new = r.prompt[r.prefilled:r.prefilled + chunk] if r.prefilled < len(r.prompt) \
+                else np.array([r.tokens[-1]])
+            ids.append(r.seq)
+            toks.append(new)
+            pos.append(held + np.arange(len(new)))
+            cu.append(cu[-1] + len(new))
+        logits = model.forward_ragged(np.concatenate(toks), np.concatenate(pos), ids,
+                                      np.array(cu), caches)
+        finished = []
+        for b, r in enumerate(running):
+            if r.prefilled < len(r.prompt):
+                r.prefilled += len(toks[b])
+                if r.prefilled < len(r.prompt):
+                    continue  # more of the prompt next step
+            top2 = np.sort(logits[b])[-2:]
+            r.last_margin = min(r.last_margin, float(top2[1] - top2[0]))
+            r.tokens.append(int(np.argmax(logits[b])))
+            if r.done():
+                finished.append(r)
+        in_use = num_blocks - caches[0].num_free_blocks
+        longest = max(len(r.prompt) + r.new_tokens for r in running)
+        log.append(dict(step=step, tokens=int(cu[-1]), running=len(running), blocks=in_use,
+                        padded=len(running) * longest))
+        for r in finished:
+            running.remove(r)
+            for c in caches:
+                c.free(r.seq)
+        step += 1
+    return log
+
+
+def alone(model, r, block_size):
+    """The request generated by itself, on fresh caches, prompt then tokens."""
+    caches = model.new_paged_caches(blocks(r, block_size), block_size)
+    for c in caches:
+        seq = c.add_sequence()
+    tokens = []
+    ids, pos = r.prompt, np.arange(len(r.prompt))
+    for _ in range(r.new_tokens):
+        logits = model.forward_ragged(ids, pos, [seq], np.array([0, len(ids)]), caches)
+        tokens.append(int(np.argmax(logits[0])))
+        ids, pos = np.array([tokens[-1]]), np.array([pos[-1] + 1])
+    return tokens
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=32, help="requests in the stream (32)")
+    parser.add_argument("--rate", type=float, default=0.5,
+                        help="requests arriving per step, on average (0.5)")
+    parser.add_argument("--block-size", type=int, default=16, help="positions per block (16)")
+    parser.add_argument("--blocks", type=int, default=64,
+                        help="blocks in each layer's pool (64): fewer makes requests wait")
+    parser.add_argument("--chunk", type=int, default=32,
+                        help="prompt tokens of a request per step (chunked prefill, 32)")
+    parser.add_argument("--rope", action="store_true",
+                        help="rotary positions (a Llama-like variant) instead of GPT-2's learned ones")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the stream")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw tokens per step, blocks in use and a padded cache's size")
+    args = parser.parse_args(argv)
+    if args.plot and not args.plot.endswith(".png"):
+        parser.error(f"--plot takes a file name ending in .png, like serve.png; got {args.plot!r}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before the run, not after it)
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install matplotlib")
+    vocab, n_pos, embed, layers, heads = 101, 128, 64, 3, 4
+    rng = np.random.default_rng(args.seed)
+    model = PagedGPT2(gpt2.random_state_dict(vocab, n_pos, embed, layers, rng), heads, args.rope)
+    reqs = requests(rng, args.requests, vocab, 48, 40, args.rate)
+    start = time.perf_counter()
+    log = serve(model, reqs, args.blocks, args.block_size, args.chunk)
+    seconds = time.perf_counter() - start
+
+    generated = sum(r.new_tokens for r in reqs)
+    tokens = sum(e["tokens"] for e in log)
+    per_block = args.block_size * layers * 2 * embed * 4  # keys and values of every layer
+    peak = max(e["blocks"] for e in log)
+    padded = max(e["padded"] for e in log)
+    print(f"random GPT-2 ({layers} layers, {heads} heads, embed_dim {embed}"
+          f"{', rotary positions' if args.rope else ''}) on fastattn {fastattn.__version__}: "
+          f"{len(reqs)} requests, prompts of {min(len(r.prompt) for r in reqs)}.."
+          f"{max(len(r.prompt) for r in reqs)} tokens, {min(r.new_tokens for r in reqs)}.."
+          f"{max(r.new_tokens for r in reqs)} new tokens, arriving over "
+          f"{reqs[-1].arrival + 1} steps")
+    print(f"{len(log)} steps, at most {max(e['running'] for e in log)} requests at once: "
+          f"{generated} tokens generated ({tokens} processed) in {seconds:.2f} s, "
+          f"{generated / seconds:.0f} generated tokens/s")
+    print(f"memory: at most {peak} of {args.blocks} blocks of {args.block_size} positions in use "
+          f"({peak * per_block / 2**10:.0f} KiB); a padded dense cache for the same requests in "
+          f"flight needs {padded} positions ({padded * per_block / args.block_size / 2**10:.0f} "
+          f"KiB), {padded / (peak * args.block_size):.1f}x as much")
+
+    differ = [(r, t) for r in reqs if (t := alone(model, r, args.block_size)) != r.tokens]
+    near_ties = [r for r, _ in differ if r.last_margin < 1e-3]
+    print(f"each request's tokens against generating it alone: {len(reqs) - len(differ)} of "
+          f"{len(reqs)} equal" + (f" ({len(near_ties)} differ at a near-tie of their logits)"
+                                  if differ else ""))
+    if args.plot:
+        plot(log, args.plot, args.block_size)
+        print(f"wrote {args.plot}")
+    return 0 if len(differ) == len(near_ties) else 1
+
+
+def plot(log, path, block_size):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e["step"] for e in log]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(steps, [e["tokens"] for e in log], label="tokens in the step's call")
+    top.plot(steps, [e["running"] for e in log], label="requests running")
+    top.set_ylabel("per step")
+    top.legend()
+    bottom.plot(steps, [e["blocks"] * block_size for e in log], label="paged: positions in blocks in use")
+    bottom.plot(steps, [e["padded"] for e in log], label="padded dense cache: positions")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("positions held (per layer)")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
