@@ -41,6 +41,15 @@ def varlen(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDA
            group: int, causal: bool, lower_right: bool, scale: float, nthreads: int,
            window_left: int, window_right: int, softcap: float,
            slopes: Optional[NDArray[np.float64]], sinks: Optional[NDArray[np.float64]]) -> None: ...
+def paged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
+          k_scale: Optional[NDArray[np.float32]], v_scale: Optional[NDArray[np.float32]],
+          block_table: NDArray[np.int32], seq_lens: NDArray[np.int64], cu_q: NDArray[np.int64],
+          out: NDArray[Any], lse: Optional[NDArray[Any]], group: int, causal: bool,
+          scale: float, nthreads: int, window_left: int, window_right: int, softcap: float,
+          slopes: Optional[NDArray[np.float64]], sinks: Optional[NDArray[np.float64]],
+          q_store: int, kv_store: int) -> None: ...
+def rotary(x: NDArray[Any], positions: NDArray[np.int64], cos: NDArray[Any], sin: NDArray[Any],
+           interleaved: bool, out: NDArray[Any], nthreads: int) -> None: ...
 def softmax_rows(isa: int, x: NDArray[Any], mask: Optional[NDArray[Any]], mask_kind: int,
                  out: NDArray[Any], nthreads: int) -> None: ...
 def matmul(isa: int, a: NDArray[Any], bm: NDArray[Any], out: NDArray[Any],

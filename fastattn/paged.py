@@ -230,7 +230,7 @@ def paged_attention(
     if E > _core.ATTN_MAX_FEATURES or Ev > _core.ATTN_MAX_FEATURES:
         raise ValueError(f"E = {E} and Ev = {Ev}: at most {_core.ATTN_MAX_FEATURES} features "
                          "are supported")
-    scales = (None, None)
+    scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]] = (None, None)
     if kv_store == _core.STORE_I8:
         scales = _scales(k_scale, v_scale, key_cache.shape[:3])
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
