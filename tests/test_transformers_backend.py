@@ -622,11 +622,13 @@ def test_other_devices_fall_back(calls):
     assert out.device.type == "meta" and out.shape == (2, 5, 4, 6) and calls == []
 
 
-def test_attention_weights_match_eager():
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral", "qwen2"])
+def test_attention_weights_match_eager(kind):
     """output_attentions=True: fastattn returns the weights (SDPA returns none),
     those of eager attention on every real query, zero at the keys later than
-    every query."""
-    model = decoder("llama")
+    every query; also for GPT-2, which takes output_attentions out of the
+    kwargs and records what its layers return (it got none: issue 28)."""
+    model = decoder(kind)
     ids, mask = prompts(3)
     weights = {}
     for impl in ["eager", "fastattn"]:

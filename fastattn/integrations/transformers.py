@@ -174,7 +174,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # read once, not once per query head.  Views in the layouts models make.
         q_np = q_np.reshape(q_np.shape[0], hkv, hq // hkv, q_np.shape[-1])
         out_heads = out.reshape(batch, hkv, hq // hkv, ev)
-    need_weights = bool(kwargs.get("output_attentions"))
+    need_weights = _weights_requested(kwargs)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     result = fastattn.scaled_dot_product_attention(
         q_np, k_np, v_np, mask, is_causal=causal, scale=scaling,
@@ -188,6 +188,23 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     weights = _torch(result[1].reshape(batch, hq, q_len, -1))
     # zero for the keys cut off (before every query's window, later than every query)
     return _torch(out), torch.nn.functional.pad(weights, (first, keys - length))
+
+
+def _weights_requested(kwargs: dict[str, Any]) -> bool:
+    """Whether the model wants this layer's attention weights: an
+    ``output_attentions`` keyword that reaches the layer (Llama, BERT), or
+    transformers' output recorder collecting attentions for the running
+    forward (``capture_outputs``: GPT-2 takes ``output_attentions`` out of the
+    kwargs and records what each layer returns)."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+        collecting = _active_collector.get()
+    except (ImportError, AttributeError, LookupError, TypeError):
+        return False
+    return isinstance(collecting, dict) and bool(
+        {"attentions", "cross_attentions"} & collecting.keys())
 
 
 def _causal_mask_parts(mask: CausalMask) -> tuple[int, Optional[torch.Tensor], int]:
