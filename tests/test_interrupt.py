@@ -17,7 +17,11 @@ import fastattn
 # 8.8 TFLOP.  The child reports how long the interrupted call ran and then
 # checks that the inputs are intact and that the next call is right.
 CHILD = r"""
-import sys, time, zlib
+import signal, sys, time, zlib
+# Python's own Ctrl-C handler, whatever the disposition inherited: a job
+# started with & by a shell without job control (nohup, CI runners) starts
+# with SIGINT ignored, and Python then keeps it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 import fastattn
 from fastattn import reference as ref
@@ -43,10 +47,18 @@ print("next call ok", flush=True)
 @pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix",
                     reason="sends SIGINT to a child process")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_ctrl_c_stops_a_long_call(threads):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_a_long_call(threads, inherited):
+    """Also when the test itself runs with SIGINT ignored (a background job):
+    the child sets Python's handler, so that fastattn is tested, not the
+    runner's signal disposition."""
+    def disposition():
+        signal.signal(signal.SIGINT, signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL)
+
     # from outside the source tree, whose fastattn/ has no extension
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(threads)], cwd=tempfile.gettempdir(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=disposition)
     try:
         assert child.stdout.readline().strip() == "started"
         # The call runs for minutes; SIGINT once it is under way.  The bound
