@@ -4,10 +4,12 @@ answer), the peak loops do the work they count, the CLI writes the JSON it
 promises.  Nothing here asserts a speed."""
 import importlib.util
 import json
+import signal
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -228,6 +230,10 @@ def test_report_from_a_made_up_run():
     fa = r["cases"][0]
     assert fa["speedup_vs_onnxruntime"] == pytest.approx(1.2)  # the faster ORT layout
     assert fa["speedup_vs_best_peer"] == pytest.approx(1.2)
+    # a library's rows are not compared with the library itself (issue 28: an ORT
+    # layout's xORT was the other layout's time)
+    assert "speedup_vs_onnxruntime" not in r["cases"][2] and "speedup_vs_onnxruntime" not in r["cases"][3]
+    assert r["cases"][2]["speedup_vs_torch"] == pytest.approx(1.5 / 1.2)
     assert r["cases"][5]["pct_peak"] == pytest.approx(90)
     text = report.format_table(r)
     assert "bert-base     fastattn avx2" in text and "1.20" in text
@@ -459,3 +465,32 @@ def test_peers_run_with_libgomps_default_spin():
                                                     plain)
     chosen = dict(plain, OMP_WAIT_POLICY="PASSIVE")
     assert "GOMP_SPINCOUNT" not in suite.worker_env({"runner": "torch"}, chosen)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="sends SIGINT to a child process")
+def test_ctrl_c_keeps_the_cases_finished():
+    """Ctrl-C during a case: one line, not a traceback; the cases finished
+    are printed and written (--json), the run marked interrupted, status 130."""
+    for module in ("tqdm", "threadpoolctl"):
+        pytest.importorskip(module)
+    with tempfile.TemporaryDirectory() as cwd:
+        # SIGINT at its default: the suite may itself run as a background job
+        p = subprocess.Popen([sys.executable, "-m", "fastattn", "bench", "--shapes",
+                              "tiny,long-8192", "--runners", "fastattn", "--threads", "1",
+                              "--quick", "--repeat", "200", "--json", "out.json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            seen, start = "", time.monotonic()
+            while "long-8192" not in seen and time.monotonic() - start < 240:
+                seen += p.stderr.read(1) or ""  # the progress bar names the case under way
+            time.sleep(0.5)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=120)
+        finally:
+            p.kill()
+        data = json.loads(open(os.path.join(cwd, "out.json")).read())
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "interrupted; 1 case(s) finished" in err
+    assert data["settings"]["interrupted"] is True
+    assert [c["shape"] for c in data["cases"]] == ["tiny"] and "tiny" in out

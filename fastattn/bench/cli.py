@@ -201,6 +201,10 @@ def main(args):
         print(rep.format_table(result))
     for path in written:
         print(f"wrote {path}")
+    if result["settings"].get("interrupted"):
+        print(f"fastattn bench: interrupted; {len(result['cases'])} case(s) finished, shown above"
+              + (" and written" if written else ""), file=sys.stderr)
+        return 130  # the shell's status of a command ended by SIGINT
     return 0
 
 

@@ -23,8 +23,9 @@ def derive(report):
     of the read bandwidth measured on the shape's own key and value);
     speedup_vs_<library> = the
     time (statistic()) of that library's faster runner / this one's (> 1: faster;
-    libraries: runners.BASELINES); speedup_vs_best_peer, the smallest of
-    those of runners.PEERS."""
+    libraries: runners.BASELINES; none against its own library: an ORT row
+    has no xORT); speedup_vs_best_peer, the smallest of those of
+    runners.PEERS."""
     widest = report["machine"]["simd_paths"][-1]
     stat = statistic(report)
     cases = [c for c in report["cases"] if c.get("status") == "ok" and stat in c]
@@ -45,8 +46,10 @@ def derive(report):
         elif shape.kind == "overhead":
             c["us"] = t * 1e6
         for library, runners in BASELINES.items():
+            if c["runner"] in runners:  # a library against itself: no column
+                continue
             theirs = [times[key] for key in ((c["shape"], c["threads"], r) for r in runners)
-                      if key in times and key[2] != c["runner"]]
+                      if key in times]
             if theirs:
                 c[f"speedup_vs_{library}"] = min(theirs) / t
         peers = [c[f"speedup_vs_{p}"] for p in PEERS if f"speedup_vs_{p}" in c]
@@ -180,8 +183,9 @@ def format_table(report):
     lines += [""] + textwrap.wrap(
               f"time: {stat} per call.  speed: 4·B·H·L·S·E FLOP (halved when causal) per "
               "second, or for decoding the bytes of key+value (in their storage) per second.  xNumPy, xPyTorch, "
-              "xORT: that library's time / this row's (> 1: this row is faster), ORT: the faster "
-              "of its two key/value layouts, BSD = (B, S, H·E), BHSD = (B, H, S, E).  %peak: of "
+              "xORT: that library's time / this row's (> 1: this row is faster; none on that "
+              "library's own rows), ORT: the faster of its two key/value layouts, BSD = (B, S, "
+              "H·E), BHSD = (B, H, S, E).  %peak: of "
               "the FMA peak at that thread count, for fastattn of its row's SIMD path, for the "
               f"others of the widest path ({m['simd_paths'][-1]}); for decoding of the read "
               "bandwidth on the same key and value.  +MB: peak resident memory of the first "

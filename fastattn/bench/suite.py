@@ -96,7 +96,9 @@ def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_ti
     Returns {"machine", "settings", "peaks": {threads: {...}}, "cases": [...]}:
     peaks[threads]["fma"] holds the FMA peak of every path of simd and of the
     CPU's other vector widths (keyed by path).  Runners that cannot run here
-    get a "skipped" case with the reason."""
+    get a "skipped" case with the reason.  A KeyboardInterrupt (Ctrl-C) ends
+    the run: the report then holds the cases finished, and settings
+    "interrupted" is True."""
     shapes = [ALL_SHAPES[n] for n in shape_names]
     simd = list(simd or [fastattn.simd_path()])
     variants = list(_variants(runner_names, simd))
@@ -113,6 +115,19 @@ def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_ti
                            "min_time": min_time, "warmup": warmup, "seed": seed,
                            "busy": busy, "dtype": "float32"},
               "peaks": {}, "cases": []}
+    try:
+        _measure(report, shapes, variants, threads, fma_paths, timed, steps, progress,
+                 repeat=repeat, min_time=min_time, warmup=warmup, peak_seconds=peak_seconds,
+                 seed=seed, busy=busy)
+    except KeyboardInterrupt:  # Ctrl-C: the cases finished so far are the report
+        report["settings"]["interrupted"] = True
+    report["settings"]["wall_seconds"] = round(time.time() - started, 1)
+    return report
+
+
+def _measure(report, shapes, variants, threads, fma_paths, timed, steps, progress, *,
+             repeat, min_time, warmup, peak_seconds, seed, busy):
+    """run_suite's measurements, added to report as they finish."""
     with _progress(steps, progress) as bar:
         for n in threads:
             peaks = report["peaks"].setdefault(str(n), {})
@@ -141,8 +156,6 @@ def run_suite(shape_names, runner_names, threads, *, simd=None, repeat=5, min_ti
                                                      min_time=min_time, warmup=warmup,
                                                      seed=seed))
                         bar.update()
-    report["settings"]["wall_seconds"] = round(time.time() - started, 1)
-    return report
 
 
 def _case(name, shape, n, extra, **settings):
