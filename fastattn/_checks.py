@@ -40,7 +40,9 @@ def require_array(x: object, name: str) -> NDArray[Any]:
             raise TypeError(f"{name} must be a numpy.ndarray, got {kind.__module__}."
                             f"{kind.__name__}; pass {name}.numpy() ({name}.detach().cpu()"
                             ".numpy() for a tensor that requires grad or is not on the CPU)")
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+        hint = (f"; pass np.asarray({name}, dtype=np.float32) (or the dtype meant)"
+                if isinstance(x, (list, tuple)) else "")
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}{hint}")
     if isinstance(x, MaskedArray):  # its mask would be silently ignored
         raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask fastattn does not read; "
                         "pass a plain ndarray and express hidden entries with a mask argument")
@@ -85,12 +87,21 @@ def unsupported_float_hint(dtype: np.dtype[Any], name: str) -> str:
     return ""
 
 
+def byte_order_hint(dtype: np.dtype[Any], name: str) -> str:
+    """The fix for a floating array in the other byte order ('' otherwise)."""
+    if dtype.isnative or dtype.kind != "f":
+        return ""
+    return (f"; {dtype.str} is {dtype.newbyteorder('=').name} in the other byte order: pass "
+            f"{name}.astype('={dtype.kind}{dtype.itemsize}')")
+
+
 def common_float_dtype(**arrays: NDArray[Any]) -> np.dtype[Any]:
     """The one dtype (float32 or float64, native byte order) of all arrays."""
     for name, a in arrays.items():
         if a.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {a.dtype}; expected float32 or float64 "
-                            f"(native byte order){unsupported_float_hint(a.dtype, name)}")
+                            f"(native byte order){unsupported_float_hint(a.dtype, name)}"
+                            f"{byte_order_hint(a.dtype, name)}")
     return _one_dtype(arrays, "float32 or float64")
 
 
@@ -100,7 +111,7 @@ def attention_dtype(**arrays: NDArray[Any]) -> np.dtype[Any]:
     for name, a in arrays.items():
         if a.dtype not in FLOAT_DTYPES and not (is_half(a.dtype) and a.dtype.isnative):
             raise TypeError(f"{name} has dtype {a.dtype}; expected float32, float64, float16 or "
-                            "bfloat16 (native byte order)")
+                            f"bfloat16 (native byte order){byte_order_hint(a.dtype, name)}")
     return _one_dtype(arrays, "float32, float64, float16 or bfloat16")
 
 
@@ -319,7 +330,24 @@ def mask_kind_and_array(mask: Optional[NDArray[Any]], dtype: np.dtype[Any],
     if mask.dtype is dtype:  # no conversion, so nothing can overflow
         return _core.MASK_ADD, kernel_view(mask)
     if is_floating(mask.dtype):
-        with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
-            return _core.MASK_ADD, kernel_view(mask.astype(dtype, copy=False))
+        return _core.MASK_ADD, kernel_view(float_mask(mask, dtype, name))
     raise TypeError(f"{name} has dtype {mask.dtype}; expected bool (True = may attend) "
                     "or a floating dtype (added to the scores, -inf = hidden)")
+
+
+def float_mask(mask: NDArray[Any], dtype: np.dtype[Any], name: str) -> NDArray[Any]:
+    """A floating mask in dtype, the dtype computed in.  A value below its
+    range becomes -inf and hides the key, as meant; a finite value above it
+    would become +inf and give NaN rows: a ValueError, as a scale beyond it
+    is."""
+    if mask.dtype == dtype:
+        return mask
+    with np.errstate(over="ignore"):
+        converted: NDArray[Any] = mask.astype(dtype)
+    if mask.dtype.itemsize > dtype.itemsize:
+        over = np.isposinf(converted) & ~np.isposinf(mask)
+        if over.any():
+            raise ValueError(f"{name} holds {mask[over].flat[0]}, beyond {dtype.name}'s range "
+                             f"(the dtype computed in), where it would be +inf: a mask value "
+                             f"must be finite there, or -inf to hide the key")
+    return converted

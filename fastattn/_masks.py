@@ -38,16 +38,14 @@ def from_mha(mask: Optional[NDArray[Any]], name: str,
     _require_mask(mask, name, "True = ignore, nn.MultiheadAttention's convention")
     if mask.dtype == np.bool_:
         return ~mask
-    with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
-        return mask.astype(dtype, copy=False)
+    return C.float_mask(mask, dtype, name)
 
 
-def _additive(mask: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
+def _additive(mask: NDArray[Any], dtype: np.dtype[Any], name: str) -> NDArray[Any]:
     if mask.dtype == np.bool_:
         additive: NDArray[Any] = np.where(mask, dtype.type(0), dtype.type(-np.inf))
         return additive
-    with np.errstate(over="ignore"):  # beyond float32's range is -inf or inf, as meant
-        return mask.astype(dtype, copy=False)
+    return C.float_mask(mask, dtype, name)
 
 
 def _sum(a: NDArray[Any], b: NDArray[Any]) -> NDArray[Any]:
@@ -76,7 +74,7 @@ def both(a: Optional[NDArray[Any]], a_name: str, b: Optional[NDArray[Any]], b_na
         if a.dtype == np.bool_ and b.dtype == np.bool_:
             anded: NDArray[np.bool_] = np.logical_and(a, b)
             return anded
-        return _sum(_additive(a, dtype), _additive(b, dtype))
+        return _sum(_additive(a, dtype, a_name), _additive(b, dtype, b_name))
     except ValueError:
         raise ValueError(f"{a_name} of shape {C.shape_str(a.shape)} and {b_name} of shape "
                          f"{C.shape_str(b.shape)} do not broadcast") from None

@@ -106,7 +106,9 @@ def _check_threads(n: object, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(n).__name__}")
     n = operator.index(n)
     if n < 1:
-        raise ValueError(f"{name} must be >= 1, got {n}")
+        raise ValueError(f"{name} must be >= 1, got {n}"
+                         + ("; None (the default) means get_num_threads()" if name == "num_threads"
+                            else "; None restores OpenMP's default"))
     if n > MAX_THREADS:
         raise ValueError(f"{name} must be <= {MAX_THREADS} (OpenMP aborts the process when it "
                          f"cannot create a thread), got {n}")

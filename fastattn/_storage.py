@@ -20,12 +20,31 @@ STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _
 LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}  # their largest finite values
 
 
+def cache_dtype(dtype: object, what: str) -> np.dtype[Any]:
+    """The dtype a cache computes in, float32 or float64; a 16-bit one is a
+    TypeError that says how to hold the keys and values in 16 bits."""
+    try:
+        dt = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError:
+        dt = None
+    if dt is not None and C.is_half(dt):
+        raise TypeError(f"dtype must be float32 or float64, what a {what} computes in; got "
+                        f"{dt.name}: for keys and values held in {dt.name}, pass "
+                        f"dtype=np.float32, storage='{dt.name}' (its queries may then be "
+                        f"{dt.name} too)")
+    return C.check_float_dtype(dtype, "dtype")
+
+
 def check(storage: object, dtype: np.dtype[Any], what: str) -> str:
     """storage (None: dtype's own) when a cache computing in dtype can hold
     it, else a ValueError naming the storages it can."""
     storage = dtype.name if storage is None else storage
-    allowed = ("float64",) if dtype == np.float64 else ("float32", "float16", "bfloat16", "int8")
-    if storage not in allowed:  # (also what is not a str)
+    if dtype == np.float64 and storage != "float64":
+        raise ValueError(f"a float64 {what} holds float64 keys and values only (storage "
+                         f"'float64' or None), got storage={storage!r}; for 16-bit or int8 "
+                         "storage pass dtype=np.float32")
+    allowed = ("float32", "float16", "bfloat16", "int8")
+    if dtype != np.float64 and storage not in allowed:  # (also what is not a str)
         raise ValueError(f"storage must be one of {', '.join(map(repr, allowed))} for a "
                          f"{dtype.name} {what}, got {storage!r}")
     return str(storage)

@@ -324,7 +324,7 @@ def scaled_dot_product_attention(
         E or Ev above 2**20, broadcast shapes with more elements than a
         64-bit index addresses, dropout_p != 0, a bad ``out`` (wrong
         shape, read-only, misaligned, overlapping an input or itself), an
-        unknown causal_alignment, num_threads outside 1..MAX_THREADS, a
+        unknown causal_alignment, num_threads outside 1 to max(1024, the CPU count), a
         window side below -1, softcap <= 0, alibi_slopes or sinks of the
         wrong shape, sinks NaN or +inf; a scale or softcap that is not
         finite in the dtype computed in (float32 or float64: 1e300 is finite
@@ -415,6 +415,11 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     else:
         heads = {a.shape[-3] for a in (query, key) if a.ndim >= 3} - {1}
         hint = " (set enable_gqa=True for grouped-query attention)" if len(heads) > 1 else ""
+        if (query.ndim == key.ndim == 4 and query.shape[-3] != key.shape[-3]
+                and query.shape[-2] == key.shape[-2] and query.shape[0] == key.shape[0]):
+            hint = hint[:-1] + ("; or, if these are (B, L, H, E) arrays, FlashAttention's "
+                                "layout, pass query.transpose(0, 2, 1, 3) and key and value "
+                                "likewise: the heads come before the positions here)")
         batch = C.broadcast_shapes([("query", query.shape[:-2]), ("key", key.shape[:-2]),
                                     ("value", value.shape[:-2])], "the leading axes" + hint)
         kv_batch, group = batch, 1
@@ -448,7 +453,14 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
         C.check_out(out, out_shape, dtype, inputs)
     # the kernels write float32 for 16-bit inputs, rounded to them at the end
     result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
-    weights = np.empty(batch + (L, S), compute) if weights_wanted else None
+    try:
+        weights = np.empty(batch + (L, S), compute) if weights_wanted else None
+    except MemoryError:
+        raise MemoryError(f"need_weights=True asks for the (..., Hq, L, S) = "
+                          f"{C.shape_str(batch + (L, S))} weights, "
+                          f"{math.prod(batch + (L, S)) * compute.itemsize / 2**30:.1f} GiB, which "
+                          "could not be allocated; the output alone needs O(L) memory per head "
+                          "(need_weights=False)") from None
     lse = np.empty(batch + (L,), compute) if lse_wanted else None
 
     q = C.broadcast_view(C.kernel_view(query), batch + (L, E))

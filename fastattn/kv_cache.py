@@ -3,14 +3,19 @@ generating one step at a time."""
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, Union, cast, overload
+from typing import Any, Literal, Optional, cast, overload
 
 import numpy as np
 
 from . import _checks as C
 from . import _masks, _runtime, _storage
 from ._typing import DTypeLike, Float, MaskArray, NDArray
-from .attention import StoredKV, _attention, scaled_dot_product_attention
+from .attention import Result, StoredKV, _attention, scaled_dot_product_attention
+
+
+def _count(n: int, noun: str) -> str:
+    """"1 position", "3 positions"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 class KVCache:
@@ -84,7 +89,7 @@ class KVCache:
         capacity = C.check_index(capacity, "capacity", 1)
         head_dim = C.check_index(head_dim, "head_dim", 0)
         value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
-        dtype = C.check_float_dtype(dtype, "dtype")
+        dtype = _storage.cache_dtype(dtype, "KVCache")
         storage = _storage.check(storage, dtype, "KVCache")
         stored = _storage.storage_dtype(storage)
         shapes = [(batch_size, num_kv_heads, capacity, head_dim),
@@ -258,8 +263,9 @@ class KVCache:
                                  f"(batch_size, L) = ({B}, {L})")
         n = self._length
         if n + L > self.capacity:
-            raise ValueError(f"KVCache capacity exceeded: it holds {n} of {self.capacity} "
-                             f"positions and {L} more were appended; create it with a larger "
+            raise ValueError(f"KVCache capacity exceeded: {_count(L, 'position')} cannot be "
+                             f"appended to the {_count(n, 'position')} held of "
+                             f"{self.capacity}; nothing was written. Create it with a larger "
                              "capacity or reset() it")
         keys, key_scale = self._encode(key, "key")
         values, value_scale = self._encode(value, "value")
@@ -287,7 +293,8 @@ class KVCache:
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None,
-               need_weights: Literal[False] = False, window_size: Optional[tuple[int, int]] = None,
+               need_weights: Literal[False] = False, return_lse: Literal[False] = False,
+               window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
                num_threads: Optional[int] = None) -> NDArray[Float]: ...
@@ -295,30 +302,34 @@ class KVCache:
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None,
-               need_weights: Literal[True], window_size: Optional[tuple[int, int]] = None,
+               need_weights: Literal[True], return_lse: Literal[False] = False,
+               window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
                num_threads: Optional[int] = None) -> tuple[NDArray[Float], NDArray[Float]]: ...
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
-               is_causal: bool = True, scale: Optional[float] = None, need_weights: bool,
-               window_size: Optional[tuple[int, int]] = None,
+               is_causal: bool = True, scale: Optional[float] = None, need_weights: bool = False,
+               return_lse: bool = False, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
-               sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
-               ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]: ...
+               sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
+               num_threads: Optional[int] = None) -> Result[Float]: ...
 
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None, need_weights: bool = False,
-               window_size: Optional[tuple[int, int]] = None,
+               return_lse: bool = False, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
-               sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
-               ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
+               sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
+               num_threads: Optional[int] = None) -> Result[Float]:
         """Attention of query over every position held (padding hidden).
 
         Parameters
         ----------
-        query : ndarray, (batch_size, Hq, L, head_dim), the cache's dtype
+        query : ndarray, (batch_size, Hq, L, head_dim)
+            The cache's dtype; or, for a float32 cache, float16 or bfloat16
+            (read as float32, the output rounded to the query's dtype, as
+            ``scaled_dot_product_attention`` does).
             Hq a multiple of num_kv_heads (grouped-query attention,
             Ainslie et al. 2023, when larger).  With is_causal the L queries
             are the last L positions held, usually the ones just appended.
@@ -328,7 +339,7 @@ class KVCache:
         is_causal : bool
             Bottom-right causal alignment: query i sees positions
             0 .. length - L + i (default True).
-        scale, need_weights, window_size, alibi_slopes, softcap, sinks, out, num_threads
+        scale, need_weights, return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads
             As in ``scaled_dot_product_attention``; window_size and
             alibi_slopes count positions with the same bottom-right
             alignment (query i at position length - L + i).
@@ -336,15 +347,22 @@ class KVCache:
         Returns
         -------
         out (batch_size, Hq, L, value_dim), and the weights
-        (batch_size, Hq, L, length) with need_weights.  A query that sees
-        no real token gives zeros.
+        (batch_size, Hq, L, length) with need_weights and the log-sum-exp
+        (batch_size, Hq, L) with return_lse, in that order.  A query that
+        sees no real token gives zeros.
 
         Raises the errors of ``scaled_dot_product_attention``, TypeError for
-        a query whose dtype is not the cache's, and ValueError, with
-        is_causal, for more queries than positions held.
+        a query whose dtype is not the cache's (nor 16-bit for a float32
+        cache), and ValueError, with is_causal, for more queries than
+        positions held: the queries are the last positions, so that would
+        mean their keys were not appended (``scaled_dot_product_attention``
+        with ``causal_alignment="lower_right"`` and FlashAttention give
+        such queries zero rows instead; a cache refuses the call rather than
+        hide the missing append).
         """
         C.require_array(query, "query")
-        if query.dtype != self.dtype:
+        half = C.is_half(query.dtype) and query.dtype.isnative and self.dtype == np.float32
+        if query.dtype != self.dtype and not half:
             raise TypeError(f"query has dtype {query.dtype}; this KVCache holds "
                             f"{self.dtype}{self._half_hint(query.dtype, 'query')}")
         if query.ndim != 4 or query.shape[0] != self.batch_size or query.shape[3] != self.head_dim:
@@ -355,8 +373,8 @@ class KVCache:
             raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value "
                              f"heads ({self.num_kv_heads}) for grouped-query attention")
         if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
-            raise ValueError(f"query has {query.shape[2]} positions but the cache holds "
-                             f"{self._length}: with is_causal the queries are the last "
+            raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
+                             f"holds {self._length}: with is_causal the queries are the last "
                              "positions held; append their keys and values first")
         mask = _masks.both(attn_mask, "attn_mask", self.attn_mask, "the cache's padding",
                            self.dtype)
@@ -366,15 +384,15 @@ class KVCache:
             raise ValueError("out overlaps attn_mask; pass a separate output array")
         n = self._length
         key, value = self._key[:, :, :n], self._value[:, :, :n]
-        if key.dtype == self._dtype:  # a decoding step may take the functional API's short route
+        if key.dtype == query.dtype:  # a decoding step may take the functional API's short route
             return scaled_dot_product_attention(
                 query, key, value, mask, 0.0, is_causal, scale, True,
                 causal_alignment="lower_right", need_weights=need_weights,
-                window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
-                sinks=sinks, out=out, num_threads=num_threads)
+                return_lse=return_lse, window_size=window_size, alibi_slopes=alibi_slopes,
+                softcap=softcap, sinks=sinks, out=out, num_threads=num_threads)
         stored = StoredKV(_storage.kind(self._storage),  # read in its storage by the kernel
                           None if self._key_scale is None else self._key_scale[:, :, :n],
                           None if self._value_scale is None else self._value_scale[:, :, :n])
-        return cast("Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]", _attention(
+        return cast("Result[Float]", _attention(
             query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
-            False, window_size, alibi_slopes, softcap, sinks, out, num_threads, stored))
+            return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads, stored))

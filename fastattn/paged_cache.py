@@ -10,6 +10,7 @@ import numpy as np
 from . import _checks as C
 from . import _runtime, _storage
 from ._typing import DTypeLike, Float, NDArray
+from .attention import narrow
 from .paged import paged_attention
 from .rotary import rotate
 from .varlen import _cu_seqlens
@@ -71,7 +72,7 @@ class PagedKVCache:
         num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
         head_dim = C.check_index(head_dim, "head_dim", 0)
         value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
-        self._dtype = C.check_float_dtype(dtype, "dtype")
+        self._dtype = _storage.cache_dtype(dtype, "PagedKVCache")
         self._storage = _storage.check(storage, self._dtype, "PagedKVCache")
         stored = _storage.storage_dtype(self._storage)
         shapes = [(num_blocks, num_kv_heads, block_size, head_dim),
@@ -400,8 +401,10 @@ class PagedKVCache:
         Parameters
         ----------
         seq_ids : list of int or 1-D int array, B live sequences
-        query : ndarray, (total_q, Hq, head_dim), the cache's dtype
-            Packed queries; Hq a multiple of num_kv_heads.  With is_causal
+        query : ndarray, (total_q, Hq, head_dim)
+            Packed queries, the cache's dtype (or, for a float32 cache,
+            float16 or bfloat16: the output in that dtype); Hq a multiple of
+            num_kv_heads.  With is_causal
             (the default) seq_ids[b]'s rows are its last positions, whose
             keys and values were appended first.
         cu_seqlens_q : int array (B + 1,) or None
@@ -419,7 +422,8 @@ class PagedKVCache:
         """
         ids = self._ids(seq_ids)
         C.require_array(query, "query")
-        if query.dtype != self._dtype:
+        half = C.is_half(query.dtype) and query.dtype.isnative and self._dtype == np.float32
+        if query.dtype != self._dtype and not half:
             raise TypeError(f"query has dtype {query.dtype}; this PagedKVCache holds "
                             f"{self._dtype}"
                             f"{_storage.half_hint(query.dtype, self._dtype, 'query', 'PagedKVCache')}")
@@ -431,14 +435,23 @@ class PagedKVCache:
         counts = np.diff(cu)
         if C.check_bool(options.get("is_causal", True), "is_causal") and (counts > lens).any():
             b = int(np.flatnonzero(counts > lens)[0])
-            raise ValueError(f"sequence {ids[b]} has {counts[b]} queries but holds {lens[b]} "
-                             "positions: with is_causal the queries are its last positions; "
+            raise ValueError(f"sequence {ids[b]} has {counts[b]} quer{'y' if counts[b] == 1 else 'ies'} "
+                             f"but holds {lens[b]} position{'' if lens[b] == 1 else 's'}: with is_causal the queries are its last positions; "
                              "append their keys and values first")
+        rounded_to = None
         if rotary is not None:
             seq = np.repeat(np.arange(len(ids)), counts)
             positions = (lens - counts)[seq] + np.arange(query.shape[0]) - cu[:-1][seq]
+            if half:  # rotated in float32, the output rounded to the query's dtype at the end
+                rounded_to, query = query.dtype, query.astype(np.float32)
             query = self._rotate(query, positions, rotary,
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
                                  _runtime.resolve_threads(options.get("num_threads")))
-        return paged_attention(query, self._key, self._value, self.block_table(ids), lens, cu,
-                               k_scale=self._k_scale, v_scale=self._v_scale, **options)
+        result = paged_attention(query, self._key, self._value, self.block_table(ids), lens, cu,
+                                 k_scale=self._k_scale, v_scale=self._v_scale, **options)
+        if rounded_to is None:
+            return result
+        nthreads = _runtime.resolve_threads(options.get("num_threads"))
+        if isinstance(result, tuple):
+            return narrow(result[0], rounded_to, nthreads), result[1]
+        return narrow(result, rounded_to, nthreads)

@@ -97,6 +97,8 @@ def rotate(x: NDArray[Float], positions: object, cos: object, sin: object, inter
            nthreads: int) -> NDArray[Float]:
     """rotary's work on an x (n, H, D) of float32 or float64: the tables and
     positions checked, then the rows rotated on the threads into a new array."""
+    if x.dtype not in C.FLOAT_DTYPES:  # the loop reads float32 or float64 only
+        raise TypeError(f"rotary takes float32 or float64 rows, got {x.dtype}")
     c, s = tables(cos, sin, x.shape[2], x.dtype)
     p = positions_of(positions, x.shape[0], c.shape[0])
     out = np.empty(x.shape, x.dtype)

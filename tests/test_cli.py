@@ -1,4 +1,5 @@
 """The command line, as a user runs it."""
+import argparse
 import os
 import subprocess
 import sys
@@ -190,3 +191,10 @@ def test_import_from_the_source_tree_explains_itself():
                        cwd=root, timeout=60)
     assert r.returncode != 0
     assert "start Python from another directory" in r.stderr
+
+
+def test_plot_name_with_another_suffix_suggests_png():
+    """demo --plot x.jpg suggests x.png (it suggested x.jpg.png)."""
+    from fastattn.bench import cli as bench_cli
+    with pytest.raises(argparse.ArgumentTypeError, match=r"like x\.png$"):
+        bench_cli.output_file(".png")("x.jpg")

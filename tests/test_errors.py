@@ -321,6 +321,21 @@ HOSTILE = [
     row("merge", fastattn.merge_attention, ([z(2, 4, 8)], [z(2, 4, dtype=np.float64)]), {},
         TypeError, "lses have dtype float64 and outputs float32; the log-sum-exps of float32 outputs "
         "are float32 (as return_lse gives them)"),
+    # errors that say the fix (issue 28, item 5)
+    row("fix", sdpa, ([[1.0]], f32, f32), {}, TypeError,
+        "query must be a numpy.ndarray, got list; pass np.asarray(query, dtype=np.float32)"),
+    row("fix", sdpa, (f32.astype(">f4"), f32, f32), {}, TypeError,
+        ">f4 is float32 in the other byte order: pass query.astype('=f4')"),
+    row("fix", fastattn.matmul, (z(2, 2, dtype=">f8"), z(2, 2, dtype=">f8")), {}, TypeError,
+        "pass a.astype('=f8')"),
+    row("fix", sdpa, (z(2, 5, 4, 8), z(2, 7, 4, 8), z(2, 7, 4, 8)), {}, ValueError,
+        "if these are (B, L, H, E) arrays, FlashAttention's layout, pass "
+        "query.transpose(0, 2, 1, 3)"),
+    row("fix", sdpa, (f32, f32, f32), {"num_threads": -1}, ValueError,
+        "num_threads must be >= 1, got -1; None (the default) means get_num_threads()"),
+    # a mask value that overflows the dtype computed in (item 6); -1e39 still hides
+    row("mask", sdpa, (f32, f32, f32), {"attn_mask": np.full((4, 4), 1e39)}, ValueError,
+        "attn_mask holds 1e+39, beyond float32's range (the dtype computed in)"),
 ]
 
 if torch is not None:  # a torch tensor where an ndarray is expected: the message says .numpy()
@@ -439,3 +454,29 @@ def test_misaligned_inputs_are_copied_aligned(simd, shape):
     np.testing.assert_array_equal(fastattn.matmul(x, a.swapaxes(-1, -2)),
                                   fastattn.matmul(a, a.swapaxes(-1, -2)))
     np.testing.assert_array_equal(fastattn.merge_heads(x), fastattn.merge_heads(a))
+
+
+def test_a_mask_below_the_range_still_hides():
+    """-1e39 in a float64 mask of a float32 call becomes -inf: the key is
+    hidden, as meant, and the row is the one without that key."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    mask = np.zeros((3, 3))
+    mask[:, 2] = -1e39
+    np.testing.assert_array_equal(sdpa(q, q, q, attn_mask=mask),
+                                  sdpa(q, q[:, :2], q[:, :2]))
+
+
+def test_weights_beyond_memory_say_what_costs(monkeypatch):
+    """need_weights=True whose (L, S) weights cannot be allocated: a
+    MemoryError that names the weights and the way out."""
+    real_empty = np.empty
+
+    def empty(shape, *args, **kwargs):
+        if tuple(shape)[-2:] == (4, 4) and len(tuple(shape)) == 4:
+            raise MemoryError
+        return real_empty(shape, *args, **kwargs)
+
+    monkeypatch.setattr(np, "empty", empty)
+    with pytest.raises(MemoryError, match="the output alone needs O\\(L\\) memory"):
+        sdpa(f32, f32, f32, need_weights=True)

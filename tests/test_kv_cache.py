@@ -112,8 +112,9 @@ def test_capacity_exceeded_writes_nothing(rng):
     k = rng.standard_normal((1, 2, 4, 4)).astype(np.float32)
     cache.append(k, k)
     keys = cache.key.copy()
-    with pytest.raises(ValueError, match=r"KVCache capacity exceeded: it holds 4 of 5 positions "
-                                         r"and 2 more were appended"):
+    with pytest.raises(ValueError, match=r"KVCache capacity exceeded: 2 positions cannot be "
+                                         r"appended to the 4 positions held of 5; nothing was "
+                                         r"written"):
         cache.append(k[:, :, :2], k[:, :, :2])
     assert cache.length == 4
     np.testing.assert_array_equal(cache.key, keys)
@@ -185,7 +186,7 @@ def test_mha_cache_errors(rng):
         m(x, cache=cache, num_threads=0)
     assert cache.length == 0  # nothing appended on an error
     m(x, cache=cache)
-    with pytest.raises(ValueError, match="KVCache capacity exceeded: it holds 3 of 4 positions"):
+    with pytest.raises(ValueError, match="KVCache capacity exceeded: 3 positions cannot be appended to the 3 positions held of 4"):
         m(x, cache=cache)
     assert cache.length == 3
 
@@ -233,7 +234,8 @@ def test_cache_errors(method, args, kwargs, exc, msg):
     ((1, 1, 1, 1), {"storage": "float8"}, ValueError, "storage must be one of 'float32', "
      "'float16', 'bfloat16', 'int8' for a float32 KVCache, got 'float8'"),
     ((1, 1, 1, 1), {"dtype": np.float64, "storage": "int8"}, ValueError,
-     "storage must be one of 'float64' for a float64 KVCache, got 'int8'"),
+     "a float64 KVCache holds float64 keys and values only (storage 'float64' or None), got "
+     "storage='int8'; for 16-bit or int8 storage pass dtype=np.float32"),
     ((1, 1, 1, 1), {"storage": np.float16}, ValueError, "storage must be one of"),
     # empty heads: NumPy still refuses the shape
     ((1, 1, 2**62, 0), {"value_dim": 0}, ValueError, "capacity=4611686018427387904, head_dim=0, "
@@ -271,3 +273,27 @@ def test_attend_more_queries_than_positions_is_an_error(rng):
         cache.attend(rng.standard_normal((1, 1, 4, 2)).astype(np.float32))
     out = cache.attend(rng.standard_normal((1, 1, 4, 2)).astype(np.float32), is_causal=False)
     assert out.shape == (1, 1, 4, 2)   # without causality any number of queries is fine
+
+
+@pytest.mark.parametrize("storage", ["float32", "float16", "int8"])
+def test_half_queries_and_lse(storage):
+    """A float32 cache takes float16 queries too (read as float32, the output
+    rounded to float16: the bits of the float32 call rounded), and return_lse
+    gives each row's log-sum-exp, that of the functional call (issue 28)."""
+    rng = np.random.default_rng(7)
+    cache = fastattn.KVCache(1, 2, 12, 8, storage=storage)
+    k = rng.standard_normal((1, 2, 9, 8)).astype(np.float32)
+    cache.append(k, k)
+    q = rng.standard_normal((1, 4, 2, 8)).astype(np.float16)
+    out, lse = cache.attend(q, return_lse=True)
+    assert out.dtype == np.float16 and lse.dtype == np.float32 and lse.shape == (1, 4, 2)
+    want, want_lse = cache.attend(q.astype(np.float32), return_lse=True)
+    np.testing.assert_array_equal(out, want.astype(np.float16))
+    np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_16_bit_dtype_says_how_to_store_16_bits():
+    with pytest.raises(TypeError, match="pass dtype=np.float32, storage='float16'"):
+        fastattn.KVCache(1, 1, 4, 8, dtype=np.float16)
+    with pytest.raises(TypeError, match="storage='float16'"):
+        fastattn.PagedKVCache(4, 4, 1, 8, dtype=np.float16)

@@ -273,7 +273,7 @@ def test_views_are_read_only_and_sizes():
     (lambda c: c.append([0], kv(1)[0][:, :1], kv(1)[1]), ValueError, "(n, num_kv_heads, head_dim)"),
     (lambda c: c.append([0], *kv(1), rotary=np.zeros((4, 8))), TypeError, "pair (cos, sin)"),
     (lambda c: c.attend([0], np.zeros((1, Hq, D), np.float32)), ValueError,
-     "sequence 0 has 1 queries but holds 0 positions"),
+     "sequence 0 has 1 query but holds 0 positions"),
     (lambda c: c.fork(5), ValueError, "seq_id = 5 is not a live sequence"),
     (lambda c: fastattn.PagedKVCache(0, 4, 1, 8), ValueError, "num_blocks must be >= 1"),
     (lambda c: fastattn.PagedKVCache(1, 4, 1, 8, storage="int4"), ValueError, "storage must be"),

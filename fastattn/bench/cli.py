@@ -76,7 +76,7 @@ def output_file(suffix=None):
         if suffix and not path.lower().endswith(suffix):
             raise argparse.ArgumentTypeError(
                 f"{path!r} does not end in {suffix}: give the file's whole name, like "
-                f"{path.rstrip('.') or 'out'}{suffix}")
+                f"{os.path.splitext(path)[0].rstrip('.') or 'out'}{suffix}")
         if not os.path.isdir(folder):
             raise argparse.ArgumentTypeError(f"cannot write {path}: no such directory {folder}")
         existed = os.path.exists(path)
