@@ -32,9 +32,8 @@ def window(window_size: object, L: int, S: int) -> tuple[int, int]:
                     for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = int(window_size[0]), int(window_size[1])
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size must hold ints >= -1 (-1: unbounded), got ({left}, {right})")
-    return (-1 if left >= L + S else left), (-1 if right >= L + S else right)
+    # any negative side is unbounded, as in FlashAttention
+    return (-1 if left < 0 or left >= L + S else left), (-1 if right < 0 or right >= L + S else right)
 
 
 def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.float64]:
@@ -73,10 +72,10 @@ def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[A
     cap = 0.0
     if softcap is not None:
         cap = C.check_real(softcap, "softcap")
-        if cap <= 0:
-            raise ValueError(f"softcap must be > 0 (None: no soft-cap), got {cap}")
+        if cap < 0:
+            raise ValueError(f"softcap must be > 0 (None or 0.0: no soft-cap), got {cap}")
         C.check_finite_in(cap, "softcap", compute)
-        if compute.type(cap) == 0:  # x / 0 is NaN at a score of 0
+        if cap > 0 and compute.type(cap) == 0:  # x / 0 is NaN at a score of 0
             raise ValueError(f"softcap must be > 0 in {compute.name}, the dtype computed in; "
                              f"got {cap}")
     slopes = None if alibi_slopes is None else per_head(alibi_slopes, "alibi_slopes", batch, True)

@@ -273,15 +273,15 @@ def scaled_dot_product_attention(
         over disjoint key sets combines exactly: ``merge_attention``.
     window_size : (left, right) or None
         Sliding window (Mistral, Gemma; FlashAttention's ``window_size``):
-        query i sees key j only when i' - left <= j <= i' + right; -1 is
-        unbounded on that side.  Combines with is_causal (which sets right
+        query i sees key j only when i' - left <= j <= i' + right; -1 (any negative
+        value, as in FlashAttention) is unbounded on that side.  Combines with is_causal (which sets right
         to 0) and masks.  Key blocks outside every window of a block of
         queries are never read: the cost is O(L x window).
     alibi_slopes : ndarray or None, shape (Hq,) or (B, Hq)
         ALiBi (Press et al. 2022; BLOOM, MPT): adds -slope * |i' - j| to the
         scaled score of head h (FlashAttention's convention; with is_causal
         it equals slope * (j - i')).  Any real dtype, read as float64.
-    softcap : float > 0 or None
+    softcap : float >= 0 or None
         Soft-capping (Gemma 2): scores become softcap * tanh(score /
         softcap) after scaling and before the mask and ALiBi are added.
     sinks : ndarray or None, shape (Hq,) or (B, Hq)
@@ -325,7 +325,7 @@ def scaled_dot_product_attention(
         64-bit index addresses, dropout_p != 0, a bad ``out`` (wrong
         shape, read-only, misaligned, overlapping an input or itself), an
         unknown causal_alignment, num_threads outside 1 to max(1024, the CPU count), a
-        window side below -1, softcap <= 0, alibi_slopes or sinks of the
+        a negative softcap, alibi_slopes or sinks of the
         wrong shape, sinks NaN or +inf; a scale or softcap that is not
         finite in the dtype computed in (float32 or float64: 1e300 is finite
         only in float64), a softcap that rounds to 0 there, an alibi slope

@@ -27,7 +27,7 @@ def _cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
 def varlen_attention(
         query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
         cu_seqlens_q: NDArray[np.integer[Any]], cu_seqlens_k: NDArray[np.integer[Any]], *,
-        is_causal: bool = False, causal_alignment: str = "upper_left",
+        is_causal: bool = False, causal_alignment: str = "lower_right",
         scale: Optional[float] = None, window_size: Optional[tuple[int, int]] = None,
         alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
         sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
@@ -55,7 +55,9 @@ def varlen_attention(
     is_causal, causal_alignment, scale, window_size, alibi_slopes, softcap, sinks
         As for ``scaled_dot_product_attention``, per sequence (its own L and
         S set the alignment); alibi_slopes of shape (Hq,) or (B, Hq), sinks
-        (Hq,).
+        (Hq,) only.  causal_alignment defaults to "lower_right", as
+        flash_attn_varlen_func aligns its causal mask (query i of a sequence
+        sees keys 0..i + S - L; the same as "upper_left" where L = S).
     return_lse : bool
         Also return the log-sum-exp of each row, shape (Hq, total_q), as
         FlashAttention's varlen ``softmax_lse``.

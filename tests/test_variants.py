@@ -239,3 +239,31 @@ def test_cache_steps_match_the_full_pass_with_variants():
     steps = [mha(x[:, :5], cache=cache, **options)[0]]
     steps += [mha(x[:, t:t + 1], cache=cache, **options)[0] for t in range(5, 12)]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-6)
+
+
+def test_flash_attention_off_values():
+    """FlashAttention's "off" values mean off here too (issue 28): softcap
+    0.0 is no soft-cap, and any negative window side is unbounded, as -1."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 9, 8)).astype(np.float32)
+    plain = sdpa(q, q, q, is_causal=True)
+    np.testing.assert_array_equal(sdpa(q, q, q, is_causal=True, softcap=0.0), plain)
+    np.testing.assert_array_equal(sdpa(q, q, q, is_causal=True, window_size=(-5, -2)), plain)
+    np.testing.assert_array_equal(sdpa(q, q, q, window_size=(-7, 2)),
+                                  sdpa(q, q, q, window_size=(-1, 2)))
+
+
+def test_varlen_causal_alignment_is_flash_attentions():
+    """varlen_attention aligns its causal mask bottom-right by default, as
+    flash_attn_varlen_func does: one query over two keys sees both."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 1, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 1, 4)).astype(np.float32)
+    cu_q, cu_k = np.array([0, 1]), np.array([0, 2])
+    out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
+    both = sdpa(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+    np.testing.assert_array_equal(out, both.transpose(1, 0, 2))
+    upper = fastattn.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True,
+                                      causal_alignment="upper_left")
+    np.testing.assert_array_equal(upper[0, 0], v[0, 0])
