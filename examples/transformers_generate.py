@@ -9,9 +9,11 @@ adds the name "fastattn" to transformers' attention and mask interfaces, and
 from_pretrained(..., attn_implementation="fastattn") (or
 model.set_attn_implementation("fastattn")) picks it.  The prompts are batched
 with left padding, as generate() wants them.  The same generate() is then run
-on PyTorch's SDPA, and the two are compared: tokens and time.
+on PyTorch's SDPA, and the two are compared: tokens, and the time of the
+whole generate() (median of alternating runs after one warm-up call each).
 """
 import argparse
+import statistics
 import time
 
 import torch
@@ -52,28 +54,45 @@ def main():
     p.add_argument("--model", help="a causal LM on the hub or a local directory "
                    "(default: a small Llama with random weights, nothing downloaded)")
     p.add_argument("--max-new-tokens", type=int, default=20)
+    p.add_argument("--runs", type=int, default=5,
+                   help="timed generate() calls per implementation, alternating (default 5)")
     args = p.parse_args()
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1, got {args.runs}")
 
     register()  # once per process: the name "fastattn" for attention and masks
     if args.model:
         model, tokenizer, ids, mask = from_hub(args.model, args.prompts)
     else:
         model, tokenizer, ids, mask = random_llama()
+    threads = torch.get_num_threads()
     print(f"{type(model).__name__}: {model.config.num_hidden_layers} layers, "
           f"{model.config.num_attention_heads} query / "
           f"{getattr(model.config, 'num_key_value_heads', model.config.num_attention_heads)} "
-          f"key-value heads; batch {tuple(ids.shape)}, {torch.get_num_threads()} threads")
+          f"key-value heads; batch {tuple(ids.shape)}, {threads} thread{'s' * (threads != 1)}")
 
-    results = {}
-    for impl in ["fastattn", "sdpa"]:
+    def generate(impl):
         model.set_attn_implementation(impl)
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
                                  do_sample=False)
-            seconds = time.perf_counter() - t0
-        results[impl] = out[:, ids.shape[1]:]
-        print(f"{impl:>8}: generate() {seconds:.2f} s")
+            return out[:, ids.shape[1]:], time.perf_counter() - t0
+
+    # one untimed call each (the first allocates, loads and warms caches), then
+    # the two in turn, so that a machine whose load changes slows both alike
+    impls = ["fastattn", "sdpa"]
+    results = {impl: generate(impl)[0] for impl in impls}
+    times = {impl: [] for impl in impls}
+    for run in range(args.runs):
+        for impl in impls if run % 2 == 0 else impls[::-1]:
+            times[impl].append(generate(impl)[1])
+    print(f"generate() of {args.max_new_tokens} new tokens, the whole call (the model's "
+          f"projections and MLPs included), median of {args.runs} alternating runs after a "
+          "warm-up:")
+    for impl in impls:
+        t = sorted(times[impl])
+        print(f"{impl:>8}: {statistics.median(t):.3f} s (runs {t[0]:.3f} to {t[-1]:.3f} s)")
 
     same = torch.equal(results["fastattn"], results["sdpa"])
     print(f"same tokens on fastattn and SDPA: {same}")

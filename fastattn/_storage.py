@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _checks as C
 from . import _core
-from ._typing import NDArray, Scalar
+from ._typing import DTypeLike, NDArray, Scalar
 from .attention import narrow
 
 # storage -> (its NumPy dtype's name, the kernels' kind)
@@ -20,11 +20,11 @@ STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _
 LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}  # their largest finite values
 
 
-def cache_dtype(dtype: object, what: str) -> np.dtype[Any]:
+def cache_dtype(dtype: DTypeLike, what: str) -> np.dtype[Any]:
     """The dtype a cache computes in, float32 or float64; a 16-bit one is a
     TypeError that says how to hold the keys and values in 16 bits."""
     try:
-        dt = np.dtype(dtype)  # type: ignore[call-overload]
+        dt = np.dtype(dtype)
     except TypeError:
         dt = None
     if dt is not None and C.is_half(dt):

@@ -118,8 +118,10 @@ class MultiHeadAttention:
             self._weights = self._params
             return
         self._weights = {name: a.astype(self._compute) for name, a in self._params.items()}
-        for a in self._params.values():
-            a.flags.writeable = False
+        for name, a in self._params.items():
+            frozen = a.view(_FrozenWeight)
+            frozen.flags.writeable = False
+            self._params[name] = frozen
 
     @property
     def kv_dim(self) -> int:
@@ -648,6 +650,17 @@ class MultiHeadAttention:
         """(N, L, H*D) or (L, N, H*D) viewed as (N, H, L, D), no copy."""
         h = split_heads(x, num_heads)  # (A0, H, A1, D)
         return h.transpose(2, 1, 0, 3) if seq_first else h
+
+
+class _FrozenWeight(np.ndarray):
+    """A 16-bit layer's parameter: read-only, since the layer computes with
+    float32 copies that a write would not reach; an item assignment says
+    what to do instead (NumPy's own message says only "read-only")."""
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise ValueError("the weights of a 16-bit MultiHeadAttention are read-only (it "
+                         "computes with float32 copies that a write would not reach): pass "
+                         "the new values to load_state_dict({name: array, ...}, strict=False)")
 
 
 def _weights_array(x: Any) -> NDArray[Any]:

@@ -478,3 +478,12 @@ def test_weights_beyond_memory_say_what_costs(monkeypatch):
     monkeypatch.setattr(np, "empty", empty)
     with pytest.raises(MemoryError, match="the output alone needs O\\(L\\) memory"):
         sdpa(f32, f32, f32, need_weights=True)
+
+
+def test_writing_a_16_bit_layers_weight_points_to_load_state_dict():
+    mha = fastattn.MultiHeadAttention(16, 2, dtype=np.float16)
+    with pytest.raises(ValueError, match=r"read-only .* load_state_dict"):
+        mha.out_proj_weight[0, 0] = 1
+    before = mha(np.ones((1, 3, 16), np.float16))[0]
+    mha.load_state_dict({"out_proj.weight": 2 * mha.out_proj_weight}, strict=False)
+    assert not np.array_equal(mha(np.ones((1, 3, 16), np.float16))[0], before)

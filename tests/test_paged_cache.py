@@ -176,9 +176,9 @@ def test_a_failed_attend_takes_the_append_back():
     s = cache.add_sequence()
     mha(rng.standard_normal((1, 6, 32)).astype(np.float32), cache=cache, seq_ids=[s])
     before = cache.seq_lens, cache.num_free_blocks
-    with pytest.raises(ValueError, match="window_size"):
+    with pytest.raises(ValueError, match="softcap"):
         mha(rng.standard_normal((1, 3, 32)).astype(np.float32), cache=cache, seq_ids=[s],
-            window_size=(-5, 0))
+            softcap=-1.0)
     assert (cache.seq_lens, cache.num_free_blocks) == before
 
 
