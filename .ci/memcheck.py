@@ -6,7 +6,8 @@ so every result here is compared with the NumPy reference.  Shapes are
 small but cross the kernels' block edges: the row kernel (<= 4 query rows)
 and the block kernel, partial query and key blocks, partial micro-tiles,
 decoding with the keys split in pieces, strided, reversed and broadcast
-operands, masks, GQA, every SIMD path valgrind runs (it hides AVX-512 from
+operands, masks, GQA (query heads grouped), paged caches in every storage,
+rotary, every SIMD path valgrind runs (it hides AVX-512 from
 the program: AddressSanitizer covers that one)."""
 import numpy as np
 
@@ -51,6 +52,35 @@ def main():
             mask = rng.random(2100) > 0.2
             close(fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                   ref.scaled_dot_product_attention(q, k, v, attn_mask=mask), tol)
+            # decoding with grouped query heads (4 over 1 key/value head), split
+            gq, k, v = arr(1, 4, 1, 16), arr(1, 1, 2100, 16), arr(1, 1, 2100, 8)
+            close(fastattn.scaled_dot_product_attention(gq, k, v, enable_gqa=True),
+                  ref.scaled_dot_product_attention(gq, k, v, enable_gqa=True), tol)
+            # a paged cache: blocks of 5 in a shuffled pool, a prefill chunk,
+            # a decoding token of a split sequence, speculative tokens
+            lens, q_lens = np.array([70, 2100, 9]), np.array([67, 1, 2])
+            need = -(-lens // 5)
+            kc, vc = arr(int(need.sum()) + 2, 1, 5, 16), arr(int(need.sum()) + 2, 1, 5, 8)
+            order = rng.permutation(kc.shape[0]).astype(np.int32)
+            table = np.zeros((3, need.max()), np.int32)
+            starts = np.concatenate([[0], np.cumsum(need)])
+            for i in range(3):
+                table[i, :need[i]] = order[starts[i]:starts[i + 1]]
+            cu = np.concatenate([[0], np.cumsum(q_lens)])
+            pq = arr(int(cu[-1]), 2, 16)
+            close(fastattn.paged_attention(pq, kc, vc, table, lens, cu, num_threads=2),
+                  ref.paged_attention(pq, kc, vc, table, lens, cu), tol)
+            if dtype == np.float32:  # int8 and 16-bit caches, read by the float32 kernels
+                sc = (rng.random(kc.shape[:3]) + 0.5).astype(np.float32)
+                codes = rng.integers(-127, 128, kc.shape).astype(np.int8)
+                vcodes = rng.integers(-127, 128, vc.shape).astype(np.int8)
+                close(fastattn.paged_attention(pq, codes, vcodes, table, lens, cu, k_scale=sc,
+                                               v_scale=sc),
+                      ref.paged_attention(pq, codes * sc[..., None], vcodes * sc[..., None],
+                                          table, lens, cu), 1e-3)
+                cos, sin = np.cos(arr(40, 8)), np.sin(arr(40, 8))
+                pos = rng.integers(0, 40, pq.shape[0])
+                close(fastattn.rotary(pq, pos, cos, sin), ref.rotary(pq, pos, cos, sin), 0)
             a, b = arr(2, 13, 70), arr(70, 23)
             close(fastattn.matmul(a, b, num_threads=2), a @ b, tol * 10)
             x = arr(3, 37) * 10
