@@ -188,6 +188,11 @@ def main(argv=None):
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw tokens per step, blocks in use and a padded cache's size")
     args = parser.parse_args(argv)
+    for name in ("requests", "block_size", "blocks", "chunk"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.rate > 0:
+        parser.error(f"--rate must be above 0, got {args.rate}")
     if args.plot and not args.plot.endswith(".png"):
         parser.error(f"--plot takes a file name ending in .png, like serve.png; got {args.plot!r}")
     if args.plot:
@@ -199,6 +204,10 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     model = PagedGPT2(gpt2.random_state_dict(vocab, n_pos, embed, layers, rng), heads, args.rope)
     reqs = requests(rng, args.requests, vocab, 48, 40, args.rate)
+    largest = max(blocks(r, args.block_size) for r in reqs)
+    if largest > args.blocks:  # it could never be admitted: the stream would not end
+        parser.error(f"a request of this stream needs {largest} blocks of {args.block_size} "
+                     f"positions and the pool has {args.blocks}: give --blocks {largest} or more")
     start = time.perf_counter()
     log = serve(model, reqs, args.blocks, args.block_size, args.chunk)
     seconds = time.perf_counter() - start

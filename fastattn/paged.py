@@ -83,14 +83,14 @@ def _block_table(block_table: object, seq_lens: object, B: int, num_blocks: int,
         raise ValueError(f"block_table {C.shape_str(table.shape)} and seq_lens "
                          f"{C.shape_str(lens.shape)} must have one row per sequence: "
                          f"cu_seqlens_q holds B + 1 = {B + 1} values")
-    lens64 = lens.astype(np.int64)
     max_blocks = table.shape[1]
-    bad = np.flatnonzero((lens64 < 0) | (lens64 > max_blocks * block_size))
+    bad = np.flatnonzero((lens < 0) | (lens > max_blocks * block_size))  # in lens's dtype
     if bad.size:
         b = int(bad[0])
-        raise ValueError(f"seq_lens[{b}] = {lens64[b]}: sequence {b} can hold 0 to "
+        raise ValueError(f"seq_lens[{b}] = {lens[b]}: sequence {b} can hold 0 to "
                          f"max_blocks x block_size = {max_blocks} x {block_size} = "
                          f"{max_blocks * block_size} keys")
+    lens64 = lens.astype(np.int64)
     used = np.arange(max_blocks)[None, :] < (-(-lens64 // block_size))[:, None]
     wrong = used & ((table < 0) | (table >= num_blocks))
     if wrong.any():
@@ -102,6 +102,8 @@ def _block_table(block_table: object, seq_lens: object, B: int, num_blocks: int,
     # an int32 cannot hold
     if table.dtype != np.int32:
         table = np.where(used, table, 0)
+    if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read
+        table = np.zeros((B, 1), np.int32)
     return np.ascontiguousarray(table, dtype=np.int32), np.ascontiguousarray(lens64)
 
 

@@ -188,7 +188,7 @@ class PagedKVCache:
         """A new sequence holding every position of seq_id, sharing its
         blocks (nothing is copied now); the last block, when partly filled,
         is copied by the first of the two that appends to it."""
-        seq_id = self._ids([seq_id], "seq_id")[0]
+        seq_id = self._one(seq_id)
         child = self.add_sequence()
         self._blocks[child] = list(self._blocks[seq_id])
         self._lens[child] = self._lens[seq_id]
@@ -198,12 +198,18 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         """Forget seq_id: the blocks no other sequence shares go back to the
         pool at once."""
-        seq_id = self._ids([seq_id], "seq_id")[0]
+        seq_id = self._one(seq_id)
         for block in self._blocks.pop(seq_id):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free.append(block)
         del self._lens[seq_id]
+
+    def _one(self, seq_id: object) -> int:
+        """seq_id, one live sequence."""
+        if isinstance(seq_id, (bool, np.bool_)) or not hasattr(seq_id, "__index__"):
+            raise TypeError(f"seq_id must be an int, one sequence, got {type(seq_id).__name__}")
+        return self._ids([seq_id], "seq_id")[0]
 
     def _ids(self, seq_ids: object, name: str = "seq_ids", distinct: bool = False) -> list[int]:
         """seq_ids as a list of live ids; a clear error otherwise."""
@@ -247,16 +253,30 @@ class PagedKVCache:
         if len(counts) != len(ids):
             raise ValueError(f"num_new_tokens has {len(counts)} entries; expected one per "
                              f"sequence ({len(ids)})")
-        return sum(self._needed(s, c)[0] for s, c in zip(ids, counts))
+        return sum(take for take, _ in self._plan(ids, counts))
 
-    def _needed(self, seq_id: int, count: int) -> tuple[int, bool]:
-        """(blocks to take, whether the last block is shared and partly
-        filled, to copy before writing) for count new positions."""
-        n, blocks, bs = self._lens[seq_id], self._blocks[seq_id], self.block_size
-        if count == 0:
-            return 0, False
-        copy = n % bs != 0 and self._refs[blocks[-1]] > 1
-        return -(-(n + count) // bs) - len(blocks) + int(copy), bool(copy)
+    def _plan(self, seq_ids: list[int], counts: Sequence[int]) -> list[tuple[int, bool]]:
+        """For each sequence and its count of new positions: (blocks to take,
+        whether to copy its last block first).  A partly filled last block
+        that other sequences share is copied by each writer in turn but the
+        last one left holding it, which writes into it in place (a parent
+        and its fork appending in one call take one copy, not two)."""
+        holders: dict[int, int] = {}
+        plans = []
+        bs = self.block_size
+        for s, count in zip(seq_ids, counts):
+            n, blocks = self._lens[s], self._blocks[s]
+            if count == 0:
+                plans.append((0, False))
+                continue
+            copy = False
+            if n % bs != 0:
+                last = blocks[-1]
+                left = holders.get(last, int(self._refs[last]))
+                copy = left > 1
+                holders[last] = left - 1 if copy else left
+            plans.append((-(-(n + int(count)) // bs) - len(blocks) + int(copy), copy))
+        return plans
 
     # ---- writing -----------------------------------------------------------
     def append(self, seq_ids: SeqIds, key: NDArray[np.floating[Any]],
@@ -319,7 +339,7 @@ class PagedKVCache:
             key = self._rotate(key, positions, rotary, interleaved, nthreads)
         keys, key_scale = _storage.encode(key, self._storage, "key", nthreads)
         values, value_scale = _storage.encode(value, self._storage, "value", nthreads)
-        plans = [self._needed(s, int(c)) for s, c in zip(ids, counts)]
+        plans = self._plan(ids, [int(c) for c in counts])
         need = sum(p[0] for p in plans)
         if need > len(self._free):
             raise OutOfBlocksError(
@@ -384,9 +404,19 @@ class PagedKVCache:
     @staticmethod
     def _rotate(x: NDArray[Any], positions: NDArray[np.int64], rotary: object,
                 interleaved: bool, nthreads: int) -> NDArray[Any]:
-        if not isinstance(rotary, tuple) or len(rotary) != 2:
+        if not isinstance(rotary, (tuple, list)) or len(rotary) != 2:
             raise TypeError(f"rotary must be a pair (cos, sin) of tables, got "
-                            f"{type(rotary).__name__}")
+                            f"{type(rotary).__name__} of "
+                            f"{len(rotary) if isinstance(rotary, (tuple, list)) else 'no'} items")
+        cos = C.require_array(rotary[0], "rotary's cos")
+        if x.shape[0] and cos.ndim == 2:  # the positions are the cache's: say so
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0:
+                raise ValueError("rotary: a query without a position (with is_causal=False a "
+                                 "sequence has more queries than positions held)")
+            if high >= cos.shape[0]:
+                raise ValueError(f"rotary: the tables cover positions 0 to {cos.shape[0] - 1} "
+                                 f"and this step reaches position {high}; make them longer")
         return rotate(x, positions, rotary[0], rotary[1], interleaved, nthreads)
 
     # ---- attention ---------------------------------------------------------
@@ -421,6 +451,9 @@ class PagedKVCache:
         than its queries.
         """
         ids = self._ids(seq_ids)
+        given = {"k_scale", "v_scale"} & options.keys()
+        if given:
+            raise TypeError(f"{', '.join(sorted(given))}: the cache passes its own scales")
         C.require_array(query, "query")
         half = C.is_half(query.dtype) and query.dtype.isnative and self._dtype == np.float32
         if query.dtype != self._dtype and not half:

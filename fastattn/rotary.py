@@ -10,9 +10,8 @@ from . import _core, _runtime
 from ._typing import Float, NDArray
 
 
-def tables(cos: object, sin: object, D: int, dtype: np.dtype[Any]
-           ) -> tuple[NDArray[Any], NDArray[Any]]:
-    """cos and sin (max_pos, rotary_dim / 2) checked and in dtype, C-contiguous."""
+def tables(cos: object, sin: object, D: int) -> tuple[NDArray[Any], NDArray[Any]]:
+    """cos and sin (max_pos, rotary_dim / 2), checked."""
     out = []
     for name, t in (("cos", cos), ("sin", sin)):
         a = C.require_array(t, name)
@@ -21,7 +20,7 @@ def tables(cos: object, sin: object, D: int, dtype: np.dtype[Any]
         if a.ndim != 2 or 2 * a.shape[1] > D:
             raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected (max_pos, "
                              f"rotary_dim / 2) with rotary_dim <= the head size {D}")
-        out.append(np.ascontiguousarray(a, dtype=dtype))
+        out.append(a)
     if out[0].shape != out[1].shape:
         raise ValueError(f"cos {C.shape_str(out[0].shape)} and sin {C.shape_str(out[1].shape)} "
                          "must have one shape")
@@ -35,12 +34,11 @@ def positions_of(positions: object, n: int, max_pos: int) -> NDArray[np.int64]:
     if p.shape != (n,):
         raise ValueError(f"positions has shape {C.shape_str(p.shape)}; expected one per token, "
                          f"({n},)")
-    p64 = np.ascontiguousarray(p, dtype=np.int64)
-    bad = np.flatnonzero((p64 < 0) | (p64 >= max_pos))
+    bad = np.flatnonzero((p < 0) | (p >= max_pos))  # in p's own dtype: uint64 too
     if bad.size:
-        raise ValueError(f"positions[{bad[0]}] = {p64[bad[0]]} is outside the tables' 0 to "
+        raise ValueError(f"positions[{bad[0]}] = {p[bad[0]]} is outside the tables' 0 to "
                          f"max_pos - 1 = {max_pos - 1}")
-    return p64
+    return np.ascontiguousarray(p, dtype=np.int64)
 
 
 def rotary(x: NDArray[Float], positions: NDArray[np.integer[Any]], cos: NDArray[Any],
@@ -99,8 +97,12 @@ def rotate(x: NDArray[Float], positions: object, cos: object, sin: object, inter
     positions checked, then the rows rotated on the threads into a new array."""
     if x.dtype not in C.FLOAT_DTYPES:  # the loop reads float32 or float64 only
         raise TypeError(f"rotary takes float32 or float64 rows, got {x.dtype}")
-    c, s = tables(cos, sin, x.shape[2], x.dtype)
+    c, s = tables(cos, sin, x.shape[2])
     p = positions_of(positions, x.shape[0], c.shape[0])
+    # only the rows of these positions, in x's dtype: a table of 128k
+    # positions in float64 is not converted whole on every call
+    rows = [np.ascontiguousarray(t[p], dtype=x.dtype) for t in (c, s)]
     out = np.empty(x.shape, x.dtype)
-    _core.rotary(C.kernel_view(x), p, c, s, interleaved, out, nthreads)
+    _core.rotary(C.kernel_view(x), np.arange(x.shape[0], dtype=np.int64), rows[0], rows[1],
+                 interleaved, out, nthreads)
     return out

@@ -330,3 +330,49 @@ def test_freed_blocks_are_never_read(path):
     r = subprocess.run([sys.executable, "-c", NEVER_READ, path], capture_output=True, text=True,
                        cwd=tempfile.gettempdir(), timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+def test_a_parent_and_its_fork_appending_together_take_one_copy():
+    """Both holders of a shared, partly filled block append in one call: the
+    first copies it, the last writes into it in place; no block is lost
+    (a fresh user's finding: two copies, the original never freed)."""
+    rng = np.random.default_rng(11)
+    cache = fastattn.PagedKVCache(4, 16, Hkv, D, value_dim=Dv)
+    a = cache.add_sequence()
+    twins = {a: Twin("float32")}
+    step(rng, cache, twins, {a: 5})
+    b = cache.fork(a)
+    c = cache.fork(a)
+    twins[b] = Twin("float32", twins[a].keys, twins[a].values)
+    twins[c] = Twin("float32", twins[a].keys, twins[a].values)
+    assert cache.blocks_needed([a, b, c], [1, 1, 1]) == 2
+    step(rng, cache, twins, {a: 1, b: 2, c: 1})
+    assert cache.num_free_blocks == 1
+    for s in (a, b, c):
+        cache.free(s)
+    assert cache.num_free_blocks == 4
+
+
+def test_no_key_at_all_gives_zero_rows():
+    """Every sequence empty (a block table of no column), is_causal=False:
+    zero rows and lse -inf, not what out held."""
+    q = np.ones((1, 2, 4), np.float32)
+    kc = np.ones((3, 1, 4, 4), np.float32)
+    out = np.full((1, 2, 4), 7.0, np.float32)
+    got, lse = fastattn.paged_attention(q, kc, kc, np.zeros((1, 0), np.int32), np.array([0]),
+                                        np.array([0, 1]), is_causal=False, out=out,
+                                        return_lse=True)
+    assert got is out and not out.any() and (lse == -np.inf).all()
+    cache = fastattn.PagedKVCache(4, 4, 1, 4)
+    s = cache.add_sequence()
+    assert not cache.attend([s], q, is_causal=False).any()
+
+
+def test_rotary_past_the_tables_names_the_position():
+    cache = fastattn.PagedKVCache(8, 4, 1, 8)
+    s = cache.add_sequence()
+    cos = sin = np.ones((4, 4), np.float32)
+    with pytest.raises(ValueError, match="cover positions 0 to 3 and this step reaches position 5"):
+        cache.append([s], *(np.ones((6, 1, 8), np.float32),) * 2, np.array([0, 6]),
+                     rotary=(cos, sin))
+    assert cache.seq_lens[s] == 0

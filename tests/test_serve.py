@@ -37,3 +37,14 @@ def test_the_stream(capsys):
     assert serve.main(["--requests", "12", "--blocks", "24", "--rope"]) == 0
     out = capsys.readouterr().out
     assert "12 of 12 equal" in out and "padded dense cache" in out
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--blocks", "3"], "give --blocks"), (["--requests", "0"], "--requests must be at least 1"),
+    (["--chunk", "0"], "--chunk must be at least 1"), (["--rate", "0"], "--rate must be above 0")])
+def test_arguments_that_cannot_serve_are_refused(args, words, capsys):
+    """A pool smaller than one request used to loop for ever (a fresh user's
+    finding); the others ended in a traceback."""
+    with pytest.raises(SystemExit):
+        serve.main(args)
+    assert words in capsys.readouterr().err
