@@ -34,7 +34,7 @@ fi
 
 echo "sanitize: venv and sanitized build ready after $SECONDS s"
 
-cp -r "$repo/tests" "$repo/examples" "$work/"  # the decoder tests load examples/
+cp -r "$repo/tests" "$repo/examples" "$repo/README.md" "$work/"  # tests load examples/, README
 cd "$work"
 # CPython frees not everything at exit by design: leak detection stays off.
 # An allocation too large to satisfy returns NULL, as it does without ASan

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+if not README.exists():  # a copy of the tests without the source tree
+    pytest.skip("README.md is not beside tests/", allow_module_level=True)
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
 
 
