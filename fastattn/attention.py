@@ -278,7 +278,7 @@ def scaled_dot_product_attention(
         to 0) and masks.  Key blocks outside every window of a block of
         queries are never read: the cost is O(L x window).
     alibi_slopes : ndarray or None, shape (Hq,) or (B, Hq)
-        ALiBi (Press et al. 2022; BLOOM, MPT): adds -slope * |i' - j| to the
+        ALiBi (Press et al. 2022; BLOOM, MPT): adds ``-slope * |i' - j|`` to the
         scaled score of head h (FlashAttention's convention; with is_causal
         it equals slope * (j - i')).  Any real dtype, read as float64.
     softcap : float >= 0 or None

@@ -119,6 +119,18 @@ def plot(path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = weights_figure()
+    try:
+        fig.savefig(path, dpi=120, format="png")
+    finally:
+        plt.close(fig)
+
+
+def weights_figure():
+    """The weight matrices of the examples as heatmaps: a matplotlib figure
+    (the documentation draws it while it builds)."""
+    import matplotlib.pyplot as plt
+
     romanised = {"我": "wo", "爱": "ai", "你": "ni"}  # the default fonts have no CJK glyphs
     fig, axes = plt.subplots(1, len(seeds.EXAMPLES), figsize=(4.6 * len(seeds.EXAMPLES), 4),
                              layout="constrained")
@@ -136,10 +148,7 @@ def plot(path):
                 ax.text(j, i, f"{w[i, j]:.4f}", ha="center", va="center",
                         color="white" if w[i, j] < 0.5 else "black", fontsize=8)
     fig.colorbar(im, ax=axes, shrink=0.8, label="attention weight")
-    try:
-        fig.savefig(path, dpi=120, format="png")
-    finally:
-        plt.close(fig)
+    return fig
 
 
 def main(plot_path=None):

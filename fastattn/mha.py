@@ -65,15 +65,18 @@ class MultiHeadAttention:
         in +-1/sqrt(embed_dim) for the output projection, zero biases.
         Usually replaced by ``load_state_dict`` or ``from_torch``.
 
-    Weights (NumPy arrays of dtype, named as in the PyTorch state dict)
-    -------------------------------------------------------------------
-    in_proj_weight : (embed_dim + 2 * Hkv * head_dim, embed_dim), rows q; k; v,
-        when kdim == vdim == embed_dim, else None
-    q_proj_weight (embed_dim, embed_dim), k_proj_weight (Hkv * head_dim, kdim),
-    v_proj_weight (Hkv * head_dim, vdim) : when kdim or vdim differ, else None
-    in_proj_bias : (embed_dim + 2 * Hkv * head_dim,) or None
-    out_proj_weight, out_proj_bias : "out_proj.weight" (embed_dim, embed_dim)
-        and "out_proj.bias" (embed_dim,) in the state dict
+    Attributes
+    ----------
+    in_proj_weight : ndarray (embed_dim + 2 * Hkv * head_dim, embed_dim) or None
+        Rows q; k; v, when kdim == vdim == embed_dim.  Every weight is a
+        NumPy array of dtype, named as in the PyTorch state dict.
+    q_proj_weight, k_proj_weight, v_proj_weight : ndarray or None
+        (embed_dim, embed_dim), (Hkv * head_dim, kdim) and (Hkv * head_dim,
+        vdim), when kdim or vdim differ.
+    in_proj_bias : ndarray (embed_dim + 2 * Hkv * head_dim,) or None
+    out_proj_weight, out_proj_bias : ndarray
+        "out_proj.weight" (embed_dim, embed_dim) and "out_proj.bias"
+        (embed_dim,) in the state dict (the bias None without bias).
 
     Raises
     ------

@@ -67,7 +67,8 @@ def _copy_sources(dest):
     """The source tree without build products, as a clean checkout has it."""
     shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(
         ".git", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".hypothesis",
-        ".benchmarks", ".pytest_cache", ".venv*", "_core.c", "_peak.c", "*.html"))
+        ".benchmarks", ".pytest_cache", ".venv*", "_core.c", "_peak.c", "*.html", "_build",
+        "generated"))
     return dest
 
 
@@ -159,8 +160,9 @@ def test_sdist_holds_the_sources(tmp_path):
     assert result.returncode == 0, result.stderr
     with tarfile.open(next((tmp_path / "dist").glob("fastattn-*.tar.gz"))) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    expected = {"LICENSE", "README.md", "pyproject.toml", "setup.py",
-                "fastattn/py.typed", "fastattn/_core.pyx", "fastattn/_peak.pyx"}
+    expected = {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "setup.py",
+                "fastattn/py.typed", "fastattn/_core.pyx", "fastattn/_peak.pyx",
+                "docs/conf.py", "docs/index.md", "docs/guide/serving.md"}
     expected |= {"csrc/" + p.name for p in (REPO / "csrc").iterdir()}
     assert expected <= names, expected - names
     assert "fastattn/_core.c" not in names  # Cython, a build requirement, writes it

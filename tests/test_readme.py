@@ -16,7 +16,7 @@ BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | r
 
 
 def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 5
+    assert len(BLOCKS) >= 1
 
 
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
