@@ -21,12 +21,20 @@ python3 -m build --outdir "$out/dist" "$work/src" >"$work/build.log" 2>&1 || { t
 wheel=$(ls "$out"/dist/fastattn-*-linux_x86_64.whl)
 sdist=$(ls "$out"/dist/fastattn-*.tar.gz)
 # the most portable tag this machine's glibc allows (auditwheel show says which)
-plat=$(python3 -m auditwheel show "$wheel" 2>/dev/null | grep -o 'manylinux_[0-9_]*_x86_64' | head -1)
+plat=$(python3 -m auditwheel show "$wheel" 2>/dev/null | grep -o 'manylinux_[0-9_]*_x86_64' | sed -n 1p)
 python3 -m auditwheel repair --plat "$plat" -w "$out/wheelhouse" "$wheel" >"$work/repair.log" 2>&1 \
     || { cat "$work/repair.log"; exit 1; }
 repaired=$(ls "$out"/wheelhouse/fastattn-*.whl)
 echo "wheels: $(basename "$repaired"), $(basename "$sdist")"
-unzip -l "$repaired" | grep -q 'fastattn.libs/libgomp' || { echo "wheels: libgomp not bundled" >&2; exit 1; }
+# the listing is read whole first: `unzip -l | grep -q` under pipefail fails
+# whenever grep stops reading before unzip has written everything (SIGPIPE)
+listing=$(python3 -m zipfile -l "$repaired")
+if ! grep -q 'fastattn.libs/libgomp' <<< "$listing"; then
+    echo "wheels: libgomp not bundled; the build said:" >&2
+    grep 'fastattn build:' "$work/build.log" >&2 || true
+    cat "$work/repair.log" >&2
+    exit 1
+fi
 
 # a fresh environment whose PATH has its own bin and nothing else: no cc
 python3 -m venv "$work/venv"
