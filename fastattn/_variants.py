@@ -23,17 +23,18 @@ class Variants(NamedTuple):
 NONE = Variants(-1, -1, 0.0, None, None)  # no variant: what the kernels take by default
 
 
-def window(window_size: object, L: int, S: int) -> tuple[int, int]:
+def window(window_size: object, L: int, S: int, offset: int = 0) -> tuple[int, int]:
     """(left, right) as the kernels take them: each >= -1, and -1 for a side
-    that hides nothing at these lengths (so the kernels' arithmetic stays
-    far from overflow)."""
+    that hides nothing at these lengths and this alignment offset (so the
+    kernels' arithmetic stays far from overflow)."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or
             not all(isinstance(w, numbers.Integral) and not isinstance(w, (bool, np.bool_))
                     for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = int(window_size[0]), int(window_size[1])
     # any negative side is unbounded, as in FlashAttention
-    return (-1 if left < 0 or left >= L + S else left), (-1 if right < 0 or right >= L + S else right)
+    reach = L + S + abs(offset)  # no |i' - j| is larger
+    return (-1 if left < 0 or left >= reach else left), (-1 if right < 0 or right >= reach else right)
 
 
 def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.float64]:
@@ -61,14 +62,15 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.f
 
 def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[Any]],
           softcap: Optional[float], sinks: Optional[NDArray[Any]], batch: C.Shape, L: int,
-          S: int, compute: np.dtype[Any]) -> Variants:
+          S: int, compute: np.dtype[Any], offset: int = 0) -> Variants:
     """The variants as the kernels take them, in compute, the dtype they
     compute in (float32 or float64): the softcap finite and not 0 there, and
-    each ALiBi bias, up to slope x (L + S), finite there.  (Sinks beyond
+    each ALiBi bias, up to slope x (L + S + |offset|), finite there (offset:
+    the causal alignment's, query i at key position i + offset).  (Sinks beyond
     float32's range round to +-inf, the limits they stand for.)"""
     if window_size is None and alibi_slopes is None and softcap is None and sinks is None:
         return NONE  # the common call: nothing to check or convert
-    left, right = (-1, -1) if window_size is None else window(window_size, L, S)
+    left, right = (-1, -1) if window_size is None else window(window_size, L, S, offset)
     cap = 0.0
     if softcap is not None:
         cap = C.check_real(softcap, "softcap")
@@ -80,7 +82,7 @@ def check(window_size: Optional[Sequence[int]], alibi_slopes: Optional[NDArray[A
                              f"got {cap}")
     slopes = None if alibi_slopes is None else per_head(alibi_slopes, "alibi_slopes", batch, True)
     if slopes is not None:  # a bias of +inf gives NaN rows, -inf hides keys the reference sees
-        C.check_finite_in(slopes, "alibi_slopes", compute, times=float(L + S))
+        C.check_finite_in(slopes, "alibi_slopes", compute, times=float(L + S + abs(offset)))
     sink = None if sinks is None else per_head(sinks, "sinks", batch, False)
     if slopes is not None and not slopes.any():
         slopes = None  # all zero: no bias

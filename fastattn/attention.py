@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Literal, NamedTuple, Optional, Sequence, Union, overload
 
 import numpy as np
@@ -10,12 +11,12 @@ from . import _checks as C
 from . import _core, _runtime, _variants
 from ._typing import Float, MaskArray, NDArray
 
-Alignment = Literal["upper_left", "lower_right"]
+# where query i sits among the keys: a name, or the offset k of i' = i + k
+Alignment = Union[Literal["upper_left", "lower_right"], int]
 # the output; with the weights and/or the log-sum-exp when asked for
 Result = Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]],
                tuple[NDArray[Float], NDArray[Float], NDArray[Float]]]
 
-_ALIGNMENTS = {"upper_left", "lower_right"}
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
 # how the kernels read 16-bit inputs (converted to float32 a tile at a time)
 _STORE = {"float16": _core.STORE_F16, "bfloat16": _core.STORE_BF16}
@@ -260,9 +261,14 @@ def scaled_dot_product_attention(
         Grouped-query attention (Ainslie et al. 2023): query head h uses
         key/value head h // (Hq // Hkv).  Hq must be a multiple of Hkv.
         Without it, the head axes broadcast like the other leading axes.
-    causal_alignment : {"upper_left", "lower_right"}
+    causal_alignment : {"upper_left", "lower_right"} or int
         Where query i sits among the keys: i' = i (upper-left) or i + S - L
         (lower-right), for is_causal, window_size and alibi_slopes alike.
+        An int k (fastattn's extension) puts it at i' = i + k: for keys that
+        are a slice of a longer sequence starting at position s0, and
+        queries starting at position q0, k = q0 - s0, so that each slice's
+        call, merged with ``merge_attention``, gives the whole sequence's
+        attention (what ``fastattn.distributed`` does).  |k| < 2**53.
     need_weights : bool
         Also return the attention weights, shape (..., Hq, L, S).
     return_lse : bool
@@ -393,9 +399,7 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     gqa = C.check_bool(enable_gqa, "enable_gqa")
     weights_wanted = C.check_bool(need_weights, "need_weights")
     lse_wanted = C.check_bool(return_lse, "return_lse")
-    if causal_alignment not in _ALIGNMENTS:
-        raise ValueError(f"causal_alignment must be 'upper_left' or 'lower_right', "
-                         f"got {causal_alignment!r}")
+    offset = _alignment_offset(causal_alignment, L, S)
     scale = C.check_scale(scale, E, compute)
     nthreads = _runtime.resolve_threads(num_threads)
 
@@ -445,7 +449,8 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
                              f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}"
                              f"{_padding_mask_hint(mask.shape, target)}") from None
 
-    variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S, compute)
+    variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S, compute,
+                               offset)
 
     out_shape = batch + (L, Ev)
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
@@ -466,7 +471,6 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
     k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, E))
     v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, Ev))
-    offset = S - L if causal_alignment == "lower_right" else 0
     store = _STORE.get(dtype.name, _core.STORE_NATIVE) if compute != dtype else _core.STORE_NATIVE
     kv_store, k_scale, v_scale = store, None, None
     if stored is not None:
@@ -486,6 +490,23 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
         weights = narrow(weights, dtype, nthreads)
     results = (out,) + tuple(x for x in (weights, lse) if x is not None)  # lse: float32
     return results[0] if len(results) == 1 else results  # type: ignore[return-value]
+
+
+def _alignment_offset(causal_alignment: object, L: int, S: int) -> int:
+    """The k of i' = i + k that causal_alignment stands for."""
+    flag = isinstance(causal_alignment, (bool, np.bool_))  # an int to Python, not here
+    if isinstance(causal_alignment, numbers.Integral) and not flag:
+        k = int(causal_alignment)
+        if abs(k) >= 2**53:
+            raise ValueError(f"causal_alignment as an offset must be below 2**53 in magnitude, "
+                             f"got {k}")
+        return k
+    if causal_alignment == "upper_left":
+        return 0
+    if causal_alignment == "lower_right":
+        return S - L
+    raise ValueError(f"causal_alignment must be 'upper_left', 'lower_right' or an int offset, "
+                     f"got {causal_alignment!r}")
 
 
 def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,

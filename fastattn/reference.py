@@ -63,7 +63,7 @@ def per_head(x: Array, batch_shape: tuple[int, ...]) -> Array:
 def scaled_dot_product_attention(query: Array, key: Array, value: Array,
                                  attn_mask: Optional[Mask] = None, *, is_causal: bool = False,
                                  scale: Optional[float] = None, enable_gqa: bool = False,
-                                 causal_alignment: str = "upper_left",
+                                 causal_alignment: Union[str, int] = "upper_left",
                                  need_weights: bool = False, return_lse: bool = False,
                                  window_size: Optional[tuple[int, int]] = None,
                                  alibi_slopes: Optional[Array] = None,
@@ -82,8 +82,11 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array,
         key = np.repeat(key, group, axis=-3)
         value = np.repeat(value, group, axis=-3)
     L, S = query.shape[-2], key.shape[-2]
-    # where each query sits among the keys: i' = i, or i + S - L (lower right)
-    i = np.arange(L)[:, None] + (S - L if causal_alignment == "lower_right" else 0)
+    # where each query sits among the keys: i' = i, i + S - L (lower right)
+    # or i + k for an int k
+    offset = (causal_alignment if isinstance(causal_alignment, int)
+              else S - L if causal_alignment == "lower_right" else 0)
+    i = np.arange(L)[:, None] + offset
     j = np.arange(S)[None, :]
 
     scores = query @ np.swapaxes(key, -1, -2)                                  # step 2: Q K^T

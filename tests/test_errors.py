@@ -196,6 +196,8 @@ HOSTILE = [
     row("flag", sdpa, (f32, f32, f32), {"scale": 1j}, TypeError, "scale must be a real number, got complex"),
     row("flag", sdpa, (f32, f32, f32), {"causal_alignment": "bottom"}, ValueError, "causal_alignment must be"),
     row("flag", sdpa, (f32, f32, f32), {"causal_alignment": None}, ValueError, "causal_alignment must be"),
+    row("flag", sdpa, (f32, f32, f32), {"causal_alignment": True}, ValueError, "causal_alignment must be"),
+    row("flag", sdpa, (f32, f32, f32), {"causal_alignment": 2**53}, ValueError, "below 2**53"),
     row("flag", fastattn.softmax, (f32,), {"axis": 1.5}, TypeError, "axis must be an int"),
     row("flag", fastattn.softmax, (f32,), {"axis": True}, TypeError, "axis must be an int, got bool"),
     row("flag", fastattn.split_heads, (f32, 0), {}, ValueError, "num_heads must be >= 1"),

@@ -63,7 +63,8 @@ def test_variants(data):
                   attn_mask=random_mask(draw, rng, (B, H, L, S), dtype) if draw(st.booleans())
                   else None,
                   is_causal=draw(st.booleans()),
-                  causal_alignment=draw(st.sampled_from(["upper_left", "lower_right"])))
+                  causal_alignment=draw(st.one_of(st.sampled_from(["upper_left", "lower_right"]),
+                                                  st.integers(-(L + S + 2), L + S + 2))))
     mask = kwargs["attn_mask"]
     rmask = None if mask is None else (mask.astype(dtype) if mask.dtype.kind == "f"
                                        else mask).astype(np.float64 if mask.dtype.kind == "f"
@@ -86,7 +87,10 @@ def test_variants(data):
 
 @given(st.data())
 def test_merge_attention_of_key_shards(data):
-    """Attention over keys split in shards, merged: the attention over all."""
+    """Attention over keys split in shards, merged: the attention over all,
+    with the positional variants placed by an int causal_alignment per shard
+    (query i at key position i + base - a in the shard of keys a..b-1) and
+    the sinks given to one shard."""
     draw = data.draw
     dtype = draw(DTYPES)
     rng = np.random.default_rng(draw(SEEDS))
@@ -95,14 +99,20 @@ def test_merge_attention_of_key_shards(data):
     k = rng.standard_normal((H, S, E)).astype(dtype)
     v = rng.standard_normal((H, S, E)).astype(dtype)
     mask = rng.random((H, L, S)) < draw(st.sampled_from([0.0, 0.3, 1.0]))
+    kw = dict(draw(variants(rng, 0, H, L, S)), is_causal=draw(st.booleans()))
+    alignment = draw(st.sampled_from(["upper_left", "lower_right"]))
+    base = S - L if alignment == "lower_right" else 0
+    sinks = kw.pop("sinks", None)
     cuts = sorted(draw(st.lists(st.integers(0, S), max_size=3)))
     edges = [0] + cuts + [S]
     with simd_path(draw(PATHS)):
-        parts = [sdpa(q, k[:, a:b], v[:, a:b], attn_mask=mask[:, :, a:b], return_lse=True)
-                 for a, b in zip(edges, edges[1:])]
+        parts = [sdpa(q, k[:, a:b], v[:, a:b], attn_mask=mask[:, :, a:b], return_lse=True,
+                      causal_alignment=base - a, sinks=None if n else sinks, **kw)
+                 for n, (a, b) in enumerate(zip(edges, edges[1:]))]
         out, lse = fastattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])
     r_out, r_lse = ref.scaled_dot_product_attention(*f64(q, k, v), attn_mask=mask,
-                                                    return_lse=True)
+                                                    return_lse=True, causal_alignment=alignment,
+                                                    sinks=sinks, **kw)
     assert_close(out, r_out, dtype, E + S, magnitude=4)
     check_lse(lse, r_lse, dtype, E + S)
 
