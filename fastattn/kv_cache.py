@@ -3,7 +3,7 @@ generating one step at a time."""
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, cast, overload
+from typing import Any, Literal, Mapping, Optional, cast, overload
 
 import numpy as np
 
@@ -382,17 +382,56 @@ class KVCache:
                 and isinstance(attn_mask, np.ndarray) and C.overlap(out, attn_mask)):
             # the kernel's call sees the mask combined with the padding, not the caller's
             raise ValueError("out overlaps attn_mask; pass a separate output array")
-        n = self._length
-        key, value = self._key[:, :, :n], self._value[:, :, :n]
+        key, value, stored = self._rows(0, self._length)
         if key.dtype == query.dtype:  # a decoding step may take the functional API's short route
             return scaled_dot_product_attention(
                 query, key, value, mask, 0.0, is_causal, scale, True,
                 causal_alignment="lower_right", need_weights=need_weights,
                 return_lse=return_lse, window_size=window_size, alibi_slopes=alibi_slopes,
                 softcap=softcap, sinks=sinks, out=out, num_threads=num_threads)
-        stored = StoredKV(_storage.kind(self._storage),  # read in its storage by the kernel
-                          None if self._key_scale is None else self._key_scale[:, :, :n],
-                          None if self._value_scale is None else self._value_scale[:, :, :n])
         return cast("Result[Float]", _attention(
             query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
             return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads, stored))
+
+    def _rows(self, start: int, stop: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:
+        """Views of the keys and values held at positions start..stop-1, as
+        stored, and how the kernels read them (with the int8 scales)."""
+        rows = slice(start, stop)
+        return (self._key[:, :, rows], self._value[:, :, rows],
+                StoredKV(_storage.kind(self._storage),
+                         None if self._key_scale is None else self._key_scale[:, :, rows],
+                         None if self._value_scale is None else self._value_scale[:, :, rows]))
+
+    def _state(self) -> dict[str, NDArray[Any]]:
+        """The positions held, as stored (codes and scales, bit for bit), with
+        each element's bits as an unsigned int of its size: NumPy's files
+        know no bfloat16."""
+        n = self._length
+        state = {"key": self._key[:, :, :n], "value": self._value[:, :, :n],
+                 "real": self._real[:, :n]}
+        if self._key_scale is not None and self._value_scale is not None:
+            state.update(key_scale=self._key_scale[:, :, :n],
+                         value_scale=self._value_scale[:, :, :n])
+        return {name: a.view(f"u{a.itemsize}") for name, a in state.items()}
+
+    def _load_state(self, state: Mapping[str, NDArray[Any]]) -> None:
+        """Holds what _state gave, for a cache of this shape and storage;
+        ValueError, with nothing changed, for anything else."""
+        n = np.shape(state["key"])[2] if np.ndim(state["key"]) == 4 else -1
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"the saved cache holds {n} positions; this cache holds 0 to "
+                             f"{self.capacity}")
+        pairs = [(name, buf, np.asarray(state[name])) for name, buf in (
+            ("key", self._key), ("value", self._value), ("real", self._real),
+            ("key_scale", self._key_scale), ("value_scale", self._value_scale))
+            if buf is not None]
+        for name, buf, saved in pairs:
+            # the positions are axis 2 of the keys, values and scales, 1 of real
+            want = buf.shape[:2] + (n,) + buf.shape[3:] if buf.ndim > 2 else (buf.shape[0], n)
+            if saved.shape != want or saved.dtype != np.dtype(f"u{buf.dtype.itemsize}"):
+                raise ValueError(f"the saved {name} is {saved.dtype} of shape "
+                                 f"{C.shape_str(saved.shape)}; this cache expects "
+                                 f"u{buf.dtype.itemsize} of shape {C.shape_str(want)}")
+        for name, buf, saved in pairs:
+            (buf[:, :n] if buf.ndim == 2 else buf[:, :, :n]).view(saved.dtype)[...] = saved
+        self._truncate(n)

@@ -1,0 +1,763 @@
+"""Exact attention over keys and values sharded across processes and
+machines, on Ray: sequence (context) parallelism.
+
+Each shard holds a part of a sequence's keys and values and computes the
+attention of the queries over its part with its log-sum-exp; the parts are
+merged exactly (``merge_attention``), as in Ring Attention (Liu et al.
+2023), Tree Attention (Shyam et al. 2024) and vLLM's decode context
+parallelism.  Where a shard's keys sit in the sequence is given to the
+kernels as an int ``causal_alignment``, so causal masks, sliding windows
+and ALiBi count global positions.
+
+- ``ShardedKVCache``: a decoder's cache, one Ray actor per shard.
+- ``sharded_attention``: a one-shot long prefill, the queries sharded too.
+
+Needs Ray (``pip install 'fastattn[ray]'``); ``import fastattn`` never
+imports this module.  The merge is exact in real arithmetic; in floating
+point a merged result differs from one process's call by the rounding of
+the merge, a few units in the last place (README, "Across machines").
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import time
+import weakref
+from typing import Any, NamedTuple, NoReturn, Optional, Sequence, Union, cast
+
+import numpy as np
+
+try:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as exc:  # pragma: no cover - the tests skip without Ray
+    raise ImportError("fastattn.distributed needs Ray: pip install 'fastattn[ray]' "
+                      "(or pip install ray)") from exc
+
+from . import _checks as C
+from . import _runtime, _storage, _variants
+from ._typing import Float, NDArray
+from .attention import (Alignment, StoredKV, _alignment_offset, _attention, merge_attention,
+                        narrow)
+from .kv_cache import KVCache
+
+__all__ = ["ShardLostError", "ShardedKVCache", "sharded_attention"]
+
+_PLACEMENTS = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD",
+               "strict_pack": "STRICT_PACK"}
+
+
+class ShardLostError(RuntimeError):
+    """A shard's process died: its keys and values are gone, so no result is
+    computed from the shards left (it would be silently wrong).
+
+    Attributes
+    ----------
+    shards : list of int
+        The lost shards.
+    positions : int
+        How many of the cache's positions they held.
+    """
+
+    def __init__(self, message: str, shards: Sequence[int], positions: int) -> None:
+        super().__init__(message)
+        self.shards = list(shards)
+        self.positions = positions
+
+
+# ---- the plan: which keys each call reads, and how ----------------------
+
+class _Options(NamedTuple):
+    """The options of one attention, checked, as every part takes them."""
+    is_causal: bool
+    scale: Optional[float]
+    window: Optional[tuple[int, int]]
+    alibi_slopes: Optional[NDArray[np.float64]]
+    softcap: Optional[float]
+    num_threads: Optional[int]
+    enable_gqa: bool
+
+
+def _parts(runs: Sequence[tuple[int, int, int]], q0: int, L: int, opts: _Options
+           ) -> list[tuple[int, int, Optional[int]]]:
+    """The calls that cover a shard's keys for L queries at positions q0..q0+L-1.
+
+    runs: (local start, global start, count) of each run of keys held,
+    consecutive in the shard's storage.  A run no query sees is skipped.  A
+    run every query sees whole, with no ALiBi (so no score depends on where
+    the keys are), joins its neighbours of that kind in one call without
+    causal mask or window: the common case of decoding, where all but the
+    last run are in every query's past.  Every other run is a call of its
+    own, told its place by causal_alignment = q0 - its global start.
+    Returns (local start, local stop, global start or None for the whole
+    kind)."""
+    left, right = opts.window if opts.window is not None else (-1, -1)
+    q_last = q0 + L - 1
+    calls: list[tuple[int, int, Optional[int]]] = []
+    for a, g, n in runs:
+        g_last = g + n - 1
+        if (n == 0 or L == 0 or (opts.is_causal and g > q_last)
+                or (left >= 0 and g_last < q0 - left) or (right >= 0 and g > q_last + right)):
+            continue
+        whole = (opts.alibi_slopes is None and (not opts.is_causal or g_last <= q0)
+                 and (left < 0 or g >= q_last - left) and (right < 0 or g_last <= q0 + right))
+        if whole and calls and calls[-1][2] is None and calls[-1][1] == a:
+            calls[-1] = (calls[-1][0], a + n, None)
+        else:
+            calls.append((a, a + n, None if whole else g))
+    return calls
+
+
+def _attend_runs(query: NDArray[Any], rows: Any, runs: Sequence[tuple[int, int, int]], q0: int,
+                 opts: _Options, sinks: Optional[NDArray[Any]]
+                 ) -> tuple[NDArray[Any], NDArray[Any]]:
+    """Attention of query (Hq, L, E) over the keys of runs, merged: (out,
+    lse).  rows(a, b) gives the keys, values and StoredKV of local rows
+    a..b-1.  The sinks join the first call; with no call, one over no keys
+    gives zeros (and the sinks' lse)."""
+    calls = _parts(runs, q0, query.shape[-2], opts) or [(0, 0, None)]
+    outs, lses = [], []
+    for n, (a, b, g) in enumerate(calls):
+        key, value, stored = rows(a, b)
+        placed = g is not None
+        out, lse = cast("tuple[NDArray[Any], NDArray[Any]]", _attention(
+            query, key, value, None, 0.0, opts.is_causal and placed, opts.scale, opts.enable_gqa,
+            0 if g is None else q0 - g, False, True, opts.window if placed else None,
+            opts.alibi_slopes if placed else None, opts.softcap, None if n else sinks, None,
+            opts.num_threads, stored))
+        outs.append(out)
+        lses.append(lse)
+    return merge_attention(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+
+
+# ---- one shard ----------------------------------------------------------
+
+class _Shard:
+    """A shard's process: a KVCache of one sequence and where its runs of
+    positions sit in the whole sequence."""
+
+    def __init__(self, index: int, num_kv_heads: int, capacity: int, head_dim: int,
+                 value_dim: int, dtype: str, storage: str, num_threads: int) -> None:
+        self._index = index
+        self._cache = KVCache(1, num_kv_heads, capacity, head_dim, value_dim=value_dim,
+                              dtype=dtype, storage=storage)
+        self._runs: list[tuple[int, int, int]] = []  # (local start, global start, count)
+        self._threads = num_threads
+
+    def ping(self) -> int:
+        return self._cache.length
+
+    def append(self, pieces: list[tuple[int, NDArray[Any], NDArray[Any]]]) -> int:
+        """Appends each (global start, key (Hkv, n, E), value) in order; all
+        or nothing."""
+        length, runs = self._cache.length, list(self._runs)
+        try:
+            for g, key, value in pieces:
+                a, n = self._cache.length, key.shape[1]
+                self._cache.append(key[None], value[None])
+                if self._runs and sum(self._runs[-1][::2]) == a and (
+                        self._runs[-1][1] + self._runs[-1][2] == g):
+                    self._runs[-1] = (self._runs[-1][0], self._runs[-1][1], self._runs[-1][2] + n)
+                else:
+                    self._runs.append((a, g, n))
+        except BaseException:
+            self.truncate(length, runs)
+            raise
+        return self._cache.length
+
+    def truncate(self, length: int, runs: list[tuple[int, int, int]]) -> None:
+        self._cache._truncate(length)
+        self._runs = runs
+
+    def attend(self, query: NDArray[Any], q0: int, opts: _Options,
+               sinks: Optional[NDArray[Any]]) -> tuple[Any, ...]:
+        start = time.perf_counter()
+        opts = opts._replace(num_threads=self._threads)
+
+        def rows(a: int, b: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:
+            key, value, stored = self._cache._rows(a, b)
+            return key[0], value[0], StoredKV(
+                stored.store, None if stored.key_scale is None else stored.key_scale[0],
+                None if stored.value_scale is None else stored.value_scale[0])
+
+        out, lse = _attend_runs(query, rows, self._runs, q0, opts, sinks)
+        return out, lse, time.perf_counter() - start, 0.0
+
+    def merge(self, a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Two partial results (out, lse, compute seconds, merge seconds) as
+        one: the times are the slower branch's, plus this merge."""
+        start = time.perf_counter()
+        out, lse = merge_attention([a[0], b[0]], [a[1], b[1]])
+        return out, lse, max(a[2], b[2]), max(a[3], b[3]) + time.perf_counter() - start
+
+    def save(self, path: str) -> None:
+        state = self._cache._state()
+        state["runs"] = np.array(self._runs, np.int64).reshape(-1, 3)
+        np.savez(os.path.join(path, f"shard-{self._index}.npz"), **cast("dict[str, Any]", state))
+
+    def load(self, path: str) -> int:
+        with np.load(os.path.join(path, f"shard-{self._index}.npz")) as saved:
+            state = {name: saved[name] for name in saved.files}
+        runs = [tuple(int(x) for x in r) for r in state.pop("runs")]
+        self._cache._load_state(state)
+        self._runs = runs  # type: ignore[assignment]
+        return self._cache.length
+
+
+# restarted, a shard would come back empty and give wrong answers: never
+_SHARD: Any = ray.remote(max_restarts=0)(_Shard)
+
+
+def _free_cpus() -> float:
+    return float(ray.available_resources().get("CPU", 0))  # type: ignore[no-untyped-call]
+
+
+# ---- the cache ----------------------------------------------------------
+
+def _release(actors: list[Any], group: Any) -> None:
+    """Ends the shards' processes and frees their placement group."""
+    if not ray.is_initialized():
+        return  # the cluster is gone, and its processes with it
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+    remove_placement_group(group)
+
+
+class ShardedKVCache:
+    """One sequence's keys and values, sharded over Ray actors, and exact
+    attention over all of them.
+
+    Positions are dealt to the shards in chunks of ``chunk_size``
+    consecutive positions, round-robin: position p is held by shard
+    (p // chunk_size) % num_shards, so every shard grows evenly and does an
+    even part of every decoding step.  Each shard is a Ray actor (a process
+    of its own, somewhere in the cluster) holding a ``KVCache`` of
+    ``capacity_per_shard`` positions in the given dtype and storage.
+    ``attend`` sends the query once to the object store, every shard that
+    holds a visible key computes its part with its log-sum-exp, and the
+    parts are merged in a tree of pairwise ``merge_attention`` calls run by
+    the shards themselves (Tree Attention's reduction, Shyam et al. 2024),
+    so only the merged (Hq, L, Ev) result travels to the caller.
+
+    Call ``ray.init`` first to join a cluster (Ray starts a local one
+    otherwise), and ``close()`` (or use ``with``) to end the shards.
+
+    Parameters
+    ----------
+    num_shards, num_kv_heads, head_dim : int
+    capacity_per_shard : int
+        Positions each shard can hold: the cache holds at most about
+        num_shards x capacity_per_shard (exactly that when it is a multiple
+        of chunk_size).
+    value_dim : int or None
+        Size of a value head; None means head_dim.
+    dtype, storage
+        As in ``KVCache``: float32 or float64; storage "float32",
+        "float16", "bfloat16" or "int8" for float32.
+    chunk_size : int
+        Positions dealt to a shard at a time (default 256).  Attention with
+        ALiBi costs one kernel call per chunk held (a chunk's bias depends
+        on where it sits); larger chunks, fewer calls.
+    placement : {"spread", "pack", "strict_spread", "strict_pack"}
+        Ray's placement-group strategy for the shards (default "spread":
+        across the cluster's nodes as far as they go).
+    num_cpus_per_shard : float
+        CPUs reserved for each shard (default 1).  The shards are placed
+        only when the cluster has num_shards x this free.
+    num_threads : int or None
+        The kernels' threads in each shard; None: num_cpus_per_shard,
+        rounded down, at least 1.
+    timeout : float
+        Seconds to wait for the cluster to place the shards (default 60).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Sizes, dtype or storage as ``KVCache`` refuses them; an unknown
+        placement; num_cpus_per_shard not > 0.
+    TimeoutError
+        The cluster cannot place the shards within timeout (too few CPUs
+        free, or nodes for a strict strategy); nothing is left reserved.
+    """
+
+    def __init__(self, num_shards: int, num_kv_heads: int, head_dim: int, *,
+                 capacity_per_shard: int, value_dim: Optional[int] = None,
+                 dtype: Any = np.float32, storage: Optional[str] = None, chunk_size: int = 256,
+                 placement: str = "spread", num_cpus_per_shard: float = 1.0,
+                 num_threads: Optional[int] = None, timeout: float = 60.0) -> None:
+        self._num_shards = C.check_index(num_shards, "num_shards", 1)
+        self._num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
+        self._head_dim = C.check_index(head_dim, "head_dim", 0)
+        self._value_dim = (self._head_dim if value_dim is None
+                           else C.check_index(value_dim, "value_dim", 0))
+        self._capacity = C.check_index(capacity_per_shard, "capacity_per_shard", 1)
+        self._chunk = C.check_index(chunk_size, "chunk_size", 1)
+        self._dtype = _storage.cache_dtype(dtype, "ShardedKVCache")
+        self._storage = _storage.check(storage, self._dtype, "ShardedKVCache")
+        if placement not in _PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(map(repr, _PLACEMENTS))}, "
+                             f"got {placement!r}")
+        cpus = C.check_real(num_cpus_per_shard, "num_cpus_per_shard")
+        if not cpus > 0:
+            raise ValueError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard}")
+        self._threads = (max(1, int(cpus)) if num_threads is None
+                         else _runtime.resolve_threads(num_threads))
+        self._lengths = [0] * self._num_shards
+        self._lost: list[int] = []
+        self.last_timing: dict[str, float] = {}
+        """Seconds of the last attend: "total" (the caller's), "compute" (the
+        slowest shard's kernels), "merge" (the merges on the tree's longest
+        path) and "transfer" (the rest: Ray's scheduling and copies)."""
+
+        self._group = placement_group([{"CPU": cpus}] * self._num_shards,
+                                      strategy=_PLACEMENTS[placement])
+        try:
+            ray.get(self._group.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self._group)
+            raise TimeoutError(
+                f"the Ray cluster could not place {self._num_shards} shards of "
+                f"{cpus:g} CPU each ({placement}) within {timeout:g} s; it has "
+                f"{_free_cpus():g} CPUs free. Lower "
+                "num_cpus_per_shard or num_shards, or add nodes") from None
+        self._actors = [self._start(k) for k in range(self._num_shards)]
+        self._finalizer = weakref.finalize(self, _release, self._actors, self._group)
+
+    def _start(self, k: int) -> Any:
+        """Shard k's actor, in bundle k of the placement group."""
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self._group,
+                                                    placement_group_bundle_index=k)
+        cpus = self._group.bundle_specs[k]["CPU"]
+        return _SHARD.options(num_cpus=cpus, scheduling_strategy=strategy).remote(
+            k, self._num_kv_heads, self._capacity, self._head_dim, self._value_dim,
+            self._dtype.name, self._storage, self._threads)
+
+    # ---- sizes ----------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        return self._num_shards
+
+    @property
+    def length(self) -> int:
+        """Positions held, in all shards."""
+        return sum(self._lengths)
+
+    @property
+    def shard_lengths(self) -> list[int]:
+        """Positions held by each shard."""
+        return list(self._lengths)
+
+    @property
+    def chunk_size(self) -> int:
+        return self._chunk
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._dtype
+
+    @property
+    def storage(self) -> str:
+        return self._storage
+
+    def __repr__(self) -> str:
+        return (f"ShardedKVCache(num_shards={self._num_shards}, num_kv_heads="
+                f"{self._num_kv_heads}, head_dim={self._head_dim}, value_dim={self._value_dim}, "
+                f"capacity_per_shard={self._capacity}, chunk_size={self._chunk}, "
+                f"dtype={self._dtype.name}, storage={self._storage}, length={self.length})")
+
+    def shard_of(self, position: int) -> int:
+        """The shard that holds (or will hold) a position."""
+        return (position // self._chunk) % self._num_shards
+
+    def _runs(self, k: int, length: int) -> list[tuple[int, int, int]]:
+        """(local start, global start, count) of shard k's chunks among the
+        first length positions: what the shard itself records."""
+        runs, step = [], self._chunk * self._num_shards
+        for m, g in enumerate(range(k * self._chunk, length, step)):
+            runs.append((m * self._chunk, g, min(self._chunk, length - g)))
+        return runs
+
+    # ---- writing --------------------------------------------------------
+    def append(self, key: NDArray[np.floating[Any]], value: NDArray[np.floating[Any]]) -> None:
+        """Write n new positions after the ones held, each to its shard.
+
+        Parameters
+        ----------
+        key : ndarray, (num_kv_heads, n, head_dim), the cache's dtype
+        value : ndarray, (num_kv_heads, n, value_dim)
+
+        Raises
+        ------
+        TypeError, ValueError
+            As ``KVCache.append`` (dtype, shapes, values the storage cannot
+            hold), or when a shard's capacity would be exceeded.  Nothing
+            is written then, in any shard.
+        ShardLostError
+            A shard is lost (see ``attend``).
+        """
+        self._check_alive()
+        for name, a, last, last_name in (("key", key, self._head_dim, "head_dim"),
+                                         ("value", value, self._value_dim, "value_dim")):
+            C.require_array(a, name)
+            if a.dtype != self._dtype:
+                raise TypeError(f"{name} has dtype {a.dtype}; this ShardedKVCache holds "
+                                f"{self._dtype}")
+            if a.ndim != 3 or a.shape[0] != self._num_kv_heads or a.shape[2] != last:
+                raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
+                                 f"(num_kv_heads, n, {last_name}) = ({self._num_kv_heads}, "
+                                 f"n, {last})")
+        n, start = key.shape[1], self.length
+        if value.shape[1] != n:
+            raise ValueError(f"key and value must hold the same number of positions, got "
+                             f"{n} and {value.shape[1]}")
+        pieces: list[list[tuple[int, Any, Any]]] = [[] for _ in self._actors]
+        g = start
+        while g < start + n:  # chunk by chunk
+            stop = min(start + n, (g // self._chunk + 1) * self._chunk)
+            pieces[self.shard_of(g)].append((g, key[:, g - start:stop - start],
+                                             value[:, g - start:stop - start]))
+            g = stop
+        grown = [sum(p[1].shape[1] for p in ps) for ps in pieces]
+        full = [k for k in range(self._num_shards) if self._lengths[k] + grown[k] > self._capacity]
+        if full:
+            raise ValueError(f"ShardedKVCache capacity exceeded: shard {full[0]} holds "
+                             f"{self._lengths[full[0]]} of {self._capacity} positions and "
+                             f"{grown[full[0]]} more would go to it; nothing was written. "
+                             "Create it with a larger capacity_per_shard or more shards")
+        before = list(self._lengths)
+        refs = {k: self._actors[k].append.remote(pieces[k]) for k in range(self._num_shards)
+                if pieces[k]}
+        failure: Optional[BaseException] = None
+        for k, ref in refs.items():
+            try:
+                self._lengths[k] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self._shard_died(exc)
+            except ray.exceptions.RayTaskError as exc:
+                failure = failure or exc
+        if failure is not None:  # undo the shards that took their part
+            ray.get([self._actors[k].truncate.remote(before[k], self._runs(k, start))
+                     for k in refs])
+            self._lengths = before
+            cause = getattr(failure, "cause", None)
+            raise (cause if isinstance(cause, (TypeError, ValueError)) else failure) from None
+
+    # ---- attention ------------------------------------------------------
+    def attend(self, query: NDArray[Float], *, is_causal: bool = True,
+               scale: Optional[float] = None, window_size: Optional[tuple[int, int]] = None,
+               alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+               sinks: Optional[NDArray[Any]] = None, return_lse: bool = False
+               ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
+        """Attention of query over every position held, in all shards: the
+        result of ``KVCache.attend`` on one cache holding them all, within
+        the rounding of the merge.
+
+        Parameters
+        ----------
+        query : ndarray, (Hq, L, head_dim)
+            The cache's dtype, or float16 / bfloat16 for a float32 cache
+            (computed in float32, rounded once at the end).  Hq a multiple
+            of num_kv_heads (grouped-query attention).  With is_causal the L
+            queries are the last L positions held (lower-right alignment).
+        is_causal, scale, window_size, alibi_slopes, softcap, sinks, return_lse
+            As in ``KVCache.attend``, with the positions of the whole
+            sequence; alibi_slopes and sinks of shape (Hq,).  Shards whose
+            keys lie wholly outside every query's window (or causal bound)
+            are not asked; the sinks join one shard's softmax only.
+
+        Returns
+        -------
+        out (Hq, L, value_dim) in query's dtype, and with return_lse the
+        log-sum-exp (Hq, L) (float32 for 16-bit queries).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As ``KVCache.attend``.
+        ShardLostError
+            A shard's actor died (now or earlier): the error names the
+            shard and the positions lost; every call raises it until
+            ``restore`` brings the shard back from a snapshot.
+        """
+        self._check_alive()
+        start = time.perf_counter()
+        C.require_array(query, "query")
+        half = C.is_half(query.dtype) and query.dtype.isnative and self._dtype == np.float32
+        if query.dtype != self._dtype and not half:
+            raise TypeError(f"query has dtype {query.dtype}; this ShardedKVCache holds "
+                            f"{self._dtype} (float16 and bfloat16 queries with float32)")
+        if query.ndim != 3 or query.shape[2] != self._head_dim:
+            raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
+                             f"(Hq, L, head_dim) = (Hq, L, {self._head_dim})")
+        Hq, L = query.shape[:2]
+        if Hq % self._num_kv_heads:
+            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads "
+                             f"({self._num_kv_heads}) for grouped-query attention")
+        length = self.length
+        causal = C.check_bool(is_causal, "is_causal")
+        lse_wanted = C.check_bool(return_lse, "return_lse")
+        if causal and L > length:
+            raise ValueError(f"query has {L} positions but the cache holds {length}: with "
+                             "is_causal the queries are the last positions held; append "
+                             "their keys and values first")
+        compute = np.dtype(np.float32) if half else self._dtype
+        scale = C.check_scale(scale, self._head_dim, compute)
+        q0 = length - L
+        variants = _variants.check(window_size, alibi_slopes, softcap, sinks, (Hq,), L, length,
+                                   compute, q0)
+        opts = _Options(causal, scale, None if window_size is None else (
+            variants.window_left, variants.window_right), variants.slopes, softcap, None, True)
+        sink = None if sinks is None else np.asarray(sinks, np.float64)
+        asked = [k for k in range(self._num_shards)
+                 if _parts(self._runs(k, length), q0, L, opts)] or [0]
+        q = ray.put(np.ascontiguousarray(query, compute))  # once, read by every shard
+        level = [(self._actors[k], self._actors[k].attend.remote(q, q0, opts,
+                                                                 sink if n == 0 else None))
+                 for n, k in enumerate(asked)]
+        while len(level) > 1:  # the tree: each pair merged by the first one's shard
+            level = [(a[0], a[0].merge.remote(a[1], b[1])) if b is not None else a
+                     for a, b in zip(level[::2], level[1::2] + [None])]
+        try:
+            out, lse, compute_s, merge_s = ray.get(level[0][1])
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            self._shard_died(exc)
+        if half:
+            out = narrow(out, query.dtype, self._threads)
+        total = time.perf_counter() - start
+        self.last_timing = {"total": total, "compute": compute_s, "merge": merge_s,
+                            "transfer": max(0.0, total - compute_s - merge_s)}
+        return (out, lse) if lse_wanted else out
+
+    # ---- failures, snapshots --------------------------------------------
+    def _check_alive(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this ShardedKVCache is closed")
+        if self._lost:
+            raise self._lost_error("")
+
+    def _lost_error(self, why: str) -> ShardLostError:
+        held = sum(self._lengths[k] for k in self._lost)
+        lost = []
+        for k in self._lost:
+            runs = self._runs(k, self.length)  # the first few ranges of positions
+            lost += [f"shard {k}: " + ", ".join(f"{g}-{g + n - 1}" for _, g, n in runs[:4])
+                      + (", ..." if len(runs) > 4 else "")] if runs else []
+        where = "; ".join(lost)
+        return ShardLostError(
+            f"shard{'s' if len(self._lost) > 1 else ''} {', '.join(map(str, self._lost))} of "
+            f"{self._num_shards} lost{why}: {held} of the {self.length} positions held are "
+            f"gone ({where or 'none held'}). No result is computed from the shards left; "
+            "restore(path) brings the cache back from a snapshot, or close() it",
+            self._lost, held)
+
+    def _shard_died(self, exc: BaseException) -> NoReturn:
+        """Raises ShardLostError when a shard's actor is dead, else exc."""
+        dead = []
+        for k, actor in enumerate(self._actors):
+            try:
+                ray.get(actor.ping.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(k)
+        if not dead:
+            raise exc
+        self._lost = dead
+        cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise self._lost_error(f" (its Ray actor died: {cause})") from exc
+
+    def snapshot(self, path: Union[str, os.PathLike[str]]) -> None:
+        """Saves every shard to path (a folder, made if missing): one NumPy
+        file per shard (shard-K.npz, the keys and values as stored, bit for
+        bit, written by the shard's own process, so on a cluster path must
+        be on a file system every node shares) and cache.json.
+
+        Raises ShardLostError when a shard is lost (a snapshot of the shards
+        left would not be the cache)."""
+        self._check_alive()
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        try:
+            ray.get([a.save.remote(path) for a in self._actors])
+        except ray.exceptions.RayActorError as exc:
+            self._shard_died(exc)
+        with open(os.path.join(path, "cache.json"), "w") as f:
+            json.dump(self._config() | {"shard_lengths": self._lengths}, f)
+
+    def _config(self) -> dict[str, Any]:
+        return {"num_shards": self._num_shards, "num_kv_heads": self._num_kv_heads,
+                "head_dim": self._head_dim, "value_dim": self._value_dim,
+                "capacity_per_shard": self._capacity, "chunk_size": self._chunk,
+                "dtype": self._dtype.name, "storage": self._storage}
+
+    def restore(self, path: Union[str, os.PathLike[str]]) -> None:
+        """Brings every shard back to a snapshot's positions, starting a new
+        actor for each lost shard: after a crash, or into a new cache
+        created with the same arguments.
+
+        Raises
+        ------
+        FileNotFoundError
+            No snapshot at path.
+        ValueError
+            A snapshot of a cache of other sizes, chunk size, dtype or
+            storage.
+        """
+        if not self._finalizer.alive:
+            raise RuntimeError("this ShardedKVCache is closed")
+        path = os.fspath(path)
+        with open(os.path.join(path, "cache.json")) as f:
+            saved = json.load(f)
+        lengths = saved.pop("shard_lengths", None)
+        if saved != self._config():
+            differ = {k: (saved.get(k), v) for k, v in self._config().items()
+                      if saved.get(k) != v}
+            raise ValueError(f"the snapshot at {path} is of another cache: "
+                             + ", ".join(f"{k} {s} there, {v} here"
+                                         for k, (s, v) in differ.items()))
+        for k in self._lost:
+            self._actors[k] = self._start(k)
+        self._lost = []
+        self._lengths = ray.get([a.load.remote(path) for a in self._actors])
+        if self._lengths != lengths:
+            raise ValueError(f"the snapshot at {path} is incomplete: its shards hold "
+                             f"{self._lengths} positions, cache.json says {lengths}")
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release, self._actors, self._group)
+
+    def close(self) -> None:
+        """Ends the shards' processes and frees their CPUs; idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> ShardedKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- a one-shot prefill --------------------------------------------------
+
+def _query_shard(query: NDArray[Any], q0: int, shards: list[tuple[int, int, Any, Any]],
+                 store: Optional[int], opts: _Options, sinks: Optional[NDArray[Any]]
+                 ) -> tuple[Any, Any]:
+    """One query shard (queries at positions q0...) against the key shards
+    (global start, count, key ref, value ref) in ring order, merged: (out,
+    lse).  A key shard that no query sees is skipped, not even fetched."""
+    outs, lses = [], []
+    stored = None if store is None else StoredKV(store)
+    for n, (g, count, key_ref, value_ref) in enumerate(shards):
+        runs = [(0, g, count)]
+        if n and not _parts(runs, q0, query.shape[-2], opts):
+            continue
+        key, value = ray.get([key_ref, value_ref])
+        out, lse = _attend_runs(query, lambda a, b: (key[..., a:b, :], value[..., a:b, :], stored),
+                                runs, q0, opts, None if n else sinks)
+        outs.append(out)
+        lses.append(lse)
+    return merge_attention(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+
+
+_QUERY_SHARD: Any = ray.remote(_query_shard)
+
+
+def _cuts(n: int, parts: int) -> list[tuple[int, int]]:
+    """0..n-1 in parts contiguous ranges of nearly equal length."""
+    edges = [n * p // parts for p in range(parts + 1)]
+    return list(zip(edges, edges[1:]))
+
+
+def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+                      num_shards: int, *, is_causal: bool = False,
+                      causal_alignment: Alignment = "upper_left", scale: Optional[float] = None,
+                      enable_gqa: bool = False, window_size: Optional[tuple[int, int]] = None,
+                      alibi_slopes: Optional[NDArray[Any]] = None,
+                      softcap: Optional[float] = None, sinks: Optional[NDArray[Any]] = None,
+                      return_lse: bool = False, num_cpus_per_shard: float = 1.0,
+                      num_threads: Optional[int] = None
+                      ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
+    """``scaled_dot_product_attention`` computed by Ray tasks over sharded
+    queries and keys: a long prefill spread over processes and machines
+    (Ring Attention's schedule, Liu et al. 2023).
+
+    The L queries and the S keys and values are each cut in num_shards
+    contiguous shards of nearly equal length, put once in Ray's object
+    store.  Task i takes query shard i and visits the key shards in ring
+    order (its own, then i - 1, i - 2, ... wrapping round), skipping, and
+    never fetching, those no query of its shard sees (under is_causal,
+    about half of them), and merges its parts with ``merge_attention``.
+    The outputs of the query shards are concatenated.
+
+    Parameters
+    ----------
+    query, key, value, is_causal, causal_alignment, scale, enable_gqa, window_size,
+    alibi_slopes, softcap, sinks, return_lse
+        As in ``scaled_dot_product_attention``: shapes (..., Hq, L, E),
+        (..., Hkv, S, E), (..., Hkv, S, Ev); no attn_mask (a mask would
+        be cut like the scores; use window_size and is_causal).
+    num_shards : int
+        Shards of the queries and of the keys (>= 1).
+    num_cpus_per_shard : float
+        CPUs each task reserves from the cluster (default 1).
+    num_threads : int or None
+        The kernels' threads in each task; None: num_cpus_per_shard,
+        rounded down, at least 1.
+
+    Returns
+    -------
+    out (..., Hq, L, Ev) in query's dtype, and with return_lse the
+    log-sum-exp (..., Hq, L): within the rounding of the merge of
+    ``scaled_dot_product_attention``'s (see the module's note).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As ``scaled_dot_product_attention``; num_shards not an int >= 1,
+        num_cpus_per_shard not > 0.
+    """
+    shards = C.check_index(num_shards, "num_shards", 1)
+    cpus = C.check_real(num_cpus_per_shard, "num_cpus_per_shard")
+    if not cpus > 0:
+        raise ValueError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard}")
+    threads = max(1, int(cpus)) if num_threads is None else _runtime.resolve_threads(num_threads)
+    # every check of the call, on no rows, before anything is sent
+    empty = _attention(query[..., :0, :], key[..., :0, :], value[..., :0, :], None, 0.0,
+                       is_causal, scale, enable_gqa, causal_alignment, False, True, window_size,
+                       alibi_slopes, softcap, sinks, None, threads)
+    L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
+    dtype = query.dtype
+    compute = C.compute_dtype(dtype)
+    offset = _alignment_offset(causal_alignment, L, S)
+    batch = empty[0].shape[:-2]
+    variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S, compute,
+                               offset)
+    opts = _Options(bool(is_causal), C.check_scale(scale, E, compute), None if window_size is None
+                    else (variants.window_left, variants.window_right), alibi_slopes, softcap,
+                    threads, bool(enable_gqa))
+    if L == 0:
+        return empty if return_lse else empty[0]  # type: ignore[return-value]
+    store = _storage.kind(dtype.name) if compute != dtype else None
+    refs = [(c, d - c, ray.put(np.ascontiguousarray(key[..., c:d, :])),
+             ray.put(np.ascontiguousarray(value[..., c:d, :]))) for c, d in _cuts(S, shards)]
+    tasks = []
+    for i, (a, b) in enumerate(_cuts(L, shards)):
+        if a == b:
+            continue
+        ring = [refs[(i - n) % shards] for n in range(shards)]
+        tasks.append(_QUERY_SHARD.options(num_cpus=cpus).remote(
+            np.ascontiguousarray(query[..., a:b, :], compute), a + offset, ring, store, opts,
+            sinks))
+    try:
+        parts = ray.get(tasks)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        raise (cause if isinstance(cause, (TypeError, ValueError, MemoryError)) else exc) from None
+    out = np.concatenate([p[0] for p in parts], axis=-2)
+    lse = np.concatenate([p[1] for p in parts], axis=-1)
+    if compute != dtype:
+        out = narrow(out, dtype, threads)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,306 @@
+"""fastattn.distributed on a local Ray cluster started here: sharded caches
+and sharded prefill against one process's attention, lost shards,
+snapshots, and nothing left behind."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import assert_close, f64
+
+ray = pytest.importorskip("ray")
+
+import fastattn  # noqa: E402
+from fastattn import reference as ref  # noqa: E402
+from fastattn.distributed import ShardedKVCache, ShardLostError, sharded_attention  # noqa: E402
+
+# A merged result differs from one process's call only by where the blocks
+# of the online softmax end and by the merge's roundings (a weight exp(lse_p
+# - lse) and a sum per level): measured at most 1.4 eps x max|value| for the
+# output and 1.4 eps x max(1, |lse|) for the log-sum-exp, over 2-4 shards and
+# chunks of 16-256 positions.  Tested at 8 eps.
+ULPS = 8
+CPUS = 0.5  # four shards fit in the two CPUs of the test cluster
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster(tmp_path_factory):
+    # Ray's workers start in the driver's folder and import from it first:
+    # in the repository, that would be the source tree, which has no
+    # compiled extension (README: run Python from outside it)
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray"))
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    finally:
+        os.chdir(here)
+    yield
+    ray.shutdown()
+
+
+def close_to_one_process(got, want, value, dtype):
+    """got within ULPS eps of want (one process's result), scaled by the values."""
+    eps = np.finfo(np.float32 if np.dtype(dtype).itemsize <= 4 else np.float64).eps
+    bound = ULPS * eps * max(1.0, float(np.abs(value).max(initial=0)))
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=0,
+                               atol=bound)
+
+
+def lse_close(got, want):
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    eps = np.finfo(got.dtype).eps
+    np.testing.assert_allclose(got[fin], want[fin], rtol=ULPS * eps, atol=ULPS * eps)
+
+
+def options(rng, Hq, kind):
+    return {"plain": {}, "window": dict(window_size=(37, 0)),
+            "alibi": dict(alibi_slopes=rng.random(Hq) * 0.3),
+            "sinks+softcap": dict(sinks=rng.standard_normal(Hq), softcap=5.0),
+            "all": dict(window_size=(90, 3), alibi_slopes=rng.random(Hq) * 0.1,
+                        sinks=rng.standard_normal(Hq), softcap=30.0, scale=0.3),
+            "not causal": dict(is_causal=False)}[kind]
+
+
+@pytest.mark.parametrize("storage,dtype", [("float32", np.float32), ("int8", np.float32),
+                                           ("float16", np.float32), ("bfloat16", np.float32),
+                                           ("float64", np.float64)])
+def test_cache_equals_one_process(storage, dtype):
+    """Every option and storage: the sharded cache gives one KVCache's result
+    on the same stored values, after a prefill and decoding steps of 6 and 1
+    queries.  (One cache per storage: each shard is a process to start.)"""
+    if storage == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(len(storage))
+    Hkv, Hq, E, Ev, S = 2, 4, 16, 8, 700
+    k = rng.standard_normal((Hkv, S, E)).astype(dtype)
+    v = rng.standard_normal((Hkv, S, Ev)).astype(dtype)
+    one = fastattn.KVCache(1, Hkv, S + 10, E, value_dim=Ev, dtype=dtype, storage=storage)
+    with ShardedKVCache(3, Hkv, E, value_dim=Ev, capacity_per_shard=300, chunk_size=64,
+                        dtype=dtype, storage=storage, num_cpus_per_shard=CPUS) as cache:
+        for a, b in [(0, 500), (500, 506), (506, 507)]:  # a prefill, then steps
+            cache.append(k[:, a:b], v[:, a:b])
+            one.append(k[None, :, a:b], v[None, :, a:b])
+            L = b - a if b - a < 10 else 1
+            for kind in ["plain", "window", "alibi", "sinks+softcap", "all", "not causal"]:
+                q = rng.standard_normal((Hq, L, E)).astype(dtype)
+                opts = options(rng, Hq, kind)
+                out, lse = cache.attend(q, return_lse=True, **opts)
+                want, want_lse = one.attend(q[None], return_lse=True, **opts)
+                close_to_one_process(out, want[0], v, dtype)
+                lse_close(lse, want_lse[0])
+        assert cache.length == 507 and sum(cache.shard_lengths) == 507
+
+
+def test_16_bit_queries_are_rounded_once():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((2, 400, 8)).astype(np.float32)
+    one = fastattn.KVCache(1, 2, 400, 8)
+    one.append(k[None], k[None])
+    with ShardedKVCache(2, 2, 8, capacity_per_shard=256, chunk_size=32,
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k, k)
+        for half in (np.float16, ml_dtypes.bfloat16):
+            q = rng.standard_normal((4, 3, 8)).astype(half)
+            out = cache.attend(q)
+            assert out.dtype == np.dtype(half)
+            # the float32 result rounded once: at most one rounding step apart
+            want = one.attend(q[None].astype(np.float32))[0]
+            step = np.finfo(half).eps * np.abs(want) + ULPS * np.finfo(np.float32).eps
+            assert np.all(np.abs(out.astype(np.float32) - want) <= step)
+
+
+def test_against_the_float64_reference_with_gqa_and_alibi():
+    rng = np.random.default_rng(4)
+    Hkv, Hq, E, S, L = 2, 6, 32, 1000, 4
+    k, v = (rng.standard_normal((Hkv, S, E)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((Hq, L, E)).astype(np.float32)
+    slopes = rng.random(Hq) * 0.05
+    with ShardedKVCache(4, Hkv, E, capacity_per_shard=256, chunk_size=50,
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k, v)
+        out = cache.attend(q, alibi_slopes=slopes, window_size=(400, 0))
+    want = ref.scaled_dot_product_attention(*f64(q, k, v), is_causal=True, enable_gqa=True,
+                                            causal_alignment="lower_right", alibi_slopes=slopes,
+                                            window_size=(400, 0))
+    assert_close(out, want, np.float32, E + S, magnitude=float(np.abs(v).max()))
+
+
+def test_positions_are_dealt_in_chunks_round_robin():
+    with ShardedKVCache(3, 1, 4, capacity_per_shard=40, chunk_size=10,
+                        num_cpus_per_shard=CPUS) as cache:
+        x = np.zeros((1, 45, 4), np.float32)
+        cache.append(x[:, :7], x[:, :7])
+        cache.append(x[:, 7:45], x[:, 7:45])
+        # chunks 0-9, 30-39 -> shard 0; 10-19, 40-44 -> 1; 20-29 -> 2
+        assert cache.shard_lengths == [20, 15, 10]
+        assert [cache.shard_of(p) for p in (0, 9, 10, 29, 30, 44)] == [0, 0, 1, 2, 0, 1]
+
+
+def test_a_failed_append_writes_nothing_in_any_shard():
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((2, 100, 8)).astype(np.float32)
+    with ShardedKVCache(2, 2, 8, capacity_per_shard=64, chunk_size=16, storage="int8",
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k[:, :50], k[:, :50])
+        q = rng.standard_normal((2, 1, 8)).astype(np.float32)
+        before = cache.attend(q)
+        bad = k[:, 50:90].copy()
+        bad[1, 35, 2] = np.inf  # lands in shard 1; shard 0 takes its part first
+        with pytest.raises(ValueError, match="non-finite|finite"):
+            cache.append(bad, bad)
+        assert cache.shard_lengths == [32, 18]
+        with pytest.raises(ValueError, match="capacity exceeded: shard 0"):
+            cache.append(k, k)
+        assert cache.shard_lengths == [32, 18]
+        np.testing.assert_array_equal(cache.attend(q), before)
+        with pytest.raises(TypeError, match="dtype float64"):
+            cache.append(k.astype(np.float64), k.astype(np.float64))
+        with pytest.raises(ValueError, match=r"expected \(num_kv_heads, n, head_dim\)"):
+            cache.append(k[0], k[0])
+        with pytest.raises(ValueError, match="append their keys"):
+            cache.attend(rng.standard_normal((2, 51, 8)).astype(np.float32))
+
+
+def test_a_killed_shard_raises_until_restored(tmp_path):
+    rng = np.random.default_rng(6)
+    k = rng.standard_normal((2, 300, 8)).astype(np.float32)
+    q = rng.standard_normal((4, 1, 8)).astype(np.float32)
+    with ShardedKVCache(3, 2, 8, capacity_per_shard=128, chunk_size=32,
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k, k)
+        before = cache.attend(q)
+        cache.snapshot(tmp_path / "snap")
+        ray.kill(cache._actors[1])
+        with pytest.raises(ShardLostError) as info:
+            cache.attend(q)
+        message = str(info.value)
+        print(message)
+        assert info.value.shards == [1] and info.value.positions == 96
+        assert "shard 1 of 3 lost" in message and "32-63" in message and "restore" in message
+        for call in (lambda: cache.attend(q), lambda: cache.append(k[:, :1], k[:, :1]),
+                     lambda: cache.snapshot(tmp_path / "other")):
+            with pytest.raises(ShardLostError, match="shard 1 of 3 lost"):
+                call()
+        cache.restore(tmp_path / "snap")
+        np.testing.assert_array_equal(cache.attend(q), before)
+        cache.append(k[:, :5], k[:, :5])  # and it goes on
+        assert cache.length == 305
+
+
+def test_snapshot_restores_into_a_new_cache(tmp_path):
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((1, 90, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 4)).astype(np.float32)
+    args = dict(capacity_per_shard=64, chunk_size=8, storage="float16", num_cpus_per_shard=CPUS)
+    with ShardedKVCache(2, 1, 4, **args) as cache:
+        cache.append(k, k)
+        want = cache.attend(q)
+        cache.snapshot(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["cache.json", "shard-0.npz", "shard-1.npz"]
+    with ShardedKVCache(2, 1, 4, **args) as again:
+        again.restore(tmp_path)
+        assert again.length == 90
+        np.testing.assert_array_equal(again.attend(q), want)
+    with ShardedKVCache(2, 1, 4, **dict(args, chunk_size=16)) as other:
+        with pytest.raises(ValueError, match="chunk_size 8 there, 16 here"):
+            other.restore(tmp_path)
+        with pytest.raises(FileNotFoundError):
+            other.restore(tmp_path / "missing")
+
+
+def all_cpus_free():
+    """True once every CPU of the cluster is free (Ray returns a closed
+    cache's CPUs asynchronously), within 20 s."""
+    for _ in range(200):
+        if ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_close_leaves_no_actor_and_no_object():
+    worker = ray._private.worker.global_worker
+    assert all_cpus_free()
+    objects = len(worker.core_worker.get_all_reference_counts())
+    cache = ShardedKVCache(4, 2, 8, capacity_per_shard=32, chunk_size=8,
+                           num_cpus_per_shard=CPUS)
+    cache.append(np.ones((2, 100, 8), np.float32), np.ones((2, 100, 8), np.float32))
+    cache.attend(np.ones((2, 1, 8), np.float32))
+    assert ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]
+    cache.close()
+    cache.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        cache.attend(np.ones((2, 1, 8), np.float32))
+    assert all_cpus_free()
+    assert len(worker.core_worker.get_all_reference_counts()) == objects
+
+
+def test_unplaceable_shards_time_out_and_reserve_nothing():
+    with pytest.raises(TimeoutError, match="could not place 2 shards of 4 CPU"):
+        ShardedKVCache(2, 1, 4, capacity_per_shard=8, num_cpus_per_shard=4, timeout=2)
+    assert all_cpus_free()
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (dict(placement="everywhere"), ValueError, "placement must be one of"),
+    (dict(num_cpus_per_shard=0), ValueError, "num_cpus_per_shard must be > 0"),
+    (dict(chunk_size=0), ValueError, "chunk_size"),
+    (dict(storage="int4"), ValueError, "storage"),
+])
+def test_bad_arguments(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        ShardedKVCache(2, 1, 4, **dict(dict(capacity_per_shard=8), **bad))
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["causal", "lower_right", "offset", "window+alibi", "sinks",
+                                  "full"])
+def test_sharded_attention_equals_one_call(shards, kind):
+    rng = np.random.default_rng(shards * 10 + len(kind))
+    Hkv, Hq, L, S, E, Ev = 2, 4, 150, 230, 16, 8
+    q = rng.standard_normal((2, Hq, L, E)).astype(np.float32)
+    k = rng.standard_normal((2, Hkv, S, E)).astype(np.float32)
+    v = rng.standard_normal((2, Hkv, S, Ev)).astype(np.float32)
+    opts = {"causal": dict(is_causal=True), "full": {},
+            "lower_right": dict(is_causal=True, causal_alignment="lower_right"),
+            "offset": dict(is_causal=True, causal_alignment=40, window_size=(60, 10)),
+            "window+alibi": dict(is_causal=True, window_size=(20, 0),
+                                 alibi_slopes=rng.random((2, Hq)) * 0.2, softcap=10.0),
+            "sinks": dict(sinks=rng.standard_normal(Hq), scale=0.2)}[kind]
+    out, lse = sharded_attention(q, k, v, shards, enable_gqa=True, return_lse=True,
+                                 num_cpus_per_shard=CPUS, **opts)
+    want, want_lse = fastattn.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                                           return_lse=True, **opts)
+    close_to_one_process(out, want, v, np.float32)
+    lse_close(lse, want_lse)
+
+
+def test_sharded_attention_dtypes_and_edges():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(9)
+    for dtype in (np.float64, np.float16, ml_dtypes.bfloat16):
+        q, k, v = (rng.standard_normal((3, n, 8)).astype(dtype) for n in (50, 70, 70))
+        out = sharded_attention(q, k, v, 3, is_causal=True, num_cpus_per_shard=CPUS)
+        want = ref.scaled_dot_product_attention(*f64(q, k, v), is_causal=True)
+        assert_close(out, want, dtype, 8 + 70)
+    q = rng.standard_normal((1, 2, 4)).astype(np.float32)
+    out, lse = sharded_attention(q, q[:, :0], q[:, :0], 2, return_lse=True,
+                                 num_cpus_per_shard=CPUS)  # no keys: zeros, lse -inf
+    assert not out.any() and np.isneginf(lse).all()
+    out = sharded_attention(q, q, q, 5, num_cpus_per_shard=CPUS)  # more shards than rows
+    np.testing.assert_allclose(out, fastattn.scaled_dot_product_attention(q, q, q), atol=1e-6)
+    assert sharded_attention(q[:, :0], q, q, 2, num_cpus_per_shard=CPUS).shape == (1, 0, 4)
+    with pytest.raises(ValueError, match="num_shards"):
+        sharded_attention(q, q, q, 0)
+    with pytest.raises(ValueError, match="key's last axis"):
+        sharded_attention(q, q[..., :3], q, 2)
+
+
+def test_import_fastattn_does_not_import_ray(tmp_path):
+    code = "import sys, fastattn; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # the installed one
