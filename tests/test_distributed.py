@@ -304,3 +304,32 @@ def test_sharded_attention_dtypes_and_edges():
 def test_import_fastattn_does_not_import_ray(tmp_path):
     code = "import sys, fastattn; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # the installed one
+
+
+def run_script(args, cwd):
+    """A script in its own process (it starts its own Ray cluster)."""
+    done = subprocess.run([sys.executable] + args, cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_example_splits_each_token(tmp_path):
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "sharded_decode.py")
+    out = run_script([example, "--context", "5000", "--tokens", "3"], tmp_path)
+    assert "5000 positions in 2 shards: [4096, 904]" in out  # chunks of 4096, round-robin
+    assert "median of tokens 1-2:" in out and "= kernels" in out
+    diffs = [float(line.split()[-1]) for line in out.splitlines()[2:5]]
+    assert max(diffs) < 1e-6  # float32 outputs of values ~N(0, 1): the merge's rounding
+
+
+def test_bench_sharded_reports_the_model(tmp_path):
+    import json
+    out = run_script(["-m", "fastattn", "bench", "--sharded", "--context", "3000", "--repeat",
+                      "2", "--no-progress", "--json", "r.json"], tmp_path)
+    assert "the cost model:" in out and "arithmetic, per shard" in out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["context"] == 3000 and len(r["steps"]) == 2
+    assert r["model"]["bytes_per_token"] == 3000 * 8 * 256 * 2
+    assert r["max_abs_diff_vs_one_process"] < 1e-6
+    assert set(r["median_s"]) == {"total", "compute", "merge", "transfer", "one_process"}

@@ -127,6 +127,15 @@ def add_arguments(p):
                         "serving.py); --threads, --repeat, --seed and --json apply.  About 7 minutes "
                         "on 2 cores at 1,2 threads, and 12 GB of memory (its padded rows of the "
                         "mixed step take most of the time)")
+    p.add_argument("--sharded", action="store_true",
+                   help="instead of the shapes: decoding over a cache of --context positions "
+                        "(8 key/value heads of 128, float16) sharded over 2 Ray actors, per "
+                        "token, split into kernels, merges and transfer, against one process "
+                        "and the cost model (fastattn/bench/sharded.py; needs Ray: pip install "
+                        "'fastattn[ray]'); --repeat (tokens), --seed and --json apply.  About "
+                        "2 minutes and 10 GB of memory at the default context")
+    p.add_argument("--context", type=_at_least(int, 1), default=1 << 20, metavar="N",
+                   help="positions of the --sharded cache (default 1048576: 4 GiB)")
     p.add_argument("--busy", type=_at_least(int, 0), default=0, metavar="N",
                    help="keep N cores busy with spinning processes while the cases run, "
                         "as other programs do on a shared machine; the table then gives the "
@@ -165,6 +174,10 @@ def main(args):
         return 2
     if args.serving:
         return _serving(args)
+    if args.sharded:
+        if not require(["ray"], "pip install 'fastattn[ray]'", "fastattn bench --sharded"):
+            return 2
+        return _sharded(args)
     from . import report as rep
     from .suite import run_suite
 
@@ -215,6 +228,19 @@ def _serving(args):
 
     result = serving.run(args.threads, rounds=args.repeat or DEFAULT["repeat"], seed=args.seed,
                          progress=not args.no_progress)
+    return _report(args, result, serving.format_table)
+
+
+def _sharded(args):
+    from . import sharded
+
+    result = sharded.run(args.context, tokens=args.repeat or 8, seed=args.seed,
+                         progress=not args.no_progress)
+    return _report(args, result, sharded.format_table)
+
+
+def _report(args, result, format_table):
+    """Writes result to --json, then prints its table."""
     if args.json:
         try:
             with open(args.json, "w") as f:
@@ -222,7 +248,7 @@ def _serving(args):
         except OSError as e:
             print(f"fastattn bench: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
             return 1
-    print(serving.format_table(result))
+    print(format_table(result))
     if args.json:
         print(f"wrote {args.json}")
     return 0
