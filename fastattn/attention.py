@@ -268,7 +268,7 @@ def scaled_dot_product_attention(
         are a slice of a longer sequence starting at position s0, and
         queries starting at position q0, k = q0 - s0, so that each slice's
         call, merged with ``merge_attention``, gives the whole sequence's
-        attention (what ``fastattn.distributed`` does).  |k| < 2**53.
+        attention (what ``fastattn.distributed`` does).  ``abs(k) < 2**53``.
     need_weights : bool
         Also return the attention weights, shape (..., Hq, L, S).
     return_lse : bool

@@ -1,6 +1,6 @@
 """README.md's Python code blocks run as a reader pastes them: in order, in
 one namespace (a block may use what an earlier one made), from outside the
-source tree.  A block that imports torch or transformers runs where they are
+source tree.  A block that imports torch, transformers or ray runs where they are
 installed."""
 import importlib.util
 import os
@@ -23,7 +23,7 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # what a block writes lands here
     namespace = {"__name__": "readme"}
     for i, block in enumerate(BLOCKS):
-        needs = [m for m in ("torch", "transformers") if re.search(rf"\bimport {m}\b", block)]
+        needs = [m for m in ("torch", "transformers", "ray") if re.search(rf"\bimport {m}\b", block)]
         if any(importlib.util.find_spec(m) is None for m in needs):
             continue
         try:

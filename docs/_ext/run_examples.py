@@ -3,8 +3,8 @@
 The blocks of a page run in order in one namespace (a block may use what an
 earlier one of its page made), in a temporary directory, so that an example
 that no longer runs fails the build instead of misleading a reader.  A
-block that imports torch or transformers runs where they are installed and
-is noted as skipped elsewhere.
+block that imports torch, transformers or ray runs where they are installed
+and is noted as skipped elsewhere.
 """
 import importlib.util
 import os
@@ -15,7 +15,7 @@ from sphinx.util import logging
 
 logger = logging.getLogger(__name__)
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-OPTIONAL = ("torch", "transformers")
+OPTIONAL = ("torch", "transformers", "ray")
 
 
 def run_page(app, docname, source):
