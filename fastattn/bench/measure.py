@@ -12,6 +12,8 @@ import numpy as np
 import fastattn
 from fastattn import _peak
 
+from .cpu import describe
+
 
 @dataclass
 class Timing:
@@ -186,7 +188,7 @@ def machine_info():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "simd_paths": fastattn.available_simd_paths(),
+    return {"cpu": cpu, "cpu_id": describe(), "logical_cpus": os.cpu_count(), "simd_paths": fastattn.available_simd_paths(),
             "fastattn": fastattn.__version__, "fastattn_simd": fastattn.simd_path(),
             "openmp": fastattn.openmp_enabled(), "numpy": np.__version__,
             "python": sys.version.split()[0]}

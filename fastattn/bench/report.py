@@ -2,6 +2,7 @@
 table and the plot."""
 import textwrap
 
+from .cpu import machine_label
 from .runners import BASELINES, PEERS, RUNNERS
 from .shapes import ALL_SHAPES
 
@@ -137,7 +138,7 @@ def format_table(report):
              f"per case after {s['warmup']} warm-up call(s), each case in a fresh process"
              + (f", {s['busy']} core(s) kept busy by other processes (--busy)"
                 if s.get("busy") else ""),
-             f"CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs; SIMD paths "
+             f"CPU: {machine_label(m)} ({m['logical_cpus']} logical CPUs; SIMD paths "
              f"{', '.join(m['simd_paths'])})",
              f"fastattn {m['fastattn']} (SIMD path{'s' * (len(s.get('simd', [])) > 1)} measured: "
              f"{', '.join(s.get('simd', [m['fastattn_simd']]))}; OpenMP "
@@ -205,7 +206,7 @@ def format_memory(report, estimated=()):
     estimated hold the whole score matrix and get its size instead."""
     m = report["machine"]
     lines = [f"fastattn bench --memory: one call per runner, each in a fresh process; peak "
-             f"resident memory above the inputs and the output (Linux VmHWM); CPU: {m['cpu']}"]
+             f"resident memory above the inputs and the output (Linux VmHWM); CPU: {machine_label(m)}"]
     for shape_name in report["settings"]["shapes"]:
         shape = ALL_SHAPES[shape_name]
         lines += [f"== peak memory, {shape.name} ({shape.describe()}; inputs + output "

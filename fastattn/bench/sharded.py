@@ -30,6 +30,8 @@ import numpy as np
 
 import fastattn
 
+from .cpu import machine_label
+
 HQ, HKV, E = 32, 8, 128
 PIECE = 1 << 15  # positions per append while filling: 128 MiB of float32 keys and values
 NETWORKS = {"10 Gb/s": 10e9 / 8, "100 Gb/s": 100e9 / 8}  # bytes/s
@@ -110,7 +112,8 @@ def run(context=1 << 20, shards=2, tokens=8, warmup=2, seed=0, progress=True):
     median = {name: statistics.median(s[name] for s in steps) for name in steps[0]}
     return {"machine": machine_info(), "context": context, "shards": shards,
             "query_heads": HQ, "kv_heads": HKV, "head_dim": E, "storage": "float16",
-            "tokens": tokens, "fill_s": fill, "read_gbps": {"1": bw_1, str(shards): bw_n}, "fma_gflops_1": gflops,
+            "tokens": tokens, "fill_s": fill, "read_gbps": {"1": bw_1, str(shards): bw_n},
+            "fma_gflops_1": gflops,
             "median_s": median, "steps": steps, "max_abs_diff_vs_one_process": worst,
             "model": model(context, shards, bw_1, bw_n, gflops)}
 
@@ -122,8 +125,9 @@ def format_table(r):
              f"heads of {r['head_dim']} ({mod['bytes_per_token'] / 2**30:.1f} GiB as "
              f"{r['storage']}), {r['query_heads']} query heads, {r['shards']} shards on this "
              f"machine; medians of {r['tokens']} tokens",
-             f"  CPU: {r['machine']['cpu']}; read bandwidth {r['read_gbps']['1']:.1f} GB/s at 1 "
-             f"thread, {r['read_gbps'][str(r['shards'])]:.1f} at {r['shards']}; FMA peak "
+             f"  CPU: {machine_label(r['machine'])}",
+             f"  read bandwidth {r['read_gbps']['1']:.1f} GB/s at 1 thread, "
+             f"{r['read_gbps'][str(r['shards'])]:.1f} at {r['shards']}; FMA peak "
              f"{r['fma_gflops_1']:.0f} GFLOP/s per core",
              "", f"  {'per token':34s} {'ms':>8s}",
              f"  {'sharded: total':34s} {m['total'] * ms:8.1f}",
