@@ -372,21 +372,13 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     """scaled_dot_product_attention's work; with stored, key and value are a
     KVCache's buffers in that storage (query's dtype is then the only one
     checked)."""
-    for name, a in (("query", query), ("key", key), ("value", value)):
-        C.require_array(a, name)
-        C.require_ndim(a, name, 2, "(..., length, features)")
+    require_qkv(query, key, value)
     dtype = (C.attention_dtype(query=query, key=key, value=value) if stored is None
              else C.attention_dtype(query=query))
     compute = C.compute_dtype(dtype)  # float32 for the 16-bit dtypes
     L, E = query.shape[-2:]
-    S, Ek = key.shape[-2:]
-    Sv, Ev = value.shape[-2:]
-    if Ek != E:
-        raise ValueError(f"key's last axis ({Ek}) must equal query's last axis E ({E}); "
-                         f"query {C.shape_str(query.shape)}, key {C.shape_str(key.shape)}")
-    if Sv != S:
-        raise ValueError(f"value must have as many rows as key (S = {S}), got {Sv}; "
-                         f"key {C.shape_str(key.shape)}, value {C.shape_str(value.shape)}")
+    S = key.shape[-2]
+    Ev = value.shape[-1]
     if E > _MAX_FEATURES or Ev > _MAX_FEATURES:
         raise ValueError(f"query/key have E = {E} and value Ev = {Ev} features per head; "
                          f"at most {_MAX_FEATURES} are supported")
@@ -490,6 +482,22 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
         weights = narrow(weights, dtype, nthreads)
     results = (out,) + tuple(x for x in (weights, lse) if x is not None)  # lse: float32
     return results[0] if len(results) == 1 else results  # type: ignore[return-value]
+
+
+def require_qkv(query: object, key: object, value: object) -> None:
+    """query (..., L, E), key (..., S, E) and value (..., S, Ev): arrays of
+    these lengths, or the error naming the one that is not."""
+    names = ("query", "key", "value")
+    q, k, v = (C.require_array(a, name) for a, name in zip((query, key, value), names))
+    for a, name in zip((q, k, v), names):
+        C.require_ndim(a, name, 2, "(..., length, features)")
+    E, (S, Ek), Sv = q.shape[-1], k.shape[-2:], v.shape[-2]
+    if Ek != E:
+        raise ValueError(f"key's last axis ({Ek}) must equal query's last axis E ({E}); "
+                         f"query {C.shape_str(q.shape)}, key {C.shape_str(k.shape)}")
+    if Sv != S:
+        raise ValueError(f"value must have as many rows as key (S = {S}), got {Sv}; "
+                         f"key {C.shape_str(k.shape)}, value {C.shape_str(v.shape)}")
 
 
 def _alignment_offset(causal_alignment: object, L: int, S: int) -> int:

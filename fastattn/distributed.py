@@ -41,7 +41,7 @@ from . import _checks as C
 from . import _runtime, _storage, _variants
 from ._typing import Float, NDArray
 from .attention import (Alignment, StoredKV, _alignment_offset, _attention, merge_attention,
-                        narrow)
+                        narrow, require_qkv)
 from .kv_cache import KVCache
 
 __all__ = ["ShardLostError", "ShardedKVCache", "sharded_attention"]
@@ -198,17 +198,32 @@ class _Shard:
         state["runs"] = np.array(self._runs, np.int64).reshape(-1, 3)
         np.savez(os.path.join(path, f"shard-{self._index}.npz"), **cast("dict[str, Any]", state))
 
-    def load(self, path: str) -> int:
-        with np.load(os.path.join(path, f"shard-{self._index}.npz")) as saved:
-            state = {name: saved[name] for name in saved.files}
-        runs = [tuple(int(x) for x in r) for r in state.pop("runs")]
+    def load(self, path: str, length: int, runs: list[tuple[int, int, int]]) -> None:
+        """Holds the positions of its file in a snapshot, which must be
+        length positions in these runs; ValueError, nothing changed, else."""
+        name = os.path.join(path, f"shard-{self._index}.npz")
+        try:
+            with np.load(name) as saved:
+                state = {key: saved[key] for key in saved.files}
+            held = [tuple(int(x) for x in r) for r in state.pop("runs")]
+        except Exception as exc:  # noqa: BLE001 - any unreadable file says the same
+            raise ValueError(f"{name} cannot be read: {type(exc).__name__}: {exc}") from None
+        key = state.get("key")
+        if held != [tuple(r) for r in runs] or key is None or key.shape[2:3] != (length,):
+            raise ValueError(f"{name} holds other positions than the snapshot's cache.json "
+                             f"gives this shard ({length})")
         self._cache._load_state(state)
-        self._runs = runs  # type: ignore[assignment]
-        return self._cache.length
+        self._runs = list(runs)
 
 
 # restarted, a shard would come back empty and give wrong answers: never
 _SHARD: Any = ray.remote(max_restarts=0)(_Shard)
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last line of an error Ray relays: the original exception's."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _free_cpus() -> float:
@@ -274,16 +289,23 @@ class ShardedKVCache:
         The kernels' threads in each shard; None: num_cpus_per_shard,
         rounded down, at least 1.
     timeout : float
-        Seconds to wait for the cluster to place the shards (default 60).
+        Seconds to wait for the cluster to place and start the shards
+        (default 60, > 0).
 
     Raises
     ------
     TypeError, ValueError
-        Sizes, dtype or storage as ``KVCache`` refuses them; an unknown
-        placement; num_cpus_per_shard not > 0.
+        Sizes, dtype or storage as ``KVCache`` refuses them (buffers no
+        address space holds included); an unknown placement;
+        num_cpus_per_shard or timeout not > 0; more CPUs than the cluster
+        has in all (an autoscaling cluster: add the nodes first).
     TimeoutError
         The cluster cannot place the shards within timeout (too few CPUs
         free, or nodes for a strict strategy); nothing is left reserved.
+    RuntimeError
+        A shard's process could not start (its buffers could not be
+        allocated on its node, say): the message has its error; nothing is
+        left running.
     """
 
     def __init__(self, num_shards: int, num_kv_heads: int, head_dim: int, *,
@@ -306,10 +328,26 @@ class ShardedKVCache:
         cpus = C.check_real(num_cpus_per_shard, "num_cpus_per_shard")
         if not cpus > 0:
             raise ValueError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard}")
+        self._timeout = C.check_real(timeout, "timeout")
+        if not self._timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self._threads = (max(1, int(cpus)) if num_threads is None
                          else _runtime.resolve_threads(num_threads))
+        stored = _storage.storage_dtype(self._storage).itemsize
+        if not C.addressable((self._num_kv_heads, self._capacity,
+                              max(self._head_dim, self._value_dim, 1)), stored):
+            raise ValueError(f"capacity_per_shard={self._capacity} would need buffers larger "
+                             "than any address space; lower it or add shards")
+        if not ray.is_initialized():
+            ray.init()  # what Ray's first remote call would do: a local cluster
+        total = float(ray.cluster_resources().get("CPU", 0))  # type: ignore[no-untyped-call]
+        if self._num_shards * cpus > total:
+            raise ValueError(f"{self._num_shards} shards of {cpus:g} CPU each need "
+                             f"{self._num_shards * cpus:g} CPUs; the Ray cluster has {total:g} "
+                             "in all. Lower num_cpus_per_shard or num_shards, or add nodes")
         self._lengths = [0] * self._num_shards
         self._lost: list[int] = []
+        self._lost_why = ""
         self.last_timing: dict[str, float] = {}
         """Seconds of the last attend: "total" (the caller's), "compute" (the
         slowest shard's kernels), "merge" (the merges on the tree's longest
@@ -318,16 +356,22 @@ class ShardedKVCache:
         self._group = placement_group([{"CPU": cpus}] * self._num_shards,
                                       strategy=_PLACEMENTS[placement])
         try:
-            ray.get(self._group.ready(), timeout=timeout)
+            ray.get(self._group.ready(), timeout=self._timeout)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self._group)
             raise TimeoutError(
                 f"the Ray cluster could not place {self._num_shards} shards of "
-                f"{cpus:g} CPU each ({placement}) within {timeout:g} s; it has "
+                f"{cpus:g} CPU each ({placement}) within {self._timeout:g} s; it has "
                 f"{_free_cpus():g} CPUs free. Lower "
                 "num_cpus_per_shard or num_shards, or add nodes") from None
         self._actors = [self._start(k) for k in range(self._num_shards)]
         self._finalizer = weakref.finalize(self, _release, self._actors, self._group)
+        for k, actor in enumerate(self._actors):  # a shard that cannot start: say why, now
+            try:
+                ray.get(actor.ping.remote(), timeout=self._timeout)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+                self.close()
+                raise RuntimeError(f"shard {k} could not start: {_last_line(exc)}") from None
 
     def _start(self, k: int) -> Any:
         """Shard k's actor, in bundle k of the placement group."""
@@ -372,8 +416,8 @@ class ShardedKVCache:
                 f"dtype={self._dtype.name}, storage={self._storage}, length={self.length})")
 
     def shard_of(self, position: int) -> int:
-        """The shard that holds (or will hold) a position."""
-        return (position // self._chunk) % self._num_shards
+        """The shard that holds (or will hold) a position (an int >= 0)."""
+        return (C.check_index(position, "position", 0) // self._chunk) % self._num_shards
 
     def _runs(self, k: int, length: int) -> list[tuple[int, int, int]]:
         """(local start, global start, count) of shard k's chunks among the
@@ -538,8 +582,11 @@ class ShardedKVCache:
     def _check_alive(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("this ShardedKVCache is closed")
+        if not ray.is_initialized():
+            raise RuntimeError("Ray was shut down, and this cache's shards with it; create a "
+                               "new ShardedKVCache (and restore a snapshot into it)")
         if self._lost:
-            raise self._lost_error("")
+            raise self._lost_error(self._lost_why)
 
     def _lost_error(self, why: str) -> ShardLostError:
         held = sum(self._lengths[k] for k in self._lost)
@@ -556,19 +603,24 @@ class ShardedKVCache:
             "restore(path) brings the cache back from a snapshot, or close() it",
             self._lost, held)
 
-    def _shard_died(self, exc: BaseException) -> NoReturn:
-        """Raises ShardLostError when a shard's actor is dead, else exc."""
+    def _dead_shards(self) -> list[int]:
+        """The shards whose actor does not answer."""
         dead = []
         for k, actor in enumerate(self._actors):
             try:
-                ray.get(actor.ping.remote(), timeout=30)
+                ray.get(actor.ping.remote(), timeout=self._timeout)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 dead.append(k)
+        return dead
+
+    def _shard_died(self, exc: BaseException) -> NoReturn:
+        """Raises ShardLostError when a shard's actor is dead, else exc."""
+        dead = self._dead_shards()
         if not dead:
             raise exc
         self._lost = dead
-        cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise self._lost_error(f" (its Ray actor died: {cause})") from exc
+        self._lost_why = f" (its Ray actor died: {_last_line(exc)})"
+        raise self._lost_error(self._lost_why) from exc
 
     def snapshot(self, path: Union[str, os.PathLike[str]]) -> None:
         """Saves every shard to path (a folder, made if missing): one NumPy
@@ -596,38 +648,84 @@ class ShardedKVCache:
 
     def restore(self, path: Union[str, os.PathLike[str]]) -> None:
         """Brings every shard back to a snapshot's positions, starting a new
-        actor for each lost shard: after a crash, or into a new cache
-        created with the same arguments.
+        actor for each shard whose process died: after a crash, or into a
+        new cache created with the same arguments.  Positions appended after
+        the snapshot are gone from every shard.
+
+        All or nothing: the snapshot is checked (its cache.json against this
+        cache, the shards' lengths against the round-robin rule, each file's
+        positions and arrays) before a shard takes it.  Should a shard still
+        fail to load (its file unreadable), every call raises
+        ShardLostError until a restore succeeds: the shards would no longer
+        make one cache.
 
         Raises
         ------
         FileNotFoundError
-            No snapshot at path.
+            No snapshot at path, or a shard's file missing.
         ValueError
             A snapshot of a cache of other sizes, chunk size, dtype or
-            storage.
+            storage, or one whose files do not agree with it.
         """
         if not self._finalizer.alive:
             raise RuntimeError("this ShardedKVCache is closed")
+        if not ray.is_initialized():
+            raise RuntimeError("Ray was shut down, and this cache's shards with it; create a "
+                               "new ShardedKVCache and restore the snapshot into it")
         path = os.fspath(path)
-        with open(os.path.join(path, "cache.json")) as f:
-            saved = json.load(f)
-        lengths = saved.pop("shard_lengths", None)
+        lengths = self._read_snapshot(path)
+        for k in sorted(set(self._lost) | set(self._dead_shards())):
+            ray.kill(self._actors[k])  # a process that does not answer is not kept
+            self._actors[k] = self._start(k)
+        total = sum(lengths)
+        refs = [a.load.remote(path, lengths[k], self._runs(k, total))
+                for k, a in enumerate(self._actors)]
+        failed = []
+        for k, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                failed.append(f"shard {k}: {_last_line(exc)}")
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release, self._actors, self._group)
+        if failed:
+            self._lost = list(range(self._num_shards))
+            self._lost_why = f" (a restore from {path} failed)"
+            raise ValueError(f"the snapshot at {path} could not be loaded ({'; '.join(failed)}); "
+                             "the shards no longer make one cache: every call raises "
+                             "ShardLostError until a restore succeeds")
+        self._lengths, self._lost = lengths, []
+
+    def _read_snapshot(self, path: str) -> list[int]:
+        """The shard lengths of the snapshot at path, checked against this
+        cache and the round-robin rule, its files present."""
+        name = os.path.join(path, "cache.json")
+        with open(name) as f:
+            try:
+                saved = json.load(f)
+            except ValueError:
+                saved = None
+        if not isinstance(saved, dict) or "shard_lengths" not in saved:
+            raise ValueError(f"{name} is not a ShardedKVCache snapshot's cache.json")
+        lengths = saved.pop("shard_lengths")
         if saved != self._config():
             differ = {k: (saved.get(k), v) for k, v in self._config().items()
                       if saved.get(k) != v}
             raise ValueError(f"the snapshot at {path} is of another cache: "
                              + ", ".join(f"{k} {s} there, {v} here"
                                          for k, (s, v) in differ.items()))
-        for k in self._lost:
-            self._actors[k] = self._start(k)
-        self._lost = []
-        self._lengths = ray.get([a.load.remote(path) for a in self._actors])
-        if self._lengths != lengths:
-            raise ValueError(f"the snapshot at {path} is incomplete: its shards hold "
-                             f"{self._lengths} positions, cache.json says {lengths}")
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release, self._actors, self._group)
+        total = sum(lengths) if isinstance(lengths, list) and all(
+            type(n) is int and n >= 0 for n in lengths) else -1
+        rule = [sum(n for _, _, n in self._runs(k, total)) for k in range(self._num_shards)]
+        if lengths != rule or max(rule, default=0) > self._capacity:
+            raise ValueError(f"the snapshot at {path} says its shards hold {lengths} positions, "
+                             f"which {total} positions dealt in chunks of {self._chunk} to "
+                             f"{self._num_shards} shards of {self._capacity} do not give")
+        for k in range(self._num_shards):
+            shard = os.path.join(path, f"shard-{k}.npz")
+            if not os.path.isfile(shard):
+                raise FileNotFoundError(f"the snapshot at {path} has no {os.path.basename(shard)}")
+        return rule
 
     def close(self) -> None:
         """Ends the shards' processes and frees their CPUs; idempotent."""
@@ -678,7 +776,7 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
                       alibi_slopes: Optional[NDArray[Any]] = None,
                       softcap: Optional[float] = None, sinks: Optional[NDArray[Any]] = None,
                       return_lse: bool = False, num_cpus_per_shard: float = 1.0,
-                      num_threads: Optional[int] = None
+                      num_threads: Optional[int] = None, timeout: Optional[float] = None
                       ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """``scaled_dot_product_attention`` computed by Ray tasks over sharded
     queries and keys: a long prefill spread over processes and machines
@@ -706,6 +804,10 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
     num_threads : int or None
         The kernels' threads in each task; None: num_cpus_per_shard,
         rounded down, at least 1.
+    timeout : float or None
+        Seconds to wait for all the tasks (None: as long as they take).  A
+        task waits for CPUs that others hold, a ``ShardedKVCache`` of the
+        same program included: with a timeout, such a wait ends.
 
     Returns
     -------
@@ -717,14 +819,22 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
     ------
     TypeError, ValueError
         As ``scaled_dot_product_attention``; num_shards not an int >= 1,
-        num_cpus_per_shard not > 0.
+        num_cpus_per_shard or timeout not > 0, num_cpus_per_shard more than
+        any node of the cluster has.
+    TimeoutError
+        The tasks were not done within timeout; they are cancelled.
     """
     shards = C.check_index(num_shards, "num_shards", 1)
     cpus = C.check_real(num_cpus_per_shard, "num_cpus_per_shard")
     if not cpus > 0:
         raise ValueError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard}")
     threads = max(1, int(cpus)) if num_threads is None else _runtime.resolve_threads(num_threads)
-    # every check of the call, on no rows, before anything is sent
+    wait = None if timeout is None else C.check_real(timeout, "timeout")
+    if wait is not None and not wait > 0:
+        raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
+    lse_wanted = C.check_bool(return_lse, "return_lse")
+    require_qkv(query, key, value)  # the caller's shapes in any error about them
+    # every other check of the call, on no rows, before anything is sent
     empty = _attention(query[..., :0, :], key[..., :0, :], value[..., :0, :], None, 0.0,
                        is_causal, scale, enable_gqa, causal_alignment, False, True, window_size,
                        alibi_slopes, softcap, sinks, None, threads)
@@ -739,7 +849,14 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
                     else (variants.window_left, variants.window_right), alibi_slopes, softcap,
                     threads, bool(enable_gqa))
     if L == 0:
-        return empty if return_lse else empty[0]  # type: ignore[return-value]
+        return empty if lse_wanted else empty[0]  # type: ignore[return-value]
+    if not ray.is_initialized():
+        ray.init()  # what Ray's first remote call would do: a local cluster
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    largest = max((float(n["Resources"].get("CPU", 0)) for n in nodes if n["Alive"]), default=0.0)
+    if cpus > largest:
+        raise ValueError(f"num_cpus_per_shard={cpus:g}: no node of the Ray cluster has that "
+                         f"many CPUs (the largest has {largest:g}), so no task could start")
     store = _storage.kind(dtype.name) if compute != dtype else None
     refs = [(c, d - c, ray.put(np.ascontiguousarray(key[..., c:d, :])),
              ray.put(np.ascontiguousarray(value[..., c:d, :]))) for c, d in _cuts(S, shards)]
@@ -751,6 +868,13 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
         tasks.append(_QUERY_SHARD.options(num_cpus=cpus).remote(
             np.ascontiguousarray(query[..., a:b, :], compute), a + offset, ring, store, opts,
             sinks))
+    done, _ = ray.wait(tasks, num_returns=len(tasks), timeout=wait)
+    if len(done) < len(tasks):
+        for task in tasks:
+            ray.cancel(task, force=True)
+        raise TimeoutError(f"sharded_attention: {len(tasks) - len(done)} of {len(tasks)} tasks "
+                           f"not done within {wait:g} s, now cancelled; the Ray cluster has "
+                           f"{_free_cpus():g} CPUs free (a ShardedKVCache holds its shards')")
     try:
         parts = ray.get(tasks)
     except ray.exceptions.RayTaskError as exc:
@@ -760,4 +884,4 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
     lse = np.concatenate([p[1] for p in parts], axis=-1)
     if compute != dtype:
         out = narrow(out, dtype, threads)
-    return (out, lse) if return_lse else out
+    return (out, lse) if lse_wanted else out

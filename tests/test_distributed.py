@@ -1,6 +1,7 @@
 """fastattn.distributed on a local Ray cluster started here: sharded caches
 and sharded prefill against one process's attention, lost shards,
 snapshots, and nothing left behind."""
+import json
 import os
 import subprocess
 import sys
@@ -25,18 +26,22 @@ ULPS = 8
 CPUS = 0.5  # four shards fit in the two CPUs of the test cluster
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster(tmp_path_factory):
+def start_ray(folder):
     # Ray's workers start in the driver's folder and import from it first:
     # in the repository, that would be the source tree, which has no
     # compiled extension (README: run Python from outside it)
     here = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("ray"))
+    os.chdir(folder)
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     finally:
         os.chdir(here)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster(tmp_path_factory):
+    start_ray(tmp_path_factory.mktemp("ray"))
     yield
     ray.shutdown()
 
@@ -241,8 +246,10 @@ def test_close_leaves_no_actor_and_no_object():
 
 
 def test_unplaceable_shards_time_out_and_reserve_nothing():
-    with pytest.raises(TimeoutError, match="could not place 2 shards of 4 CPU"):
-        ShardedKVCache(2, 1, 4, capacity_per_shard=8, num_cpus_per_shard=4, timeout=2)
+    with pytest.raises(TimeoutError, match="could not place 2 shards of 0.5 CPU each "
+                                           r"\(strict_spread\) within 2 s"):
+        ShardedKVCache(2, 1, 4, capacity_per_shard=8, num_cpus_per_shard=CPUS, timeout=2,
+                       placement="strict_spread")  # one node each: this cluster has one
     assert all_cpus_free()
 
 
@@ -251,10 +258,80 @@ def test_unplaceable_shards_time_out_and_reserve_nothing():
     (dict(num_cpus_per_shard=0), ValueError, "num_cpus_per_shard must be > 0"),
     (dict(chunk_size=0), ValueError, "chunk_size"),
     (dict(storage="int4"), ValueError, "storage"),
+    (dict(timeout=-1), ValueError, "timeout must be > 0"),
+    (dict(timeout=float("nan")), ValueError, "timeout"),
+    (dict(timeout="5"), TypeError, "timeout must be a real number"),
+    (dict(capacity_per_shard=10**30), ValueError, "larger than any address space"),
+    (dict(num_cpus_per_shard=1.5), ValueError, "need 3 CPUs; the Ray cluster has 2 in all"),
 ])
-def test_bad_arguments(bad, exc, match):
+def test_bad_arguments_reserve_nothing(bad, exc, match):
     with pytest.raises(exc, match=match):
         ShardedKVCache(2, 1, 4, **dict(dict(capacity_per_shard=8), **bad))
+    assert all_cpus_free()
+
+
+def test_a_shard_that_cannot_start_is_an_error_at_once():
+    with pytest.raises(RuntimeError, match="shard 0 could not start: .*MemoryError|could not be"):
+        ShardedKVCache(2, 1, 4, capacity_per_shard=10**13, num_cpus_per_shard=CPUS)
+    assert all_cpus_free()
+
+
+def test_shard_of_checks_its_position():
+    with ShardedKVCache(2, 1, 4, capacity_per_shard=8, chunk_size=4,
+                        num_cpus_per_shard=CPUS) as cache:
+        assert cache.shard_of(5) == 1
+        with pytest.raises(ValueError, match="position must be >= 0"):
+            cache.shard_of(-1)
+        with pytest.raises(TypeError, match="position must be an int"):
+            cache.shard_of(1.5)
+
+
+def test_restore_is_all_or_nothing(tmp_path):
+    """A snapshot that does not agree with itself or the cache is refused
+    before any shard takes it; a shard file that cannot be read leaves
+    every call raising until a good restore."""
+    rng = np.random.default_rng(8)
+    k = rng.standard_normal((1, 30, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 1, 4)).astype(np.float32)
+    with ShardedKVCache(3, 1, 4, capacity_per_shard=20, chunk_size=4,
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k, k)
+        want = cache.attend(q)
+        good, bad = tmp_path / "good", tmp_path / "bad"
+        cache.snapshot(good)
+        cache.snapshot(bad)
+        ray.kill(cache._actors[1])  # and restore before any call notices
+        cache.restore(good)
+        np.testing.assert_array_equal(cache.attend(q), want)
+
+        meta = json.loads((bad / "cache.json").read_text())
+        for edit, match in [(dict(meta, shard_lengths=[10, 12, 8]), "do not give"),
+                            ([1, 2], "not a ShardedKVCache snapshot"),
+                            (dict(meta, chunk_size=8), "chunk_size 8 there, 4 here")]:
+            (bad / "cache.json").write_text(json.dumps(edit))
+            with pytest.raises(ValueError, match=match):
+                cache.restore(bad)
+            np.testing.assert_array_equal(cache.attend(q), want)  # nothing changed
+        (bad / "cache.json").write_text(json.dumps(meta))
+        os.remove(bad / "shard-1.npz")
+        with pytest.raises(FileNotFoundError, match="no shard-1.npz"):
+            cache.restore(bad)
+        np.testing.assert_array_equal(cache.attend(q), want)
+
+        with np.load(good / "shard-0.npz") as saved:  # runs edited by hand
+            state = dict(saved)
+        state["runs"] = state["runs"] + 1000
+        np.savez(bad / "shard-1.npz", **dict(np.load(good / "shard-1.npz")))
+        np.savez(bad / "shard-0.npz", **state)
+        with pytest.raises(ValueError, match="shard 0: .*other positions"):
+            cache.restore(bad)
+        with pytest.raises(ShardLostError, match="shards 0, 1, 2 of 3 lost .a restore from"):
+            cache.attend(q)
+        (bad / "shard-0.npz").write_bytes(b"not a zip")
+        with pytest.raises(ValueError, match="cannot be read"):
+            cache.restore(bad)
+        cache.restore(good)
+        np.testing.assert_array_equal(cache.attend(q), want)
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])
@@ -278,6 +355,26 @@ def test_sharded_attention_equals_one_call(shards, kind):
                                                            return_lse=True, **opts)
     close_to_one_process(out, want, v, np.float32)
     lse_close(lse, want_lse)
+
+
+def test_sharded_attention_errors():
+    q = np.ones((2, 5, 4), np.float32)
+    with pytest.raises(ValueError, match=r"value must have as many rows as key \(S = 7\), got 3"):
+        sharded_attention(q, np.ones((2, 7, 4), np.float32), np.ones((2, 3, 4), np.float32), 2)
+    with pytest.raises(TypeError, match="query must be a numpy.ndarray, got list"):
+        sharded_attention(q.tolist(), q, q, 2)
+    with pytest.raises(ValueError, match="key must have at least 2 dimensions"):
+        sharded_attention(q, q[0, 0], q, 2)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        sharded_attention(q, q, q, 2, return_lse=1)
+    with pytest.raises(ValueError, match="no node of the Ray cluster has that many CPUs"):
+        sharded_attention(q, q, q, 2, num_cpus_per_shard=3)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        sharded_attention(q, q, q, 2, timeout=0)
+    with ShardedKVCache(2, 1, 4, capacity_per_shard=8):  # holds both CPUs
+        with pytest.raises(TimeoutError, match="2 of 2 tasks not done within 2 s"):
+            sharded_attention(q, q, q, 2, timeout=2)
+    assert all_cpus_free()
 
 
 def test_sharded_attention_dtypes_and_edges():
@@ -333,3 +430,14 @@ def test_bench_sharded_reports_the_model(tmp_path):
     assert r["model"]["bytes_per_token"] == 3000 * 8 * 256 * 2
     assert r["max_abs_diff_vs_one_process"] < 1e-6
     assert set(r["median_s"]) == {"total", "compute", "merge", "transfer", "one_process"}
+
+
+def test_a_cache_outliving_ray_says_so(tmp_path):
+    cache = ShardedKVCache(2, 1, 4, capacity_per_shard=8, num_cpus_per_shard=CPUS)
+    ray.shutdown()
+    try:
+        with pytest.raises(RuntimeError, match="Ray was shut down"):
+            cache.attend(np.ones((1, 1, 4), np.float32))
+        cache.close()
+    finally:
+        start_ray(tmp_path)  # for the tests after this one

@@ -167,6 +167,10 @@ def require(modules, command, who="fastattn bench"):
 def main(args):
     # missing packages before minutes of measuring (the output paths are
     # checked with the arguments)
+    if args.sharded:  # Ray, and nothing of the extra "bench"
+        if not require(["ray"], "pip install 'fastattn[ray]'", "fastattn bench --sharded"):
+            return 2
+        return _sharded(args)
     if not require(["tqdm", "threadpoolctl"], "pip install 'fastattn[bench]'"):
         return 2
     if args.plot and not require(["matplotlib"], "pip install 'fastattn[plot]'",
@@ -174,10 +178,6 @@ def main(args):
         return 2
     if args.serving:
         return _serving(args)
-    if args.sharded:
-        if not require(["ray"], "pip install 'fastattn[ray]'", "fastattn bench --sharded"):
-            return 2
-        return _sharded(args)
     from . import report as rep
     from .suite import run_suite
 
