@@ -72,6 +72,16 @@ def test_runner_of_a_variant_matches_reference(name, shape):
     assert shape.flops == 2 * shape.B * shape.H * visible * (shape.E + shape.Ev)
 
 
+def test_openvino_model_is_one_sdpa_op_and_skips_decoding():
+    available("openvino")
+    model = runners.sdpa_model(2, 4, 5, 6, 8, 3, True, masked=False)
+    ops = [op.get_type_name() for op in model.get_ordered_ops()]
+    assert ops.count("ScaledDotProductAttention") == 1 and ops.count("Parameter") == 3
+    assert [list(p.get_shape()) for p in model.get_parameters()] == [[2, 4, 5, 8], [2, 4, 6, 8],
+                                                                     [2, 4, 6, 3]]
+    assert "key/value-cache form" in RUNNERS["openvino"].missing(ALL_SHAPES["decode-4096"])
+
+
 def test_torch_runner_restores_threads():
     torch = available("torch") and __import__("torch")
     before = torch.get_num_threads()

@@ -26,5 +26,6 @@ for ax, path in zip(axes[:, 0], records):
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes, rotation=30,
                   ha="right", fontsize=8)
     ax.set_ylabel("best peer's time / fastattn's")
-    ax.set_title(f"{os.path.basename(path)} ({run['machine']['cpu']}, Zen 4)", fontsize=9)
+    cpu = run["machine"].get("cpu_id", {}).get("name") or run["machine"]["cpu"]
+    ax.set_title(f"{os.path.basename(path)} ({cpu})", fontsize=9)
     ax.legend(fontsize=7)

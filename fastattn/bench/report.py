@@ -152,7 +152,7 @@ def format_table(report):
     width = max([9] + [len(label(c)) for c in report["cases"]])
     sw = max([13] + [len(c["shape"]) for c in report["cases"]])  # the shape column
     head = (f"{'shape':<{sw}} {'runner':<{width}} {'time':>10} {'speed':>14} {'xNumPy':>7} "
-            f"{'xPyTorch':>8} {'xORT':>6} {'%peak':>6} {'+MB':>7} {'max err':>8} {'rms err':>8} {'other':>5}")
+            f"{'xPyTorch':>8} {'xORT':>6} {'xOV':>6} {'%peak':>6} {'+MB':>7} {'max err':>8} {'rms err':>8} {'other':>5}")
     for n in s["threads"]:
         lines += ["", f"== {n} thread{'s' if n > 1 else ''} ==", head]
         previous = None
@@ -176,6 +176,7 @@ def format_table(report):
                 f"{_fmt(c.get('speedup_vs_numpy'), '7.2f'):>7} "
                 f"{_fmt(c.get('speedup_vs_torch'), '8.2f'):>8} "
                 f"{_fmt(c.get('speedup_vs_onnxruntime'), '6.2f'):>6} "
+                f"{_fmt(c.get('speedup_vs_openvino'), '6.2f'):>6} "
                 f"{_fmt(c.get('pct_peak'), '6.1f'):>6} "
                 f"{_fmt(None if mem is None else mem / MB, '7.1f'):>7} "
                 f"{_fmt(c.get('max_abs_err'), '8.1e'):>8} "
@@ -184,9 +185,10 @@ def format_table(report):
     lines += [""] + textwrap.wrap(
               f"time: {stat} per call.  speed: 4·B·H·L·S·E FLOP (halved when causal) per "
               "second, or for decoding the bytes of key+value (in their storage) per second.  xNumPy, xPyTorch, "
-              "xORT: that library's time / this row's (> 1: this row is faster; none on that "
+              "xORT, xOV: that library's time / this row's (> 1: this row is faster; none on that "
               "library's own rows), ORT: the faster of its two key/value layouts, BSD = (B, S, "
-              "H·E), BHSD = (B, H, S, E).  %peak: of "
+              "H·E), BHSD = (B, H, S, E); OV: OpenVINO's ScaledDotProductAttention op in f32 "
+              "(its decoding is its key/value-cache graph, not run).  %peak: of "
               "the FMA peak at that thread count, for fastattn of its row's SIMD path, for the "
               f"others of the widest path ({m['simd_paths'][-1]}); for decoding of the read "
               "bandwidth on the same key and value.  +MB: peak resident memory of the first "

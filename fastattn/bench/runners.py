@@ -36,6 +36,7 @@ class Runner:
     setup: Callable
     holds_scores: bool = False     # keeps the whole (B, H, L, S) score matrix
     masks: bool = True             # can take an explicit mask (window, packed shapes)
+    decodes: bool = True           # its decoding step is the library's own way to decode
 
     def missing(self, shape=None) -> Optional[str]:
         """None when the runner can run here (on shape), else why not."""
@@ -46,6 +47,11 @@ class Runner:
             return "no sliding window, packed sequences or (L, S) mask in this runner"
         if shape is not None and shape.storage != "float32" and self.name != "fastattn":
             return f"a {shape.storage} key/value cache is fastattn's (the others: float32)"
+        if shape is not None and shape.kind == "decode" and not self.decodes:
+            # OpenVINO decodes with its stateful key/value-cache graph (ReadValue
+            # / Assign around the op), which runs its own kernel; the plain
+            # op on one query row is a decomposed graph, not worth quoting
+            return "decoding is its stateful key/value-cache form, not run here"
         return None
 
 
@@ -191,6 +197,51 @@ def _onnxruntime(q, k, v, shape, num_threads, kv_heads_first=False):
                    allocates_output=False)
 
 
+def sdpa_model(B, H, L, S, E, Ev, is_causal, masked):
+    """An OpenVINO model of one opset-13 ScaledDotProductAttention op:
+    query (B, H, L, E), key (B, H, S, E), value (B, H, S, Ev), with an
+    additive (L, S) float mask input when masked; causal is upper-left, as
+    PyTorch's.  The default scale is 1/sqrt(E)."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    inputs = [ops.parameter([B, H, n, d], ov.Type.f32, name=name)
+              for name, n, d in (("query", L, E), ("key", S, E), ("value", S, Ev))]
+    if masked:
+        inputs.append(ops.parameter([L, S], ov.Type.f32, name="mask"))
+    out = ops.scaled_dot_product_attention(*inputs, causal=is_causal)
+    return ov.Model([out], inputs, "attention")
+
+
+@contextlib.contextmanager
+def _openvino(q, k, v, shape, num_threads):
+    import openvino as ov
+
+    B, H, L, E = q.shape
+    S, Ev = v.shape[-2:]
+    mask = shape.mask()
+    model = sdpa_model(B, H, L, S, E, Ev, shape.causal and mask is None, mask is not None)
+    # f32: its default on CPUs with AVX512_BF16 is bf16; one stream: one call
+    # at a time, on num_threads threads
+    compiled = ov.Core().compile_model(model, "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": num_threads,
+        "NUM_STREAMS": 1})
+    request = compiled.create_infer_request()
+    feeds = [np.ascontiguousarray(a) for a in (q, k, v)]
+    if mask is not None:
+        feeds.append(np.where(mask, 0.0, -np.inf).astype(np.float32))
+    out = np.empty((B, H, L, Ev), np.float32)
+    # shared tensors: OpenVINO reads the inputs and writes the output in place
+    for i, array in enumerate(feeds):
+        request.set_input_tensor(i, ov.Tensor(array, shared_memory=True))
+    request.set_output_tensor(0, ov.Tensor(out, shared_memory=True))
+
+    def call():
+        request.infer()
+        return out
+    yield Prepared(call, lambda o: o, allocates_output=False)
+
+
 _ORT = (("onnxruntime", "onnx"), "pip install onnxruntime onnx")
 RUNNERS = {r.name: r for r in (
     Runner("fastattn", "fastattn", "fastattn", (), "pip install fastattn", _fastattn),
@@ -200,12 +251,14 @@ RUNNERS = {r.name: r for r in (
     Runner("onnxruntime", "ORT BSD", "onnxruntime", *_ORT, _onnxruntime, masks=False),
     Runner("onnxruntime-bhsd", "ORT BHSD", "onnxruntime", *_ORT,
            functools.partial(_onnxruntime, kv_heads_first=True), holds_scores=True, masks=False),
+    Runner("openvino", "OpenVINO", "openvino", ("openvino",), "pip install openvino", _openvino,
+           decodes=False),
 )}
 # What the speed-ups are relative to: per library, the faster of its runners
 # on each case.  PEERS: the libraries of the issue's "faster peer".
 BASELINES = {"numpy": ("numpy",), "torch": ("torch",),
-             "onnxruntime": ("onnxruntime", "onnxruntime-bhsd")}
-PEERS = ("torch", "onnxruntime")
+             "onnxruntime": ("onnxruntime", "onnxruntime-bhsd"), "openvino": ("openvino",)}
+PEERS = ("torch", "onnxruntime", "openvino")
 
 
 def reference_rows(shape):
