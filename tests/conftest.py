@@ -78,16 +78,24 @@ def f64(*arrays):
             for a in arrays]
 
 
-def load_example(name):
-    """examples/<name>.py of the source tree, imported as a module."""
+def load_script(relative):
+    """A script of the source tree (its path from the top), imported as a
+    module; the test skips where the tests run without the tree beside them."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"fastattn_example_{name}", path)
+    path = Path(__file__).resolve().parents[1] / relative
+    if not path.exists():
+        pytest.skip(f"{relative} is not beside the tests")
+    spec = importlib.util.spec_from_file_location(f"fastattn_script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_example(name):
+    """examples/<name>.py of the source tree, imported as a module."""
+    return load_script(f"examples/{name}.py")
 
 
 def check_attention(q, k, v, dtype, **kwargs):

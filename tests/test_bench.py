@@ -10,11 +10,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, load_script
 
 import fastattn
 from fastattn import _peak, reference
@@ -305,16 +304,8 @@ def test_pct_peak_of_each_rows_simd_path():
     assert "fastattn avx2" in text and "fastattn avx512" in text
 
 
-TARGETS = Path(__file__).resolve().parents[1] / "benchmarks" / "targets.py"
-
-
 def _targets_module():
-    if not TARGETS.exists():
-        pytest.skip("the tests run without the source tree beside them")
-    spec = importlib.util.spec_from_file_location("targets", TARGETS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/targets.py")
 
 
 def test_targets_from_a_made_up_run():
@@ -337,14 +328,14 @@ def test_targets_from_a_made_up_run():
 
 
 def test_targets_script_reads_the_json():
-    _targets_module()
+    script = _targets_module().__file__
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         with open(path, "w") as f:
             json.dump(report.derive(_made_up_run()), f)
-        r = subprocess.run([sys.executable, str(TARGETS), path], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, script, path], capture_output=True, text=True,
                            timeout=120)
-        wrong = subprocess.run([sys.executable, str(TARGETS), path, "--simd", "avx512"],
+        wrong = subprocess.run([sys.executable, script, path, "--simd", "avx512"],
                                capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert r.stdout.startswith("The project's targets, fastattn on avx2 (this run):")

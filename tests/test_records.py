@@ -1,11 +1,11 @@
 """The benchmark records and what is drawn from them: every record names its
 CPU, README's speed table is benchmarks/render_readme.py's output, and the
 CPU naming reads CPUID's numbers as the vendors publish them."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from fastattn.bench import cpu
 
@@ -14,13 +14,9 @@ RECORDS = ROOT / "benchmarks" / "records"
 
 
 def renderer():
-    path = ROOT / "benchmarks" / "render_readme.py"
-    if not path.exists() or not (ROOT / "README.md").exists():
-        pytest.skip("the benchmarks and README are not beside tests/")
-    spec = importlib.util.spec_from_file_location("render_readme", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if not (ROOT / "README.md").exists():
+        pytest.skip("README.md is not beside tests/")
+    return load_script("benchmarks/render_readme.py")
 
 
 def test_readme_speed_table_is_rendered_from_the_records():
