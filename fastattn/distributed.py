@@ -20,8 +20,6 @@ the merge, a few units in the last place (README, "Across machines").
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import os
 import time
 import weakref
