@@ -511,7 +511,9 @@ class ShardedKVCache:
             As in ``KVCache.attend``, with the positions of the whole
             sequence; alibi_slopes and sinks of shape (Hq,).  Shards whose
             keys lie wholly outside every query's window (or causal bound)
-            are not asked; the sinks join one shard's softmax only.
+            are not asked; the sinks join one shard's softmax only.  No
+            attn_mask: a mask would be cut along the shards' chunks; the
+            padding-free cache and these options cover what decoding needs.
 
         Returns
         -------
