@@ -4,6 +4,7 @@
 #include <math.h>
 
 #include "fa_internal.h"
+#include "fa_store.h"
 
 #if FA_HAVE_NEON && defined(__linux__)
 #include <sys/auxv.h>
@@ -177,15 +178,17 @@ static int rows_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
 #define FA_MAX_WINDOW ((fa_idx)1 << 60)
 
 /* Storage the kernels of this element size read: the double ones only
- * their own; int8 only for keys and values, with their scales. */
+ * their own; int8 and float8 only for keys and values, int8 and e4m3 with
+ * their scales; Q4 keys and values packed (element stride 1). */
 static int store_ok(const fa_attn_args *a, int elsize)
 {
     if (elsize != 4) return a->q_store == FA_STORE_NATIVE && a->kv_store == FA_STORE_NATIVE;
     return (a->q_store == FA_STORE_NATIVE || a->q_store == FA_STORE_F16 ||
             a->q_store == FA_STORE_BF16) &&
            (a->kv_store == FA_STORE_NATIVE || a->kv_store == FA_STORE_F16 ||
-            a->kv_store == FA_STORE_BF16 ||
-            (a->kv_store == FA_STORE_I8 && a->k_scale != NULL && a->v_scale != NULL));
+            a->kv_store == FA_STORE_BF16 || a->kv_store == FA_STORE_F8E5M2 ||
+            (fa_store_scaled(a->kv_store) && a->k_scale != NULL && a->v_scale != NULL) ||
+            (a->kv_store == FA_STORE_Q4 && a->k_es == 1 && a->v_es == 1));
 }
 
 /* The arguments, storage aside (the merge reads no key nor value). */

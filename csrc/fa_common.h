@@ -24,9 +24,30 @@ typedef enum { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 } fa_mask_kin
 /* How query, key and value elements are stored.  NATIVE: the kernel's own
  * type (float or double).  The others are read by the float kernels only,
  * converted exactly to float as they are loaded: F16 IEEE binary16, BF16
- * bfloat16 (the top half of a float), I8 int8 codes whose row j stands for
- * scale[j] * code (keys and values only; fa_attn_args holds the scales). */
-typedef enum { FA_STORE_NATIVE = 0, FA_STORE_F16 = 1, FA_STORE_BF16 = 2, FA_STORE_I8 = 3 } fa_store;
+ * bfloat16 (the top half of a float).  Keys and values only:
+ *  - I8 int8 codes and F8E4M3 float8_e4m3fn codes (OCP FP8: 4 exponent bits
+ *    of bias 7, 3 fraction bits, no inf, S.1111.111 NaN), whose row j stands
+ *    for scale[j] * code (fa_attn_args holds the scales);
+ *  - F8E5M2 float8_e5m2 (the top byte of a binary16), no scale;
+ *  - Q4 rows of 4-bit codes in blocks of 32 elements, llama.cpp's q4_0
+ *    layout: 18 bytes per block, a binary16 scale d then 16 bytes whose byte
+ *    b holds element b in its low nibble and element b + 16 in its high one,
+ *    a nibble c standing for d * (c - 8).  A row of n elements is
+ *    ceil(n / 32) whole blocks; its strides count bytes, its elements are
+ *    contiguous.  d * (c - 8) is exact in float (11 + 4 significant bits). */
+typedef enum {
+    FA_STORE_NATIVE = 0,
+    FA_STORE_F16 = 1,
+    FA_STORE_BF16 = 2,
+    FA_STORE_I8 = 3,
+    FA_STORE_F8E4M3 = 4,
+    FA_STORE_F8E5M2 = 5,
+    FA_STORE_Q4 = 6
+} fa_store;
+
+/* Bytes of a Q4 block, and the elements it holds. */
+#define FA_Q4_BLOCK_BYTES 18
+#define FA_Q4_BLOCK 32
 
 /* Micro-tile: MR rows by NR columns, both set per path (fa_instantiate.h):
  * NR is two vectors (64 bytes on the portable and AVX2 paths, 128 bytes on

@@ -16,6 +16,19 @@ static FA_ALWAYS_INLINE const void *FA_NAME(st_at)(const fa_store st, const void
     return (const char *)base + off * FA_NAME(st_bytes)(st);
 }
 
+/* The address of element c of a row at p (c a multiple of FA_Q4_BLOCK for
+ * Q4, whose elements are not whole bytes), and the bytes of n elements. */
+static FA_ALWAYS_INLINE const void *FA_NAME(st_col)(const fa_store st, const void *p, fa_idx c)
+{
+    if (st == FA_STORE_Q4) return (const char *)p + c / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
+    return FA_NAME(st_at)(st, p, c);
+}
+
+static FA_ALWAYS_INLINE fa_idx FA_NAME(st_row_bytes)(const fa_store st, fa_idx n)
+{
+    return st == FA_STORE_NATIVE ? n * (fa_idx)sizeof(T) : fa_store_row_bytes(st, n);
+}
+
 static FA_ALWAYS_INLINE T FA_NAME(st_get)(const fa_store st, const void *p, fa_idx i)
 {
     return st == FA_STORE_NATIVE ? ((const T *)p)[i] : (T)fa_store_get(st, p, i);

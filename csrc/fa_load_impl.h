@@ -5,9 +5,10 @@
  * converted and native rows with the same operations in the same order, so
  * a stored array gives the bits its conversion to T would.
  *
- * int8 rows (I8) stand for scale * codes: the row kernel multiplies a key's
- * dot product by its scale and a value row's weight by its scale, the block
- * kernel its converted tiles.
+ * int8 and float8_e4m3fn rows (fa_store_scaled) stand for scale * codes:
+ * the row kernel multiplies a key's dot product by its scale and a value
+ * row's weight by its scale, the block kernel its converted tiles.  A Q4
+ * element is its block's scale times its code, exactly, as loaded.
  *
  * Needs T, FA_NAME, prefetch_bytes and the primitives cvt_body, dot_body,
  * gemv_t_any. */
@@ -43,7 +44,7 @@ static FA_ALWAYS_INLINE fa_idx fa_value_at(const fa_attn_args *a, fa_idx j)
     return fa_kv_row(a, j, a->v_ss, a->v_bs);
 }
 
-/* The I8 scales of key and value row j. */
+/* The scales of key and value row j (fa_store_scaled). */
 static FA_ALWAYS_INLINE float fa_key_scale(const fa_attn_args *a, fa_idx j)
 {
     return a->k_scale[fa_kv_row(a, j, a->ksc_s, a->ksc_bs)];
@@ -63,10 +64,13 @@ static void FA_NAME(load_row)(fa_store st, fa_idx n, const void *src, fa_idx es,
         case FA_STORE_F16: FA_NAME(cvt_body)(FA_STORE_F16, n, src, dst); return;
         case FA_STORE_BF16: FA_NAME(cvt_body)(FA_STORE_BF16, n, src, dst); return;
         case FA_STORE_I8: FA_NAME(cvt_body)(FA_STORE_I8, n, src, dst); return;
+        case FA_STORE_F8E4M3: FA_NAME(cvt_body)(FA_STORE_F8E4M3, n, src, dst); return;
+        case FA_STORE_F8E5M2: FA_NAME(cvt_body)(FA_STORE_F8E5M2, n, src, dst); return;
+        case FA_STORE_Q4: FA_NAME(cvt_body)(FA_STORE_Q4, n, src, dst); return;
         default: FA_NAME(cvt_body)(FA_STORE_NATIVE, n, src, dst); return;
         }
     }
-    for (fa_idx e = 0; e < n; ++e) dst[e] = FA_NAME(st_get)(st, src, e * es);
+    for (fa_idx e = 0; e < n; ++e) dst[e] = FA_NAME(st_get)(st, src, e * es); /* not Q4 */
 }
 
 /* Rows to ask the cache for as the rows of a sweep are read: with row r,
@@ -116,6 +120,15 @@ static void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *
     case FA_STORE_I8:
         FA_NAME(dots_any)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
+    case FA_STORE_F8E4M3:
+        FA_NAME(dots_any)(FA_STORE_F8E4M3, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        return;
+    case FA_STORE_F8E5M2:
+        FA_NAME(dots_any)(FA_STORE_F8E5M2, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        return;
+    case FA_STORE_Q4:
+        FA_NAME(dots_any)(FA_STORE_Q4, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        return;
     default: break;
     }
 #else
@@ -139,6 +152,9 @@ static void FA_NAME(gemv_t_st)(fa_store st, fa_idx nk, fa_idx n, const T *p, con
     case FA_STORE_F16: FA_NAME(gemv_t_any)(FA_STORE_F16, nk, n, p, x, rs, o); return;
     case FA_STORE_BF16: FA_NAME(gemv_t_any)(FA_STORE_BF16, nk, n, p, x, rs, o); return;
     case FA_STORE_I8: FA_NAME(gemv_t_any)(FA_STORE_I8, nk, n, p, x, rs, o); return;
+    case FA_STORE_F8E4M3: FA_NAME(gemv_t_any)(FA_STORE_F8E4M3, nk, n, p, x, rs, o); return;
+    case FA_STORE_F8E5M2: FA_NAME(gemv_t_any)(FA_STORE_F8E5M2, nk, n, p, x, rs, o); return;
+    case FA_STORE_Q4: FA_NAME(gemv_t_any)(FA_STORE_Q4, nk, n, p, x, rs, o); return;
     default: break;
     }
 #else
@@ -155,9 +171,9 @@ typedef struct {
 
 /* Rows s0..s0+nk-1 (n features each) of the key or value x with row,
  * feature and block strides ss, es and bs (fa_attn_args' placement), and
- * I8 row scales sc at rows sc_s and blocks sc_bs apart: in place when
- * stored as T and in one block, else copied or converted into panel
- * (nk x ld), int8 rows times their scale. */
+ * row scales sc (fa_store_scaled) at rows sc_s and blocks sc_bs apart: in
+ * place when stored as T and in one block, else copied or converted into
+ * panel (nk x ld), scaled rows times their scale. */
 static FA_NAME(tile) FA_NAME(load_tile)(const fa_attn_args *a, const void *x, fa_idx ss,
                                         fa_idx es, fa_idx bs, fa_idx n, const float *sc,
                                         fa_idx sc_s, fa_idx sc_bs, fa_idx s0, fa_idx nk,
@@ -175,7 +191,7 @@ static FA_NAME(tile) FA_NAME(load_tile)(const fa_attn_args *a, const void *x, fa
         const fa_idx j = s0 + r;
         FA_NAME(load_row)(a->kv_store, n, FA_NAME(st_at)(a->kv_store, x, fa_kv_row(a, j, ss, bs)),
                           es, row);
-        if (a->kv_store == FA_STORE_I8) {
+        if (fa_store_scaled(a->kv_store)) {
             const T f = (T)sc[fa_kv_row(a, j, sc_s, sc_bs)];
             for (fa_idx e = 0; e < n; ++e) row[e] *= f;
         }

@@ -449,6 +449,23 @@ static FA_ALWAYS_INLINE V FA_NAME(vload_st)(const fa_store st, const void *p, fa
     case FA_STORE_F16: return VLOAD_F16((const uint16_t *)p + i);
     case FA_STORE_BF16: return VLOAD_BF16((const uint16_t *)p + i);
     case FA_STORE_I8: return VLOAD_I8((const int8_t *)p + i);
+    case FA_STORE_F8E5M2: return VLOAD_E5M2((const uint8_t *)p + i);
+    case FA_STORE_F8E4M3: { /* fa_e4m3_f32, a lane each */
+        const VI u = VLOAD_U8((const uint8_t *)p + i), m = VI_AND(u, VI_SET1(0x7f));
+        const V f = VMUL(VI_AS(VI_SLLI(m, 20)), VSET1(0x1p120f));
+        const VI nan = VI_AND(VI_SUB(VI_SET1(0), VI_SRLI(VI_ADD(m, VI_SET1(1)), 7)),
+                              VI_SET1(0x7fc00000));
+        return VI_AS(VI_OR(VI_OR(VAS_I(f), nan), VI_SLLI(VI_AND(u, VI_SET1(0x80)), 24)));
+    }
+    case FA_STORE_Q4: { /* fa_q4_get: VLEN (<= 16) elements lie in one block */
+        const uint8_t *blk = (const uint8_t *)p + i / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
+        const fa_idx j = i % FA_Q4_BLOCK;
+        VI c = VLOAD_U8(blk + 2 + (j & 15));
+        c = VI_AND(j & 16 ? VI_SRLI(c, 4) : c, VI_SET1(15));
+        /* c - 8 as a float: c in the low bits of 2^23 (exact), less 2^23 + 8 */
+        const V x = VSUB(VI_AS(VI_OR(c, VI_SET1(0x4b000000))), VSET1(8388616.0f));
+        return VMUL(x, VSET1(fa_q4_scale(blk)));
+    }
     default: break;
     }
 #else
@@ -516,8 +533,8 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
 {
     fa_idx c = 0;
     for (; c + 8 * VLEN <= n; c += 8 * VLEN)
-        FA_NAME(gemv_t_body)(8, st, nk, p, FA_NAME(st_at)(st, x, c), rs, o + c);
-    const void *xc = FA_NAME(st_at)(st, x, c);
+        FA_NAME(gemv_t_body)(8, st, nk, p, FA_NAME(st_col)(st, x, c), rs, o + c);
+    const void *xc = FA_NAME(st_col)(st, x, c); /* 8 VLEN: whole Q4 blocks */
     switch ((n - c) / VLEN) {
     case 7: FA_NAME(gemv_t_body)(7, st, nk, p, xc, rs, o + c); break;
     case 6: FA_NAME(gemv_t_body)(6, st, nk, p, xc, rs, o + c); break;
@@ -570,6 +587,10 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
 #undef VLOAD_F16
 #undef VLOAD_BF16
 #undef VLOAD_I8
+#undef VLOAD_E5M2
+#undef VLOAD_U8
+#undef VI_AND
+#undef VI_OR
 #undef VSTORE_F16
 #undef VSCALEF
 #undef VFMA_LANE

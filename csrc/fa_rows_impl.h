@@ -89,14 +89,14 @@ static fa_attn_args FA_NAME(head_args)(const fa_attn_args *a, fa_idx g)
 
 /* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB),
  * a run of rows in one block at a time (fa_kv_run): each output element
- * sums its keys in order whatever the placement; an int8 row's scale is
- * folded into its weights (s is changed then). */
+ * sums its keys in order whatever the placement; a scaled row's scale
+ * (fa_store_scaled) is folded into its weights (s is changed then). */
 static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq, fa_idx s0,
                                  fa_idx nk, T *s, T *o, T *buf)
 {
     const fa_idx Ev = a->Ev;
     const fa_store st = a->kv_store;
-    if (st == FA_STORE_I8)
+    if (fa_store_scaled(st))
         for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
             n = fa_kv_run(a, s0 + r0, nk - r0);
             const float *sc = a->v_scale + fa_kv_row(a, s0 + r0, a->vsc_s, a->vsc_bs);
@@ -162,7 +162,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     T *s = w->s;
     const T scale = (T)a->scale;
     const fa_store st = a->kv_store;
-    const fa_idx row_bytes = a->E * FA_NAME(st_bytes)(st); /* 0 when E = 0: nothing to fetch */
+    const fa_idx row_bytes = FA_NAME(st_row_bytes)(st, a->E); /* 0 when E = 0: nothing to fetch */
     const fa_idx ahead = row_bytes == 0                   ? 0
                          : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
                                                          : 1;
@@ -192,7 +192,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
             }
             if (v != NULL && a->v_es == 1)
                 l2[0] = (fa_ahead_rows){(const char *)v + fa_value_at(a, j) * eb, a->v_ss * eb,
-                                        a->Ev * eb, n};
+                                        FA_NAME(st_row_bytes)(st, a->Ev), n};
             FA_NAME(dots)(st, nq, n, a->E, w->qs, FA_EP(a), FA_NAME(st_at)(st, k, fa_key_at(a, j)),
                           a->k_ss, s + r0, FA_RB, &krows, l2);
         }
@@ -204,9 +204,9 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                           FA_RB, &none, nones);
         }
     }
-    for (fa_idx r0 = 0, n; r0 < nk; r0 += n) { /* int8: times the row's scale */
+    for (fa_idx r0 = 0, n; r0 < nk; r0 += n) { /* scaled rows: times the row's scale */
         n = fa_kv_run(a, s0 + r0, nk - r0);
-        const float *sc = st == FA_STORE_I8 ? a->k_scale + fa_kv_row(a, s0 + r0, a->ksc_s, a->ksc_bs)
+        const float *sc = fa_store_scaled(st) ? a->k_scale + fa_kv_row(a, s0 + r0, a->ksc_s, a->ksc_bs)
                                             : NULL;
         for (fa_idx r = r0; r < r0 + n; ++r) {
             const T f = sc != NULL ? (T)sc[(r - r0) * a->ksc_s] : 1;
@@ -218,7 +218,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
         T *z = s + t * FA_RB, sum = FA_NAME(sum)(nk, z);
         for (fa_idx r = 0; sum - sum != 0 && r < nk; ++r)
             if (z[r] - z[r] != 0)
-                z[r] = (st == FA_STORE_I8 ? (T)fa_key_scale(a, s0 + r) : 1) *
+                z[r] = (fa_store_scaled(st) ? (T)fa_key_scale(a, s0 + r) : 1) *
                        FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
     }
     /* the rest of the per-score stage; nothing to do past the soft-cap

@@ -48,6 +48,12 @@ static FA_ALWAYS_INLINE float fa_reduce_add_ps256(__m256 x)
 #define VLOAD_BF16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define VLOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+/* float8_e5m2: the top bytes of binary16s */
+#define VLOAD_E5M2(p) _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(p))), 8))
+/* VLEN bytes, each widened to a lane (for the float8 and 4-bit codes) */
+#define VLOAD_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VI_AND(x, y) _mm256_and_si256(x, y)
+#define VI_OR(x, y) _mm256_or_si256(x, y)
 /* VLEN floats rounded to nearest-even binary16 and stored */
 #define VSTORE_F16(p, x) _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
 #else

@@ -41,6 +41,13 @@
 #define VLOAD_BF16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+/* float8_e5m2: the top bytes of binary16s */
+#define VLOAD_E5M2(p) \
+    _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p))), 8))
+/* VLEN bytes, each widened to a lane (for the float8 and 4-bit codes) */
+#define VLOAD_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_AND(x, y) _mm512_and_si512(x, y)
+#define VI_OR(x, y) _mm512_or_si512(x, y)
 /* VLEN floats rounded to nearest-even binary16 and stored */
 #define VSTORE_F16(p, x) _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
 #else

@@ -51,6 +51,13 @@
 #define VLOAD_F16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
 #define VLOAD_BF16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
 #define VLOAD_I8(p) fa_neon_load_i8(p)
+/* float8_e5m2: the top bytes of binary16s */
+#define VLOAD_E5M2(p) \
+    vcvt_f32_f16(vreinterpret_f16_u16(vshl_n_u16(vget_low_u16(vmovl_u8(fa_neon_load_4u8(p))), 8)))
+/* VLEN bytes, each widened to a lane (for the float8 and 4-bit codes) */
+#define VLOAD_U8(p) vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(fa_neon_load_4u8(p)))))
+#define VI_AND(x, y) vandq_s32(x, y)
+#define VI_OR(x, y) vorrq_s32(x, y)
 /* VLEN floats rounded to nearest-even binary16 and stored */
 #define VSTORE_F16(p, x) vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))) /* FPCR: nearest-even */
 #ifndef FA_NEON_LOAD_I8
@@ -61,6 +68,14 @@ static FA_ALWAYS_INLINE float32x4_t fa_neon_load_i8(const int8_t *p)
     memcpy(&w, p, sizeof w); /* 4 bytes, no more: the row may end there */
     const int8x8_t b = vreinterpret_s8_s32(vdup_n_s32(w));
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
+}
+
+/* 4 bytes at p in the low half of a vector (no more are read) */
+static FA_ALWAYS_INLINE uint8x8_t fa_neon_load_4u8(const uint8_t *p)
+{
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    return vreinterpret_u8_u32(vdup_n_u32(w));
 }
 #endif
 #ifndef FA_NEON_TRANSPOSE_F32

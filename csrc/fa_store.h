@@ -1,6 +1,6 @@
 /* Elements stored in fewer bits (fa_store, fa_common.h), read as float: the
- * scalar conversions, for any CPU.  Each is exact: every binary16, bfloat16
- * and int8 value is a float. */
+ * scalar conversions, for any CPU.  Each is exact: every binary16, bfloat16,
+ * int8, float8 and q4_0 value is a float. */
 #ifndef FA_STORE_H
 #define FA_STORE_H
 
@@ -8,8 +8,22 @@
 #include <string.h>
 #include "fa_common.h"
 
-/* Bytes per element of a storage other than NATIVE. */
-static inline fa_idx fa_store_size(fa_store st) { return st == FA_STORE_I8 ? 1 : 2; }
+/* Bytes per element of a storage other than NATIVE: the unit of its
+ * strides (a byte for Q4, whose elements are half bytes in blocks). */
+static inline fa_idx fa_store_size(fa_store st)
+{
+    return st == FA_STORE_F16 || st == FA_STORE_BF16 ? 2 : 1;
+}
+
+/* Bytes of a row of n elements stored as st (not NATIVE). */
+static inline fa_idx fa_store_row_bytes(fa_store st, fa_idx n)
+{
+    if (st == FA_STORE_Q4) return (n + FA_Q4_BLOCK - 1) / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
+    return n * fa_store_size(st);
+}
+
+/* Storage whose rows stand for a scale per row times their codes. */
+static inline int fa_store_scaled(fa_store st) { return st == FA_STORE_I8 || st == FA_STORE_F8E4M3; }
 
 /* The float of these bits and the bits of this float (C99 allows a union's
  * other member to be read; it vectorises where memcpy did not). */
@@ -80,12 +94,48 @@ static inline uint16_t fa_f32_bf16(float f)
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+/* float8_e4m3fn: its 7 bits of magnitude moved to a float's places (the
+ * exponent's low 4 bits and the fraction's top 3) and times 2^120, which
+ * rebiases the exponent (7 -> 127) and makes a subnormal exact, as for
+ * binary16; S.1111.111 is NaN, the only code beyond 448 (there is no inf). */
+static FA_ALWAYS_INLINE float fa_e4m3_f32(uint8_t b)
+{
+    const uint32_t m = b & 0x7fu;
+    const float f = fa_bits_f32(m << 20) * 0x1p120f;
+    const uint32_t nan = (0u - ((m + 1u) >> 7)) & 0x7fc00000u;
+    return fa_bits_f32(fa_f32_bits_of(f) | nan | (uint32_t)(b & 0x80u) << 24);
+}
+
+/* float8_e5m2: the top byte of a binary16. */
+static FA_ALWAYS_INLINE float fa_e5m2_f32(uint8_t b) { return fa_f16_f32((uint16_t)(b << 8)); }
+
+/* The scale d of the Q4 block at blk (a binary16, possibly unaligned). */
+static FA_ALWAYS_INLINE float fa_q4_scale(const uint8_t *blk)
+{
+    uint16_t d;
+    memcpy(&d, blk, sizeof d);
+    return fa_f16_f32(d);
+}
+
+/* Element i of a Q4 row. */
+static FA_ALWAYS_INLINE float fa_q4_get(const void *p, fa_idx i)
+{
+    const uint8_t *blk = (const uint8_t *)p + i / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
+    const fa_idx j = i % FA_Q4_BLOCK;
+    const uint8_t b = blk[2 + (j & 15)];
+    const int c = j & 16 ? b >> 4 : b & 15;
+    return (float)(c - 8) * fa_q4_scale(blk);
+}
+
 /* Element i of a row stored as st (not NATIVE), as float. */
 static FA_ALWAYS_INLINE float fa_store_get(fa_store st, const void *p, fa_idx i)
 {
     switch (st) {
     case FA_STORE_F16: return fa_f16_f32(((const uint16_t *)p)[i]);
     case FA_STORE_BF16: return fa_bf16_f32(((const uint16_t *)p)[i]);
+    case FA_STORE_F8E4M3: return fa_e4m3_f32(((const uint8_t *)p)[i]);
+    case FA_STORE_F8E5M2: return fa_e5m2_f32(((const uint8_t *)p)[i]);
+    case FA_STORE_Q4: return fa_q4_get(p, i);
     default: return (float)((const int8_t *)p)[i];
     }
 }

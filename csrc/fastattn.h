@@ -86,13 +86,14 @@ typedef struct {
     fa_idx causal_offset;        /* 0: upper-left alignment, S - L: lower-right */
     double sink;                 /* a logit joining every row's softmax with no value; -inf: none */
     /* Storage (fa_common.h), for the float kernels; the double kernels take
-     * NATIVE only.  Strides stay in elements of the storage type. */
+     * NATIVE only.  Strides stay in elements of the storage type (bytes
+     * for Q4, whose rows are whole blocks, fa_common.h). */
     fa_store q_store;            /* NATIVE, F16 or BF16 */
-    fa_store kv_store;           /* key and value: NATIVE, F16, BF16 or I8 */
-    const float *k_scale;        /* I8: key row j is k_scale[j * ksc_s] * its codes */
-    const float *v_scale;        /* I8: value row j is v_scale[j * vsc_s] * its codes */
+    fa_store kv_store;           /* key and value: any */
+    const float *k_scale;        /* I8, F8E4M3: key row j is k_scale[j * ksc_s] * its codes */
+    const float *v_scale;        /* I8, F8E4M3: value row j is v_scale[j * vsc_s] * its codes */
     fa_idx ksc_s, vsc_s;
-    /* Placement of the keys and values (and of their I8 scales): dense when
+    /* Placement of the keys and values (and of their row scales): dense when
      * block_table is NULL, row j at k + j * k_ss as above.  Paged otherwise
      * (vLLM's PagedAttention, Kwon et al. 2023): the rows lie in blocks of
      * block_size rows, row j in block b = block_table[j / block_size] at

@@ -17,6 +17,9 @@ STORE_NATIVE: int
 STORE_F16: int
 STORE_BF16: int
 STORE_I8: int
+STORE_F8E4M3: int
+STORE_F8E5M2: int
+STORE_Q4: int
 ATTN_MAX_FEATURES: int
 
 def cpu_has_avx2_fma() -> bool: ...

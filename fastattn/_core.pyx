@@ -56,6 +56,9 @@ cdef extern from "fastattn.h" nogil:
         FA_STORE_F16
         FA_STORE_BF16
         FA_STORE_I8
+        FA_STORE_F8E4M3
+        FA_STORE_F8E5M2
+        FA_STORE_Q4
     ctypedef struct fa_gemm_args:
         fa_idx M, N, K
         fa_idx rs_a, cs_a, rs_b, cs_b, rs_c, cs_c
@@ -156,6 +159,9 @@ STORE_NATIVE = <int>FA_STORE_NATIVE
 STORE_F16 = <int>FA_STORE_F16
 STORE_BF16 = <int>FA_STORE_BF16
 STORE_I8 = <int>FA_STORE_I8
+STORE_F8E4M3 = <int>FA_STORE_F8E4M3
+STORE_F8E5M2 = <int>FA_STORE_F8E5M2
+STORE_Q4 = <int>FA_STORE_Q4
 ATTN_MAX_FEATURES = FA_ATTN_MAX_FEATURES
 
 
@@ -486,7 +492,9 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     batch axis divided by group.  slopes and sinks (float64) have out's
     batch shape, lse (out's dtype) its batch shape and L.  q, and k and v,
     are stored as q_store and kv_store (out float32 unless both are native);
-    with int8, k_scale and v_scale (float32) have k's batch shape and S."""
+    with int8 and float8_e4m3fn, k_scale and v_scale (float32) have k's
+    batch shape and S; Q4 rows are blocks of bytes (fa_common.h), so Ev is
+    out's last axis, not v's."""
     cdef int nd = q.ndim - 2
     cdef Batch b
     cdef Operands o
@@ -507,7 +515,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     a.L = q.shape[nd]
     a.E = q.shape[nd + 1]
     a.S = k.shape[nd]
-    a.Ev = v.shape[nd + 1]
+    a.Ev = out.shape[nd + 1]  # v's last axis counts bytes for Q4
     a.q_ls, a.q_es = estride(q, nd), estride(q, nd + 1)
     a.k_ss, a.k_es = estride(k, nd), estride(k, nd + 1)
     a.v_ss, a.v_es = estride(v, nd), estride(v, nd + 1)
@@ -981,7 +989,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     memset(&p, 0, sizeof(p))
     p.es = cnp.PyArray_ITEMSIZE(out)
     p.qsize, p.kvsize = cnp.PyArray_ITEMSIZE(q), cnp.PyArray_ITEMSIZE(key_cache)
-    p.a.E, p.a.Ev = q.shape[2], value_cache.shape[3]
+    p.a.E, p.a.Ev = q.shape[2], out.shape[2]  # the caches' last axes count bytes for Q4
     p.a.q_ls, p.a.q_es = estride(q, 0), estride(q, 2)
     p.a.k_bs, p.a.k_ss, p.a.k_es = estride(key_cache, 0), estride(key_cache, 2), estride(key_cache, 3)
     p.a.v_bs, p.a.v_ss, p.a.v_es = (estride(value_cache, 0), estride(value_cache, 2),

@@ -12,12 +12,87 @@ from . import _core
 from ._typing import DTypeLike, NDArray, Scalar
 from .attention import narrow
 
-# storage -> (its NumPy dtype's name, the kernels' kind)
+# storage -> (its NumPy dtype's name, the kernels' kind); the float8 and int4
+# storages hold their codes as bytes
 STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _core.STORE_NATIVE),
             "float16": ("float16", _core.STORE_F16), "bfloat16": ("bfloat16", _core.STORE_BF16),
-            "int8": ("int8", _core.STORE_I8)}
+            "int8": ("int8", _core.STORE_I8),
+            "float8_e4m3fn": ("uint8", _core.STORE_F8E4M3),
+            "float8_e5m2": ("uint8", _core.STORE_F8E5M2), "int4": ("uint8", _core.STORE_Q4)}
+# the storages of a float32 cache, and those with a float32 scale per row
+FLOAT32_STORAGES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2",
+                    "int4")
+SCALED = ("int8", "float8_e4m3fn")
 
-LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}  # their largest finite values
+LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
+           "float8_e5m2": 57344.0}  # their largest finite values
+
+# int4: llama.cpp's q4_0 blocks (csrc/fa_common.h): a float16 scale d and 16
+# bytes of codes per 32 elements of a row, nibble c standing for d * (c - 8)
+Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18
+
+
+def width(storage: str, n: int) -> int:
+    """The length of the last axis that holds a row of n elements."""
+    if storage == "int4":
+        return -(-n // Q4_BLOCK) * Q4_BLOCK_BYTES
+    return n
+
+
+def _fp8_values(storage: str) -> NDArray[np.float64]:
+    """The values of the non-negative codes 0, 1, ... of a float8 format, in
+    increasing order: OCP FP8's float8_e4m3fn (4 exponent bits of bias 7, 3
+    fraction bits; 0x7f is NaN, no inf) up to 448, or float8_e5m2 (binary16's
+    top byte) up to 57344 and then inf (code 0x7c)."""
+    ebits, bias, top = (4, 7, 0x7e) if storage == "float8_e4m3fn" else (5, 15, 0x7b)
+    mbits = 7 - ebits
+    c = np.arange(top + 1)
+    e, m = c >> mbits, c & ((1 << mbits) - 1)
+    values = np.where(e == 0, m * 2.0 ** (1 - bias - mbits),
+                      (m + 2 ** mbits) * 2.0 ** (e - bias - mbits))
+    return values if storage == "float8_e4m3fn" else np.append(values, np.inf)
+
+
+def _fp8_encode(x: NDArray[Any], storage: str) -> NDArray[np.uint8]:
+    """Codes of x (finite, or for e5m2 also inf and NaN) rounded to nearest,
+    ties to the even code (IEEE's rounding: an even code has an even
+    fraction); beyond the largest finite, e5m2 rounds to inf as IEEE says."""
+    values = _fp8_values(storage)
+    values[-1] = 65536.0 if storage == "float8_e5m2" else values[-1]  # inf, rounded to as 2^16
+    a = np.abs(x.astype(np.float64))
+    hi = np.minimum(np.searchsorted(values, a), len(values) - 1)  # values[hi - 1] < a <= values[hi]
+    lo = np.maximum(hi - 1, 0)
+    with np.errstate(invalid="ignore"):  # inf - inf at e5m2's inf
+        up = (values[hi] - a < a - values[lo]) | ((values[hi] - a == a - values[lo]) & (hi % 2 == 0))
+    code = np.where((a == values[hi]) | up | (hi == lo), hi, lo).astype(np.uint8)
+    code = np.where(np.isnan(a), 0x7e, code).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 7)
+
+
+def _fp8_decode(codes: NDArray[np.uint8], storage: str) -> NDArray[np.float32]:
+    table = np.full(128, np.nan)
+    values = _fp8_values(storage)
+    table[:len(values)] = values
+    out = table[codes & 0x7f].astype(np.float32)
+    return np.where(codes & 0x80, -out, out)
+
+
+def decode(held: NDArray[Any], scale: Optional[NDArray[np.float32]], storage: str, n: int,
+           dtype: np.dtype[Any]) -> NDArray[Any]:
+    """What the kernels read from rows held in storage (n elements each), in
+    dtype (a new array)."""
+    if storage in ("float8_e4m3fn", "float8_e5m2"):
+        out = _fp8_decode(held, storage)
+    elif storage == "int4":
+        blocks = held.reshape(held.shape[:-1] + (-1, Q4_BLOCK_BYTES))
+        d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # (..., G, 1)
+        codes = np.concatenate([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], axis=-1)
+        out = (d * (codes.astype(np.float32) - 8)).reshape(held.shape[:-1] + (-1,))[..., :n]
+    else:
+        out = held.astype(dtype)
+    if scale is not None:
+        out = out * scale[..., None]
+    return out.astype(dtype, copy=False)
 
 
 def cache_dtype(dtype: DTypeLike, what: str) -> np.dtype[Any]:
@@ -43,10 +118,9 @@ def check(storage: object, dtype: np.dtype[Any], what: str) -> str:
         raise ValueError(f"a float64 {what} holds float64 keys and values only (storage "
                          f"'float64' or None), got storage={storage!r}; for 16-bit or int8 "
                          "storage pass dtype=np.float32")
-    allowed = ("float32", "float16", "bfloat16", "int8")
-    if dtype != np.float64 and storage not in allowed:  # (also what is not a str)
-        raise ValueError(f"storage must be one of {', '.join(map(repr, allowed))} for a "
-                         f"{dtype.name} {what}, got {storage!r}")
+    if dtype != np.float64 and storage not in FLOAT32_STORAGES:  # (also what is not a str)
+        raise ValueError(f"storage must be one of {', '.join(map(repr, FLOAT32_STORAGES))} "
+                         f"for a {dtype.name} {what}, got {storage!r}")
     return str(storage)
 
 
@@ -68,26 +142,38 @@ def read_only(a: NDArray[Scalar]) -> NDArray[Scalar]:
 
 def encode(x: NDArray[np.floating[Any]], storage: str, name: str, nthreads: int
            ) -> tuple[NDArray[Any], Optional[NDArray[np.float32]]]:
-    """x in the storage, and its int8 row scales (None otherwise); a
-    ValueError, before anything is written, for what the storage cannot hold.
+    """x in the storage, and its row scales (SCALED storages; None
+    otherwise); a ValueError, before anything is written, for what the
+    storage cannot hold.
 
-    16-bit: rounded to nearest-even, as astype rounds.  int8: symmetric
-    absmax quantisation of each row of the last axis, ``scale = max|x| /
-    127`` (float32), ``code = round_half_even(x / scale)``."""
+    16-bit and float8_e5m2: rounded to nearest-even, as astype rounds.
+    int8: symmetric absmax quantisation of each row of the last axis,
+    ``scale = max|x| / 127`` (float32), ``code = round_half_even(x /
+    scale)``.  float8_e4m3fn: ``x / scale`` rounded to nearest-even, the
+    scale the power of two that brings max|x| into (224, 448].  int4:
+    ``int4_encode``."""
     stored = storage_dtype(storage)
     if stored == x.dtype:
         return x, None
-    if storage != "int8":  # rounded as astype rounds, on the kernels' threads
-        y = narrow(x, stored, nthreads)
-        overflow = np.isfinite(x) & np.isinf(y)
+    if storage in ("float16", "bfloat16", "float8_e5m2"):
+        if storage == "float8_e5m2":
+            y = _fp8_encode(x, storage)
+            held = _fp8_decode(y, storage)
+        else:  # rounded as astype rounds, on the kernels' threads
+            y = held = narrow(x, stored, nthreads)
+        overflow = np.isfinite(x) & np.isinf(held)
         if overflow.any():
             raise ValueError(f"{name} holds {x[overflow].flat[0]}, beyond the range of "
                              f"{storage} storage (largest finite {LARGEST[storage]:g}); use "
                              "storage='float32'")
         return y, None
     if not np.isfinite(x).all():
-        raise ValueError(f"{name} holds a non-finite value, which int8 storage cannot hold; "
+        raise ValueError(f"{name} holds a non-finite value, which {storage} storage cannot hold; "
                          "use storage='float32' (or 'float16')")
+    if storage == "int4":
+        return int4_encode(x, name), None
+    if storage == "float8_e4m3fn":
+        return _e4m3_encode(x)
     scale = (np.abs(x).max(axis=-1, initial=0) / 127).astype(np.float32)
     with np.errstate(over="ignore"):
         read_back = scale * np.float32(127)  # what a largest code is read as
@@ -99,6 +185,52 @@ def encode(x: NDArray[np.floating[Any]], storage: str, name: str, nthreads: int
         codes = np.rint(x / scale[..., None])
     codes = np.clip(np.nan_to_num(codes, nan=0.0), -127, 127).astype(np.int8)
     return codes, scale
+
+
+def _e4m3_encode(x: NDArray[np.floating[Any]]) -> tuple[NDArray[np.uint8], NDArray[np.float32]]:
+    """float8_e4m3fn codes of x / scale and the scale of each row: the power
+    of two 2^k, k >= -149, with max|x| / 2^k in (224, 448] (1 for a row of
+    zeros).  A power of two, so that scale * code is exact and the kernels'
+    scaled dot products equal those of the dequantised rows (barring
+    subnormal floats); a float format loses nothing to the scale's coarser
+    steps, whose only work is to keep the row clear of 448 and of e4m3's
+    subnormals."""
+    amax = np.abs(x).astype(np.float64).max(axis=-1, initial=0)
+    with np.errstate(divide="ignore"):
+        mant, exp = np.frexp(amax / 448)  # amax / 448 = mant * 2^exp, mant in [0.5, 1)
+    k = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2(amax / 448))
+    k = np.where(amax > 0, np.maximum(k, -149), 0)
+    scale = np.ldexp(np.float64(1), k).astype(np.float32)
+    return _fp8_encode(x / scale[..., None].astype(np.float64), "float8_e4m3fn"), scale
+
+
+def int4_encode(x: NDArray[np.floating[Any]], name: str = "x") -> NDArray[np.uint8]:
+    """The rows of x (last axis) as llama.cpp's q4_0 blocks: per block of 32
+    elements (the last one zero-padded) a float16 scale ``d = max|x| / 7``
+    rounded to nearest-even, then ``code = clip(round_half_even(x / d), -7,
+    7) + 8`` two per byte, element b in the low nibble of byte b and element
+    b + 16 in the high one; a block whose d is 0 holds codes 8 (zeros).  The
+    scale in float16, not float32: ``d * (code - 8)`` is then exact in
+    float32 (11 + 4 significant bits), so the kernels read exactly the
+    dequantised values, and it costs 2 bytes per 32 elements, as in q4_0."""
+    n = x.shape[-1]
+    blocks = -(-n // Q4_BLOCK)
+    padded = np.zeros(x.shape[:-1] + (blocks * Q4_BLOCK,), np.float64)
+    padded[..., :n] = x
+    g = padded.reshape(x.shape[:-1] + (blocks, Q4_BLOCK))
+    with np.errstate(over="ignore"):
+        d = (np.abs(g).max(axis=-1) / 7).astype(np.float16)
+    if np.isinf(d).any():
+        raise ValueError(f"{name} holds {np.abs(x).max()}, beyond the range of int4 storage "
+                         "(7 times its float16 scale, at most 458528); use storage='float32'")
+    d64 = d.astype(np.float64)[..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        codes = np.rint(np.where(d64 > 0, g / d64, 0.0))
+    nib = (np.clip(codes, -7, 7) + 8).astype(np.uint8)
+    out = np.empty(x.shape[:-1] + (blocks, Q4_BLOCK_BYTES), np.uint8)
+    out[..., :2] = d[..., None].view(np.uint8)  # little-endian float16
+    out[..., 2:] = nib[..., :16] | (nib[..., 16:] << 4)
+    return out.reshape(x.shape[:-1] + (blocks * Q4_BLOCK_BYTES,))
 
 
 def half_hint(dtype: np.dtype[Any], cache_dtype: np.dtype[Any], name: str, what: str) -> str:

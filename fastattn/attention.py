@@ -355,11 +355,14 @@ def scaled_dot_product_attention(
 
 class StoredKV(NamedTuple):
     """How a KVCache stores its keys and values when not in query's dtype:
-    the kernels' storage kind (_core.STORE_*) and, for int8, the float32
-    scale of every row, shaped like key and value without their last axis."""
+    the kernels' storage kind (_core.STORE_*), for int8 and float8_e4m3fn
+    the float32 scale of every row, shaped like key and value without their
+    last axis, and the elements of a value row (Ev; not value's last axis
+    for int4, whose rows are blocks of bytes)."""
     store: int
     key_scale: Optional[NDArray[np.float32]] = None
     value_scale: Optional[NDArray[np.float32]] = None
+    value_dim: Optional[int] = None
 
 
 def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
@@ -372,13 +375,15 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     """scaled_dot_product_attention's work; with stored, key and value are a
     KVCache's buffers in that storage (query's dtype is then the only one
     checked)."""
-    require_qkv(query, key, value)
+    packed = stored is not None and stored.store == _core.STORE_Q4  # rows of bytes
+    if not packed:  # (a cache checked its own)
+        require_qkv(query, key, value)
     dtype = (C.attention_dtype(query=query, key=key, value=value) if stored is None
              else C.attention_dtype(query=query))
     compute = C.compute_dtype(dtype)  # float32 for the 16-bit dtypes
     L, E = query.shape[-2:]
     S = key.shape[-2]
-    Ev = value.shape[-1]
+    Ev = value.shape[-1] if stored is None or stored.value_dim is None else stored.value_dim
     if E > _MAX_FEATURES or Ev > _MAX_FEATURES:
         raise ValueError(f"query/key have E = {E} and value Ev = {Ev} features per head; "
                          f"at most {_MAX_FEATURES} are supported")
@@ -461,8 +466,8 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     lse = np.empty(batch + (L,), compute) if lse_wanted else None
 
     q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
-    k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, E))
-    v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, Ev))
+    k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, key.shape[-1] if packed else E))
+    v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, value.shape[-1]))
     store = _STORE.get(dtype.name, _core.STORE_NATIVE) if compute != dtype else _core.STORE_NATIVE
     kv_store, k_scale, v_scale = store, None, None
     if stored is not None:

@@ -92,9 +92,11 @@ class KVCache:
         dtype = _storage.cache_dtype(dtype, "KVCache")
         storage = _storage.check(storage, dtype, "KVCache")
         stored = _storage.storage_dtype(storage)
-        shapes = [(batch_size, num_kv_heads, capacity, head_dim),
-                  (batch_size, num_kv_heads, capacity, value_dim), (batch_size, capacity)]
-        scales = 2 * 4 * batch_size * num_kv_heads * capacity if storage == "int8" else 0
+        shapes = [(batch_size, num_kv_heads, capacity, _storage.width(storage, head_dim)),
+                  (batch_size, num_kv_heads, capacity, _storage.width(storage, value_dim)),
+                  (batch_size, capacity)]
+        scaled = storage in _storage.SCALED
+        scales = 2 * 4 * batch_size * num_kv_heads * capacity if scaled else 0
         nbytes = (sum(math.prod(s) for s in shapes[:2]) * stored.itemsize + math.prod(shapes[2])
                   + scales)
         sizes = (f"batch_size={batch_size}, num_kv_heads={num_kv_heads}, capacity={capacity}, "
@@ -104,15 +106,16 @@ class KVCache:
                              f"space; lower capacity")
         self._dtype = dtype
         self._storage = storage
+        self._head_dim, self._value_dim = head_dim, value_dim
         try:  # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
             self._key: NDArray[Any] = np.zeros(shapes[0], stored)
             self._value: NDArray[Any] = np.zeros(shapes[1], stored)
             self._real: NDArray[np.bool_] = np.zeros(shapes[2], bool)  # True = a real token, may be attended
-            # int8: the scale of each (sequence, head, position) row
+            # int8, float8_e4m3fn: the scale of each (sequence, head, position) row
             self._key_scale: Optional[NDArray[np.float32]] = (
-                np.zeros(shapes[0][:3], np.float32) if storage == "int8" else None)
+                np.zeros(shapes[0][:3], np.float32) if scaled else None)
             self._value_scale: Optional[NDArray[np.float32]] = (
-                np.zeros(shapes[1][:3], np.float32) if storage == "int8" else None)
+                np.zeros(shapes[1][:3], np.float32) if scaled else None)
         except MemoryError:
             raise MemoryError(f"KVCache of {sizes} needs {nbytes / 2**30:.1f} GiB, which could "
                               f"not be allocated; lower capacity") from None
@@ -134,11 +137,11 @@ class KVCache:
 
     @property
     def head_dim(self) -> int:
-        return int(self._key.shape[3])
+        return self._head_dim
 
     @property
     def value_dim(self) -> int:
-        return int(self._value.shape[3])
+        return self._value_dim
 
     @property
     def dtype(self) -> np.dtype[np.floating[Any]]:
@@ -174,21 +177,22 @@ class KVCache:
         cache's dtype, read-only: a view when stored so, else a new array of
         what attention reads (the stored values converted, int8 times its
         scales)."""
-        return self._read(self._key, self._key_scale)
+        return self._read(self._key, self._key_scale, self._head_dim)
 
     @property
     def value(self) -> NDArray[np.floating[Any]]:
         """The values held, (batch_size, num_kv_heads, length, value_dim); as ``key``."""
-        return self._read(self._value, self._value_scale)
+        return self._read(self._value, self._value_scale, self._value_dim)
 
-    def _read(self, buf: NDArray[Any], scale: Optional[NDArray[np.float32]]
+    def _read(self, buf: NDArray[Any], scale: Optional[NDArray[np.float32]], n: int
               ) -> NDArray[np.floating[Any]]:
         held = buf[:, :, :self._length]
         if held.dtype == self._dtype:
             return _storage.read_only(held)
-        if scale is None:  # read-only too: a write to it would change nothing held
-            return _storage.read_only(held.astype(self._dtype))
-        return _storage.read_only(held.astype(self._dtype) * scale[:, :, :self._length, None])
+        # read-only too: a write to it would change nothing held
+        return _storage.read_only(_storage.decode(
+            held, None if scale is None else scale[:, :, :self._length], self._storage, n,
+            self._dtype))
 
     @property
     def attn_mask(self) -> Optional[NDArray[np.bool_]]:
@@ -400,7 +404,8 @@ class KVCache:
         return (self._key[:, :, rows], self._value[:, :, rows],
                 StoredKV(_storage.kind(self._storage),
                          None if self._key_scale is None else self._key_scale[:, :, rows],
-                         None if self._value_scale is None else self._value_scale[:, :, rows]))
+                         None if self._value_scale is None else self._value_scale[:, :, rows],
+                         self._value_dim))
 
     def _state(self) -> dict[str, NDArray[Any]]:
         """The positions held, as stored (codes and scales, bit for bit), with

@@ -257,7 +257,7 @@ def test_unplaceable_shards_time_out_and_reserve_nothing():
     (dict(placement="everywhere"), ValueError, "placement must be one of"),
     (dict(num_cpus_per_shard=0), ValueError, "num_cpus_per_shard must be > 0"),
     (dict(chunk_size=0), ValueError, "chunk_size"),
-    (dict(storage="int4"), ValueError, "storage"),
+    (dict(storage="int2"), ValueError, "storage"),
     (dict(timeout=-1), ValueError, "timeout must be > 0"),
     (dict(timeout=float("nan")), ValueError, "timeout"),
     (dict(timeout="5"), TypeError, "timeout must be a real number"),

@@ -232,7 +232,8 @@ def test_cache_errors(method, args, kwargs, exc, msg):
      "capacity=4611686018427387904, head_dim=64, value_dim=64, float32, storage=float32 would "
      "need buffers larger than any address space; lower capacity"),
     ((1, 1, 1, 1), {"storage": "float8"}, ValueError, "storage must be one of 'float32', "
-     "'float16', 'bfloat16', 'int8' for a float32 KVCache, got 'float8'"),
+     "'float16', 'bfloat16', 'int8', 'float8_e4m3fn', 'float8_e5m2', 'int4' for a float32 "
+     "KVCache, got 'float8'"),
     ((1, 1, 1, 1), {"dtype": np.float64, "storage": "int8"}, ValueError,
      "a float64 KVCache holds float64 keys and values only (storage 'float64' or None), got "
      "storage='int8'; for 16-bit or int8 storage pass dtype=np.float32"),

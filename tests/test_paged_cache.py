@@ -276,7 +276,7 @@ def test_views_are_read_only_and_sizes():
      "sequence 0 has 1 query but holds 0 positions"),
     (lambda c: c.fork(5), ValueError, "seq_id = 5 is not a live sequence"),
     (lambda c: fastattn.PagedKVCache(0, 4, 1, 8), ValueError, "num_blocks must be >= 1"),
-    (lambda c: fastattn.PagedKVCache(1, 4, 1, 8, storage="int4"), ValueError, "storage must be"),
+    (lambda c: fastattn.PagedKVCache(1, 4, 1, 8, storage="int2"), ValueError, "storage must be"),
 ])
 def test_bad_input(call, error, words):
     cache = fastattn.PagedKVCache(4, 4, Hkv, D, value_dim=Dv)
