@@ -272,7 +272,8 @@ class ShardedKVCache:
         Size of a value head; None means head_dim.
     dtype, storage
         As in ``KVCache``: float32 or float64; storage "float32",
-        "float16", "bfloat16" or "int8" for float32.
+        "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2" or
+        "int4" for float32.
     chunk_size : int
         Positions dealt to a shard at a time (default 256).  Attention with
         ALiBi costs one kernel call per chunk held (a chunk's bias depends

@@ -47,7 +47,7 @@ class KVCache:
     dtype : float32 or float64
         Of the keys and values appended and of the queries: what attention
         computes in.
-    storage : {"float32", "float16", "bfloat16", "int8"} or None
+    storage : {"float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"} or None
         How the keys and values are held (float32 dtype only; None: as
         dtype).  Decoding reads the whole cache at every step, so fewer
         bytes per element decode faster and hold longer sequences in the
@@ -71,6 +71,29 @@ class KVCache:
           about 3.4e38 (127 times a scale must stay finite); rows whose
           scale falls among float32's subnormals (max|x| below about
           1.5e-36) keep an error below 127 * 2**-150 (about 9e-44) more.
+        - "float8_e5m2" (binary16's top byte; vLLM's fp8_e5m2 cache): each
+          element rounded to nearest-even, no scale: relative error at most
+          2**-3; magnitudes up to 57344 (beyond is a ValueError), inf and
+          NaN kept.
+        - "float8_e4m3fn" (OCP FP8, ml_dtypes' name; vLLM's fp8_e4m3 cache,
+          per row rather than per tensor): each row divided by a float32
+          scale, the power of two that brings max|x| into (224, 448], and
+          rounded to nearest-even: relative error at most 2**-4 (rows
+          whose values fall below 2**-6 of the scale, e4m3's subnormals,
+          keep an error of at most 2**-10 scale); finite values only.
+        - "int4": llama.cpp's q4_0 layout, 4.5 bits per element: each row
+          in blocks of 32 elements (the last one zero-padded), a float16
+          scale ``d = max|x| / 7`` per block and codes
+          ``clip(round_half_even(x / d), -7, 7)``, read as ``d * code``;
+          the error of each element is at most about d / 2 = max|block| /
+          14.  One scale per 32 elements of a token's row, keys and values
+          alike (README's low-precision guide gives the measurements behind
+          that choice).  Finite values up to 458528 (7 times float16's
+          largest) only.
+
+        Every conversion the kernels make is exact, and for float8 and int4
+        the scale multiplies exactly: attention over such a cache gives the
+        bits of the float32 call on ``cache.key`` and ``cache.value``.
 
     Raises
     ------
@@ -151,12 +174,12 @@ class KVCache:
     @property
     def storage(self) -> str:
         """How the keys and values are held: "float32", "float64", "float16",
-        "bfloat16" or "int8"."""
+        "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2" or "int4"."""
         return self._storage
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffers (keys, values, int8 scales, padding flags)."""
+        """Bytes of the buffers (keys, values, row scales, padding flags)."""
         scales = [a.nbytes for a in (self._key_scale, self._value_scale) if a is not None]
         return int(self._key.nbytes + self._value.nbytes + self._real.nbytes + sum(scales))
 

@@ -303,7 +303,7 @@ class MultiHeadAttention:
         """An empty KVCache sized for this layer: (batch_size, num_kv_heads,
         capacity, head_dim) in the dtype the layer computes in (float32 for
         a 16-bit layer).  storage: as KVCache's ("float32", "float16",
-        "bfloat16", "int8"); None holds it in the layer's dtype.  Raises the
+        "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"); None holds it in the layer's dtype.  Raises the
         errors of KVCache for a bad batch_size, capacity or storage."""
         if storage is None and self._compute != self.dtype:
             storage = self.dtype.name

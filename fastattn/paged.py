@@ -7,15 +7,17 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _variants
+from . import _core, _runtime, _storage, _variants
 from ._typing import Float, NDArray
 from .attention import narrow
 from .varlen import _cu_seqlens
 
 # a cache's dtype -> how the kernels read it (its elements converted exactly
-# to float32 as they are loaded; int8 rows times their float32 scale)
+# to float32 as they are loaded; int8 rows times their float32 scale); the
+# caches of bytes say what they hold with kv_cache_dtype
 _CACHE_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
                  "bfloat16": _core.STORE_BF16, "int8": _core.STORE_I8}
+_BYTE_STORES = ("float8_e4m3fn", "float8_e5m2", "int4")
 _QUERY_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
                  "bfloat16": _core.STORE_BF16}
 
@@ -29,33 +31,54 @@ def _ints(x: object, name: str, ndim: int, layout: str) -> NDArray[np.integer[An
     return a
 
 
+def _byte_caches(key_cache: NDArray[Any], value_cache: NDArray[Any], kv_cache_dtype: object
+                 ) -> tuple[NDArray[Any], NDArray[Any], str]:
+    """The caches as the kernels read them and the storage they hold:
+    "auto" (their dtype's), or one of _BYTE_STORES held in uint8 (float8
+    also in ml_dtypes' dtypes of that name, read as their bytes)."""
+    if kv_cache_dtype == "auto":
+        return key_cache, value_cache, key_cache.dtype.name
+    if kv_cache_dtype not in _BYTE_STORES:  # (also what is not a str)
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of "
+                         f"{', '.join(map(repr, _BYTE_STORES))}, got {kv_cache_dtype!r}")
+    views = []
+    for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if a.dtype != np.uint8 and a.dtype.name != kv_cache_dtype:
+            raise TypeError(f"{name} has dtype {a.dtype}; kv_cache_dtype={kv_cache_dtype!r} "
+                            f"reads uint8 codes{'' if kv_cache_dtype == 'int4' else ' or ' + kv_cache_dtype}")
+        views.append(a.view(np.uint8))
+    return views[0], views[1], str(kv_cache_dtype)
+
+
 def _cache_dtypes(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
-                  k_scale: object, v_scale: object) -> tuple[int, int]:
-    """The kernels' storage kinds of query and of the caches; TypeError for
-    dtypes that do not go together, and for int8 scales that are missing
-    or given to another cache."""
+                  k_scale: object, v_scale: object, held: str) -> tuple[int, int]:
+    """The kernels' storage kinds of query and of the caches (held: their
+    storage); TypeError for dtypes that do not go together, and for row
+    scales that are missing or given to another cache."""
     qd, kd = query.dtype, key_cache.dtype
     if value_cache.dtype != kd:
         raise TypeError(f"key_cache has dtype {kd} and value_cache {value_cache.dtype}; "
                         "expected one dtype")
     if qd == np.float64:
-        if kd != np.float64:
+        if kd != np.float64 or held != "float64":
             raise TypeError(f"key_cache has dtype {kd}; a float64 query reads float64 caches")
         q_store = kv_store = _core.STORE_NATIVE
     else:
         if qd.name not in _QUERY_STORES or not qd.isnative:
             raise TypeError(f"query has dtype {qd}; expected float32, float64, float16 or "
                             "bfloat16 (native byte order)")
-        if kd.name not in _CACHE_STORES or not kd.isnative:
+        if held not in _BYTE_STORES and (kd.name not in _CACHE_STORES or not kd.isnative):
             raise TypeError(f"key_cache has dtype {kd}; expected float32, float16, bfloat16 "
-                            f"or int8 (with k_scale and v_scale) for a {qd} query")
-        q_store, kv_store = _QUERY_STORES[qd.name], _CACHE_STORES[kd.name]
-    if kv_store == _core.STORE_I8 and (k_scale is None or v_scale is None):
-        raise TypeError("int8 caches need k_scale and v_scale, the float32 scale of every "
+                            f"or int8 (with k_scale and v_scale) for a {qd} query, or codes "
+                            f"named by kv_cache_dtype")
+        q_store, kv_store = _QUERY_STORES[qd.name], _storage.kind(held)
+    scaled = held in _storage.SCALED
+    if scaled and (k_scale is None or v_scale is None):
+        raise TypeError(f"{held} caches need k_scale and v_scale, the float32 scale of every "
                         "row (num_blocks, num_kv_heads, block_size)")
-    if kv_store != _core.STORE_I8 and (k_scale is not None or v_scale is not None):
-        raise TypeError(f"k_scale and v_scale are the scales of int8 caches; key_cache has "
-                        f"dtype {kd}")
+    if not scaled and (k_scale is not None or v_scale is not None):
+        raise TypeError(f"k_scale and v_scale are the scales of int8 and float8_e4m3fn caches; "
+                        f"key_cache holds {held}")
     return q_store, kv_store
 
 
@@ -115,7 +138,8 @@ def paged_attention(
         alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
         sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
         k_scale: Optional[NDArray[np.float32]] = None,
-        v_scale: Optional[NDArray[np.float32]] = None,
+        v_scale: Optional[NDArray[np.float32]] = None, kv_cache_dtype: str = "auto",
+        value_dim: Optional[int] = None,
         out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
 ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """Attention of a ragged batch of sequences over a paged key/value cache,
@@ -132,8 +156,8 @@ def paged_attention(
     Each sequence's output is bitwise equal to
     ``scaled_dot_product_attention(q, k, v, causal_alignment="lower_right",
     enable_gqa=True, ...)`` on that sequence's queries and its keys and
-    values alone (as ``KVCache.attend`` reads them, for 16-bit and int8
-    caches), whatever the block size, the order of the blocks in memory and
+    values alone (as ``KVCache.attend`` reads them, for caches in 16, 8 or
+    4 bits), whatever the block size, the order of the blocks in memory and
     the other sequences of the call.
 
     Parameters
@@ -147,8 +171,9 @@ def paged_attention(
     value_cache : ndarray, shape (num_blocks, Hkv, block_size, Ev)
         The pool of blocks (vLLM's and FlashAttention's layout, any
         strides).  For a float64 query float64; else float32, float16,
-        bfloat16 or int8 (with ``k_scale`` and ``v_scale``), converted
-        exactly to float32 as they are read, a tile at a time.  Hq must be
+        bfloat16 or int8 (with ``k_scale`` and ``v_scale``), or the codes
+        that ``kv_cache_dtype`` names, converted exactly to float32 as they
+        are read, a tile at a time.  Hq must be
         a multiple of Hkv (grouped-query attention: query head h reads
         key/value head h // (Hq // Hkv)).
     block_table : ndarray of int32, shape (B, max_blocks)
@@ -174,9 +199,19 @@ def paged_attention(
         Also return each row's log-sum-exp, shape (Hq, total_q), as
         ``varlen_attention`` (FlashAttention's varlen ``softmax_lse``).
     k_scale, v_scale : ndarray of float32, shape (num_blocks, Hkv, block_size), or None
-        For int8 caches only: row j stands for its scale times its codes
-        (``KVCache``'s int8 storage).  Per row, unlike vLLM's per-tensor
-        ``k_scale`` of its fp8 cache.
+        For int8 and float8_e4m3fn caches only: row j stands for its scale
+        times its codes (``KVCache``'s storages of those names).  Per row,
+        unlike vLLM's per-tensor ``k_scale`` of its fp8 cache.
+    kv_cache_dtype : {"auto", "float8_e4m3fn", "float8_e5m2", "int4"}
+        What the caches hold (vLLM's argument of this name, with
+        ``KVCache``'s storage names for its "fp8_e4m3" and "fp8_e5m2"):
+        "auto" their dtype's values; else uint8 codes (for float8 also
+        ml_dtypes' arrays of that dtype): float8 one per element; int4
+        llama.cpp's q4_0 blocks, ``ceil(E / 32) * 18`` contiguous bytes per
+        row (as ``PagedKVCache(storage="int4")`` writes them).
+    value_dim : int or None
+        int4 caches only: Ev, the elements of a value row (default: 32 per
+        18-byte block of value_cache's rows).
     out : ndarray or None, shape (total_q, Hq, Ev), query's dtype
         Written through its strides; must not overlap an input.
     num_threads : int or None
@@ -193,8 +228,10 @@ def paged_attention(
     TypeError
         Non-ndarrays; a query dtype other than those above, caches of a
         dtype the query cannot read or of two dtypes; non-integer block
-        tables, seq_lens or cu_seqlens_q; int8 caches without their scales
-        or scales for other caches; flags that are not bools.
+        tables, seq_lens or cu_seqlens_q; int8 and float8_e4m3fn caches
+        without their scales or scales for other caches; caches that are not
+        uint8 (or that float8 dtype) with kv_cache_dtype; flags that are not
+        bools.
     ValueError
         Shapes that do not agree; Hq not a multiple of Hkv; cu_seqlens_q
         not starting at 0, decreasing or not ending at total_q; a seq_lens
@@ -213,17 +250,31 @@ def paged_attention(
         C.require_array(a, name)
         if a.ndim != len(layout.split(",")):
             raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {layout}")
-    q_store, kv_store = _cache_dtypes(query, key_cache, value_cache, k_scale, v_scale)
+    key_cache, value_cache, held = _byte_caches(key_cache, value_cache, kv_cache_dtype)
+    q_store, kv_store = _cache_dtypes(query, key_cache, value_cache, k_scale, v_scale, held)
     dtype = query.dtype
     compute = C.compute_dtype(dtype)
     total_q, Hq, E = query.shape
     num_blocks, Hkv, block_size, Ek = key_cache.shape
     Ev = value_cache.shape[3]
-    if Ek != E or value_cache.shape[:3] != key_cache.shape[:3]:
+    if held == "int4":  # rows of q4_0 blocks: E's bytes, and Ev's
+        Ev = Ev // _storage.Q4_BLOCK_BYTES * _storage.Q4_BLOCK if value_dim is None else value_dim
+        Ev = C.check_index(Ev, "value_dim", 0)
+        if _storage.width(held, Ev) != value_cache.shape[3] or value_cache.strides[3] != 1:
+            raise ValueError(f"value_cache has rows of {value_cache.shape[3]} bytes, strides "
+                             f"{value_cache.strides}; int4 rows of value_dim = {Ev} elements "
+                             f"are {_storage.width(held, Ev)} contiguous bytes")
+        if key_cache.strides[3] != 1:
+            raise ValueError(f"key_cache has strides {key_cache.strides}; int4 rows are "
+                             "contiguous bytes")
+    elif value_dim is not None:
+        raise ValueError("value_dim is for int4 caches only (their rows count bytes)")
+    if (Ek != _storage.width(held, E) or value_cache.shape[:3] != key_cache.shape[:3]):
+        last = "E" if held != "int4" else f"ceil(E / 32) * 18 = {_storage.width(held, E)}"
         raise ValueError(f"query {C.shape_str(query.shape)}, key_cache "
                          f"{C.shape_str(key_cache.shape)} and value_cache "
                          f"{C.shape_str(value_cache.shape)} do not agree: expected (total_q, "
-                         "Hq, E), (num_blocks, Hkv, block_size, E) and (num_blocks, Hkv, "
+                         f"Hq, E), (num_blocks, Hkv, block_size, {last}) and (num_blocks, Hkv, "
                          "block_size, Ev)")
     if block_size == 0:
         raise ValueError("key_cache has block_size 0; expected blocks of at least one position")
@@ -233,7 +284,7 @@ def paged_attention(
         raise ValueError(f"E = {E} and Ev = {Ev}: at most {_core.ATTN_MAX_FEATURES} features "
                          "are supported")
     scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]] = (None, None)
-    if kv_store == _core.STORE_I8:
+    if held in _storage.SCALED:
         scales = _scales(k_scale, v_scale, key_cache.shape[:3])
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
     B = cu_q.shape[0] - 1

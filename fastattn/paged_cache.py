@@ -51,10 +51,11 @@ class PagedKVCache:
         Size of a value head; None means head_dim.
     dtype : float32 or float64
         Of the keys, values and queries given: what attention computes in.
-    storage : {"float32", "float16", "bfloat16", "int8"} or None
+    storage : {"float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"} or None
         How the rows are held, as ``KVCache``'s (None: as dtype; float64
-        only as "float64"): 16-bit rounded to nearest-even, int8 with a
-        float32 absmax scale per row (``k_scale``, ``v_scale``).
+        only as "float64"): 16-bit and float8_e5m2 rounded to
+        nearest-even, int8 and float8_e4m3fn with a float32 scale per row
+        (``k_scale``, ``v_scale``), int4 in q4_0 blocks.
 
     Raises
     ------
@@ -75,17 +76,18 @@ class PagedKVCache:
         self._dtype = _storage.cache_dtype(dtype, "PagedKVCache")
         self._storage = _storage.check(storage, self._dtype, "PagedKVCache")
         stored = _storage.storage_dtype(self._storage)
-        shapes = [(num_blocks, num_kv_heads, block_size, head_dim),
-                  (num_blocks, num_kv_heads, block_size, value_dim)]
+        shapes = [(num_blocks, num_kv_heads, block_size, _storage.width(self._storage, head_dim)),
+                  (num_blocks, num_kv_heads, block_size, _storage.width(self._storage, value_dim))]
+        self._head_dim, self._value_dim = head_dim, value_dim
         if not all(C.addressable(s, max(stored.itemsize, 4)) for s in shapes):
             raise ValueError(f"a pool of {num_blocks} blocks of {block_size} positions would need "
                              "arrays larger than any address space; lower num_blocks")
-        int8 = self._storage == "int8"
+        scaled = self._storage in _storage.SCALED
         try:  # zeros, so that every slot holds a finite number (calloc: no page touched yet)
             self._key: NDArray[Any] = np.zeros(shapes[0], stored)
             self._value: NDArray[Any] = np.zeros(shapes[1], stored)
-            self._k_scale = np.zeros(shapes[0][:3], np.float32) if int8 else None
-            self._v_scale = np.zeros(shapes[0][:3], np.float32) if int8 else None
+            self._k_scale = np.zeros(shapes[0][:3], np.float32) if scaled else None
+            self._v_scale = np.zeros(shapes[0][:3], np.float32) if scaled else None
         except MemoryError:
             nbytes = sum(math.prod(s) for s in shapes) * stored.itemsize
             raise MemoryError(f"a pool of {num_blocks} blocks of {block_size} positions needs "
@@ -112,11 +114,11 @@ class PagedKVCache:
 
     @property
     def head_dim(self) -> int:
-        return int(self._key.shape[3])
+        return self._head_dim
 
     @property
     def value_dim(self) -> int:
-        return int(self._value.shape[3])
+        return self._value_dim
 
     @property
     def dtype(self) -> np.dtype[np.floating[Any]]:
@@ -151,7 +153,8 @@ class PagedKVCache:
     @property
     def key_cache(self) -> NDArray[Any]:
         """The pool of keys, (num_blocks, num_kv_heads, block_size, head_dim)
-        in the storage's dtype: a read-only view."""
+        in the storage's dtype (uint8 codes for float8, and for int4 rows of
+        ``ceil(head_dim / 32) * 18`` bytes): a read-only view."""
         return _storage.read_only(self._key.view())
 
     @property
@@ -161,8 +164,8 @@ class PagedKVCache:
 
     @property
     def k_scale(self) -> Optional[NDArray[np.float32]]:
-        """int8 storage: each key row's scale (num_blocks, num_kv_heads,
-        block_size), a read-only view; None otherwise."""
+        """int8 and float8_e4m3fn storage: each key row's scale (num_blocks,
+        num_kv_heads, block_size), a read-only view; None otherwise."""
         return None if self._k_scale is None else _storage.read_only(self._k_scale.view())
 
     @property
@@ -480,8 +483,12 @@ class PagedKVCache:
             query = self._rotate(query, positions, rotary,
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
                                  _runtime.resolve_threads(options.get("num_threads")))
+        codes = self._storage in ("float8_e4m3fn", "float8_e5m2", "int4")
         result = paged_attention(query, self._key, self._value, self.block_table(ids), lens, cu,
-                                 k_scale=self._k_scale, v_scale=self._v_scale, **options)
+                                 k_scale=self._k_scale, v_scale=self._v_scale,
+                                 kv_cache_dtype=self._storage if codes else "auto",
+                                 value_dim=self._value_dim if self._storage == "int4" else None,
+                                 **options)
         if rounded_to is None:
             return result
         nthreads = _runtime.resolve_threads(options.get("num_threads"))
