@@ -179,7 +179,7 @@ class _Shard:
             key, value, stored = self._cache._rows(a, b)
             return key[0], value[0], StoredKV(
                 stored.store, None if stored.key_scale is None else stored.key_scale[0],
-                None if stored.value_scale is None else stored.value_scale[0])
+                None if stored.value_scale is None else stored.value_scale[0], stored.value_dim)
 
         out, lse = _attend_runs(query, rows, self._runs, q0, opts, sinks)
         return out, lse, time.perf_counter() - start, 0.0

@@ -72,6 +72,7 @@ def options(rng, Hq, kind):
 
 @pytest.mark.parametrize("storage,dtype", [("float32", np.float32), ("int8", np.float32),
                                            ("float16", np.float32), ("bfloat16", np.float32),
+                                           ("int4", np.float32), ("float8_e4m3fn", np.float32),
                                            ("float64", np.float64)])
 def test_cache_equals_one_process(storage, dtype):
     """Every option and storage: the sharded cache gives one KVCache's result

@@ -265,7 +265,7 @@ def table_with(b, i, value):
     (dict(key_cache=lambda k: k[:, :, :, :5]), ValueError, "do not agree"),
     (dict(key_cache=lambda k: np.zeros(k.shape, np.int8),
           value_cache=lambda v: np.zeros(v.shape, np.int8)), TypeError, "int8 caches need k_scale"),
-    (dict(k_scale=np.ones((5, 2, 8), np.float32)), TypeError, "scales of int8 caches"),
+    (dict(k_scale=np.ones((5, 2, 8), np.float32)), TypeError, "scales of int8 and float8_e4m3fn caches"),
     (dict(query=lambda q: q[:, :3]), ValueError, "multiple of key/value heads"),
     (dict(query=lambda q: q.tolist()), TypeError, "numpy.ndarray"),
 ])

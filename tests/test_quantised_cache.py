@@ -1,0 +1,285 @@
+"""Caches in 8-bit floats and in 4 bits: storage "float8_e4m3fn",
+"float8_e5m2" and "int4".
+
+The kernels convert their codes exactly to float32 as they read them, and
+the scales multiply exactly (e4m3's is a power of two; int4's float16 scale
+times a 4-bit code fits a float32), so attention over such a cache must give
+the bits of the float32 call on what the cache holds (``cache.key``,
+``cache.value``): checked under hypothesis on every SIMD path.  What the
+cache holds is checked against ml_dtypes' conversions where installed, and
+against a decoding written out here from the formats' definitions, code by
+code; the quantisation error against its bound per element; and the
+attention's error against the float64 reference, per storage."""
+import numpy as np
+import pytest
+from conftest import simd_path
+from hypothesis import given
+from hypothesis import strategies as st
+from test_properties import FEATURES, KEYS, LENGTHS, SEEDS
+from test_variants import variants
+
+import fastattn
+from fastattn import reference as ref
+
+try:  # an optional dependency: the formats' definitions below are tested without it
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+STORAGES = ["float8_e4m3fn", "float8_e5m2", "int4"]
+sdpa = fastattn.scaled_dot_product_attention
+
+
+def fp8_value(code, storage):
+    """The value of one float8 code, from the format's definition (OCP FP8:
+    e4m3fn bias 7, no inf, S.1111.111 NaN; e5m2 bias 15 as binary16)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    ebits, bias = (4, 7) if storage == "float8_e4m3fn" else (5, 15)
+    mbits = 7 - ebits
+    e, m = (code & 0x7f) >> mbits, code & ((1 << mbits) - 1)
+    if storage == "float8_e4m3fn" and code & 0x7f == 0x7f:
+        return np.nan
+    if storage == "float8_e5m2" and e == 31:
+        return sign * np.inf if m == 0 else np.nan
+    if e == 0:
+        return sign * m * 2.0 ** (1 - bias - mbits)
+    return sign * (1 + m / 2**mbits) * 2.0 ** (e - bias)
+
+
+def int4_block(scale, nibbles):
+    """A q4_0 block: the float16 scale, then nibbles[b] | nibbles[b + 16] << 4."""
+    n = np.asarray(nibbles, np.uint8)
+    return np.concatenate([np.array([scale], np.float16).view(np.uint8), n[:16] | (n[16:] << 4)])
+
+
+def one_key_call(key_codes, value_codes, storage, E, Ev, L, k_scale=None, v_scale=None):
+    """paged_attention of L queries (one-hot rows, scale 1, not causal) over
+    one key: the output is the value row as read, the lse the key's elements
+    as read (query h picks element h)."""
+    Hq = E
+    query = np.zeros((L, Hq, E), np.float32)
+    query[:, np.arange(E), np.arange(E)] = 1
+    kc = key_codes.reshape(1, 1, 1, -1)
+    vc = value_codes.reshape(1, 1, 1, -1)
+    scales = {} if k_scale is None else dict(k_scale=np.full((1, 1, 1), k_scale, np.float32),
+                                             v_scale=np.full((1, 1, 1), v_scale, np.float32))
+    extra = dict(value_dim=Ev) if storage == "int4" else {}
+    return fastattn.paged_attention(query, kc, vc, np.zeros((1, 1), np.int32), np.array([1]),
+                                    np.array([0, L]), scale=1.0, is_causal=False,
+                                    return_lse=True, kv_cache_dtype=storage, **scales, **extra)
+
+
+@pytest.mark.parametrize("L", [1, 8])  # the row kernel and the block kernel's tiles
+@pytest.mark.parametrize("storage", ["float8_e4m3fn", "float8_e5m2"])
+def test_every_float8_code_reads_as_its_value(simd, storage, L):
+    codes = np.arange(256, dtype=np.uint8)
+    want = np.array([fp8_value(int(c), storage) for c in codes])
+    if ml_dtypes is not None:  # the definition above agrees with ml_dtypes
+        theirs = codes.view(getattr(ml_dtypes, storage)).astype(np.float64)
+        np.testing.assert_array_equal(theirs, want)
+    k_scale = 0.5 if storage == "float8_e4m3fn" else None  # e4m3 rows carry a scale
+    finite = np.isfinite(want)
+    key_codes = np.where(finite, codes, 0).astype(np.uint8)  # a non-finite score hides the rest
+    out, lse = one_key_call(key_codes, codes, storage, 256, 256, L, k_scale,
+                            None if k_scale is None else 0.25)
+    f = 1.0 if k_scale is None else k_scale
+    np.testing.assert_array_equal(lse[:, 0], np.where(finite, want, 0) * f)
+    np.testing.assert_array_equal(out[0, 0], want * (1.0 if k_scale is None else 0.25))
+    assert np.array_equal(out[-1], out[0], equal_nan=True)
+
+
+@pytest.mark.parametrize("L", [1, 8])
+@pytest.mark.parametrize("E", [32, 48, 96])  # whole blocks, and a half-empty last one
+def test_every_int4_code_reads_as_its_value(simd, L, E):
+    """Every nibble (0-15, code - 8, so -8 too, which the encoder never
+    writes), in both halves of a byte, with scales of both signs, a
+    subnormal one and 0."""
+    rng = np.random.default_rng(E)
+    blocks = -(-E // 32)
+    scales = [1.5, -0.375, 2.0**-20, 0.0, 65504.0][:blocks]
+    nibbles = [rng.permutation(np.tile(np.arange(16), 2)) for _ in scales]
+    row = np.concatenate([int4_block(s, n) for s, n in zip(scales, nibbles)])
+    want = np.concatenate([np.float64(np.float16(s)) * (n.astype(np.float64) - 8)
+                           for s, n in zip(scales, nibbles)])[:E]
+    out, lse = one_key_call(row, row, "int4", E, E, L)
+    np.testing.assert_array_equal(lse[:, 0], want)
+    np.testing.assert_array_equal(out[:, 0], np.broadcast_to(want, (L, E)))
+
+
+def filled(storage, rng, B=2, Hkv=2, S=37, D=24, Dv=16, scale=1.0):
+    cache = fastattn.KVCache(B, Hkv, S + 8, D, value_dim=Dv, storage=storage)
+    k = (rng.standard_normal((B, Hkv, S, D)) * scale).astype(np.float32)
+    v = (rng.standard_normal((B, Hkv, S, Dv)) * scale).astype(np.float32)
+    k[0, 1, 5] = 0  # a row of zeros
+    cache.append(k[:, :, :S - 3], v[:, :, :S - 3])
+    cache.append(k[:, :, S - 3:], v[:, :, S - 3:])
+    return cache, k, v
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_cache_holds_what_its_storage_says(storage):
+    rng = np.random.default_rng(1)
+    cache, k, v = filled(storage, rng, D=80, scale=3.0)
+    assert cache.key.dtype == np.float32 and cache.key.shape == k.shape
+    assert cache.value.shape == v.shape and not cache.key.flags.writeable
+    for held, x in ((cache.key, k), (cache.value, v)):
+        err = np.abs(held.astype(np.float64) - x)
+        if storage == "float8_e5m2":  # nearest-even, 2 fraction bits: ml_dtypes' astype
+            bound = np.abs(x) * 2.0**-3 + 2.0**-17
+        elif storage == "float8_e4m3fn":  # 3 fraction bits after a power-of-two scale
+            scale = 2.0 ** np.ceil(np.log2(np.abs(x).max(-1, keepdims=True) / 448))
+            bound = np.maximum(np.abs(x) * 2.0**-4, scale * 2.0**-10)
+        else:  # half a step of max|block| / 7 (a float16 step), per block of 32
+            n = x.shape[-1]
+            pad = np.zeros(x.shape[:-1] + (-(-n // 32) * 32,))
+            pad[..., :n] = np.abs(x)
+            top = np.repeat(pad.reshape(x.shape[:-1] + (-1, 32)).max(-1), 32, axis=-1)[..., :n]
+            bound = top * (1 / 14 + 2.0**-10)
+        assert np.all(err <= bound)
+    assert np.all(cache.key[0, 1, 5] == 0)
+    if ml_dtypes is not None and storage == "float8_e5m2":
+        want = k.astype(ml_dtypes.float8_e5m2).astype(np.float32)
+        np.testing.assert_array_equal(cache.key, want)
+    per_row = {"float8_e4m3fn": 4, "float8_e5m2": 0, "int4": 0}[storage]
+    width = {"int4": (3 * 18, 18)}.get(storage, (80, 16))
+    assert cache.nbytes == 2 * 2 * 45 * (sum(width) + 2 * per_row) + 2 * 45
+
+
+@given(st.data())
+def test_attention_gives_the_bits_of_float32_on_what_is_held(data):
+    """Any lengths, features, options, GQA and path: KVCache.attend over a
+    float8 or int4 cache equals scaled_dot_product_attention on cache.key
+    and cache.value in float32, bit for bit."""
+    draw = data.draw
+    storage = draw(st.sampled_from(STORAGES))
+    path = draw(st.sampled_from(fastattn.available_simd_paths()))
+    rng = np.random.default_rng(draw(SEEDS))
+    B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
+    S, E, Ev = max(draw(KEYS), 1), draw(FEATURES), draw(FEATURES)
+    L = min(draw(LENGTHS), S)
+    cache = fastattn.KVCache(B, Hkv, S, E, value_dim=Ev, storage=storage)
+    cache.append((rng.standard_normal((B, Hkv, S, E)) * 2).astype(np.float32),
+                 rng.standard_normal((B, Hkv, S, Ev)).astype(np.float32))
+    q = rng.standard_normal((B, Hkv * G, L, E)).astype(np.float32)
+    kwargs = draw(variants(rng, B, Hkv * G, L, S))
+    causal = draw(st.booleans())
+    with simd_path(path):
+        got = cache.attend(q, is_causal=causal, **kwargs)
+        want = sdpa(q, cache.key, cache.value, is_causal=causal, enable_gqa=True,
+                    causal_alignment="lower_right", **kwargs)
+    np.testing.assert_array_equal(got, want)
+
+
+# RMS error of decoding against the float64 reference on the unquantised
+# keys and values (unit variance, S = 4096, 8 heads of 128, one query):
+# measured 1.5e-8 (float32), 2.5e-4 (int8), 1.14e-3 (float8_e4m3fn), 2.01e-3
+# (float8_e5m2), 3.67e-3 (int4), alike on every path; the bounds leave 2x.
+RMS_BOUND = {"float32": 3e-8, "int8": 5e-4, "float8_e4m3fn": 2.3e-3, "float8_e5m2": 4e-3,
+             "int4": 7.5e-3}
+
+
+@pytest.mark.parametrize("storage", list(RMS_BOUND))
+def test_decoding_error_against_the_reference(simd, storage):
+    rng = np.random.default_rng(7)
+    H, S, D = 8, 4096, 128
+    k = rng.standard_normal((1, H, S, D)).astype(np.float32)
+    v = rng.standard_normal((1, H, S, D)).astype(np.float32)
+    q = rng.standard_normal((1, H, 1, D)).astype(np.float32)
+    cache = fastattn.KVCache(1, H, S, D, storage=storage)
+    cache.append(k, v)
+    want = ref.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64),
+                                            v.astype(np.float64))
+    rms = float(np.sqrt(np.mean((cache.attend(q) - want) ** 2)))
+    assert rms <= RMS_BOUND[storage]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_paged_and_sharded_placements_change_no_bit(storage):
+    """A PagedKVCache (blocks of 16 in the order the pool hands them out,
+    two sequences interleaved) gives KVCache's bits."""
+    rng = np.random.default_rng(3)
+    paged = fastattn.PagedKVCache(64, 16, 2, 80, value_dim=48, storage=storage)
+    a, b = paged.add_sequence(), paged.add_sequence()
+    dense = [fastattn.KVCache(1, 2, 200, 80, value_dim=48, storage=storage) for _ in range(2)]
+    for step in range(3):
+        n = [70, 1, 1][step]
+        k = rng.standard_normal((2 * n, 2, 80)).astype(np.float32)
+        v = rng.standard_normal((2 * n, 2, 48)).astype(np.float32)
+        paged.append([a, b], k, v, cu_seqlens=np.array([0, n, 2 * n]))
+        for i, d in enumerate(dense):
+            d.append(k[i * n:(i + 1) * n].transpose(1, 0, 2)[None],
+                     v[i * n:(i + 1) * n].transpose(1, 0, 2)[None])
+        q = rng.standard_normal((2, 4, 80)).astype(np.float32)
+        got = paged.attend([a, b], q)
+        for i, d in enumerate(dense):
+            np.testing.assert_array_equal(got[i], d.attend(q[i][:, None][None])[0, :, 0])
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_layer_decodes_with_its_cache(storage):
+    rng = np.random.default_rng(4)
+    layer = fastattn.MultiHeadAttention(64, 2, rng=1)
+    x = rng.standard_normal((2, 6, 64)).astype(np.float32)
+    full, _ = layer(x, is_causal=True)
+    cache = layer.new_cache(2, 8, storage=storage)
+    steps = np.concatenate([layer(x[:, t:t + 1], cache=cache)[0] for t in range(6)], axis=1)
+    # the keys and values quantised: each element within 2**-4 (e4m3), 2**-3
+    # (e5m2) or max|block| / 14 (int4) of itself, through the projections
+    tol = {"float8_e4m3fn": 0.1, "float8_e5m2": 0.15, "int4": 0.3}[storage]
+    np.testing.assert_allclose(steps, full, atol=tol * np.abs(full).max())
+
+
+def test_what_the_storages_cannot_hold_is_refused():
+    big = np.array([[[[1.0, 70000.0]]]], np.float32)
+    for storage, x, words in (
+            ("float8_e5m2", big, "70000.0, beyond the range of float8_e5m2 storage"),
+            ("float8_e4m3fn", big * np.nan, "non-finite value, which float8_e4m3fn"),
+            ("int4", big * np.inf, "non-finite value, which int4 storage"),
+            ("int4", big * 10, "beyond the range of int4 storage")):
+        cache = fastattn.KVCache(1, 1, 4, 2, storage=storage)
+        with pytest.raises(ValueError, match=words):
+            cache.append(big * 0, x)
+        assert cache.length == 0
+    e5 = fastattn.KVCache(1, 1, 4, 2, storage="float8_e5m2")
+    e5.append(np.array([[[[np.inf, -np.inf]]]], np.float32), big * 0)  # kept, as float16 keeps it
+    assert np.isinf(e5.key).all()
+
+
+def test_inputs_are_not_changed():
+    rng = np.random.default_rng(5)
+    for storage in STORAGES:
+        k = rng.standard_normal((1, 2, 5, 40)).astype(np.float32)
+        before = k.copy()
+        fastattn.KVCache(1, 2, 8, 40, storage=storage).append(k, k)
+        np.testing.assert_array_equal(k, before)
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(kv_cache_dtype="fp4"), ValueError, "kv_cache_dtype must be 'auto' or one of"),
+    (dict(kv_cache_dtype=3), ValueError, "kv_cache_dtype must be"),
+    (dict(key_cache=np.zeros((2, 1, 4, 36), np.float32)), TypeError,
+     "key_cache has dtype float32; kv_cache_dtype='int4' reads uint8 codes"),
+    (dict(key_cache=np.zeros((2, 1, 4, 32), np.uint8)), ValueError, "ceil(E / 32) * 18 = 18"),
+    (dict(value_dim=80), ValueError, "int4 rows of value_dim = 80 elements are 54"),
+    (dict(key_cache=np.zeros((2, 1, 4, 72), np.uint8)[..., ::2]), ValueError,
+     "int4 rows are contiguous bytes"),
+    (dict(kv_cache_dtype="float8_e4m3fn", key_cache=np.zeros((2, 1, 4, 32), np.uint8),
+          value_cache=np.zeros((2, 1, 4, 32), np.uint8)), TypeError,
+     "float8_e4m3fn caches need k_scale and v_scale"),
+    (dict(kv_cache_dtype="float8_e5m2", key_cache=np.zeros((2, 1, 4, 32), np.uint8),
+          value_cache=np.zeros((2, 1, 4, 32), np.uint8), k_scale=np.ones((2, 1, 4), np.float32),
+          v_scale=np.ones((2, 1, 4), np.float32)), TypeError, "key_cache holds float8_e5m2"),
+    (dict(kv_cache_dtype="auto", value_dim=32), ValueError, "value_dim is for int4 caches"),
+])
+def test_bad_paged_arguments_are_clear_errors(change, error, words):
+    args = dict(query=np.zeros((1, 2, 32), np.float32), key_cache=np.zeros((2, 1, 4, 18), np.uint8),
+                value_cache=np.zeros((2, 1, 4, 36), np.uint8), block_table=np.zeros((1, 1), np.int32),
+                seq_lens=np.array([1]), cu_seqlens_q=np.array([0, 1]), kv_cache_dtype="int4")
+    args.update(change)
+    if args["kv_cache_dtype"] == "int4" and "key_cache" not in change:
+        args["key_cache"] = np.zeros((2, 1, 4, 18), np.uint8)
+    if args["kv_cache_dtype"] == "auto":
+        args["key_cache"] = args["value_cache"] = np.zeros((2, 1, 4, 32), np.float32)
+    with pytest.raises(error) as e:
+        fastattn.paged_attention(**args)
+    assert words in str(e.value)
