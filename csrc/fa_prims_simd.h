@@ -464,7 +464,9 @@ static FA_ALWAYS_INLINE V FA_NAME(vload_st)(const fa_store st, const void *p, fa
         c = VI_AND(j & 16 ? VI_SRLI(c, 4) : c, VI_SET1(15));
         /* c - 8 as a float: c in the low bits of 2^23 (exact), less 2^23 + 8 */
         const V x = VSUB(VI_AS(VI_OR(c, VI_SET1(0x4b000000))), VSET1(8388616.0f));
-        return VMUL(x, VSET1(fa_q4_scale(blk)));
+        uint16_t d;
+        memcpy(&d, blk, sizeof d);
+        return VMUL(x, VSET1_F16(d)); /* the conversion in registers: exact */
     }
     default: break;
     }
@@ -591,6 +593,7 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
 #undef VLOAD_U8
 #undef VI_AND
 #undef VI_OR
+#undef VSET1_F16
 #undef VSTORE_F16
 #undef VSCALEF
 #undef VFMA_LANE

@@ -54,6 +54,8 @@ static FA_ALWAYS_INLINE float fa_reduce_add_ps256(__m256 x)
 #define VLOAD_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define VI_AND(x, y) _mm256_and_si256(x, y)
 #define VI_OR(x, y) _mm256_or_si256(x, y)
+/* a binary16 (its bits) in every lane, as float */
+#define VSET1_F16(h) _mm256_cvtph_ps(_mm_set1_epi16((short)(h)))
 /* VLEN floats rounded to nearest-even binary16 and stored */
 #define VSTORE_F16(p, x) _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
 #else

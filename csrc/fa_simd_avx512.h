@@ -48,6 +48,8 @@
 #define VLOAD_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define VI_AND(x, y) _mm512_and_si512(x, y)
 #define VI_OR(x, y) _mm512_or_si512(x, y)
+/* a binary16 (its bits) in every lane, as float */
+#define VSET1_F16(h) _mm512_cvtph_ps(_mm256_set1_epi16((short)(h)))
 /* VLEN floats rounded to nearest-even binary16 and stored */
 #define VSTORE_F16(p, x) _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
 #else

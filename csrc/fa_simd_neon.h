@@ -58,6 +58,8 @@
 #define VLOAD_U8(p) vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(fa_neon_load_4u8(p)))))
 #define VI_AND(x, y) vandq_s32(x, y)
 #define VI_OR(x, y) vorrq_s32(x, y)
+/* a binary16 (its bits) in every lane, as float */
+#define VSET1_F16(h) vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h)))
 /* VLEN floats rounded to nearest-even binary16 and stored */
 #define VSTORE_F16(p, x) vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))) /* FPCR: nearest-even */
 #ifndef FA_NEON_LOAD_I8

@@ -132,10 +132,14 @@ def test_shape_work():
                                         "causal-2048", "decode-4096", "long-8192", "head-128",
                                         "window-8192", "causal-8192", "packed-16",
                                         "decode-8192", "decode-8192-float16",
-                                        "decode-8192-bfloat16", "decode-8192-int8"]
+                                        "decode-8192-bfloat16", "decode-8192-int8",
+                                        "decode-8192-float8_e4m3fn", "decode-8192-float8_e5m2",
+                                        "decode-8192-int4"]
     rows = 32 * 8192  # (head, position) rows of key and of value
-    assert [ALL_SHAPES[f"decode-8192{x}"].kv_bytes for x in ("", "-float16", "-int8")] == [
-        2 * rows * 128 * 4, 2 * rows * 128 * 2, 2 * rows * (128 + 4)]
+    assert [ALL_SHAPES[f"decode-8192{x}"].kv_bytes for x in (
+        "", "-float16", "-int8", "-float8_e4m3fn", "-float8_e5m2", "-int4")] == [
+        2 * rows * 128 * 4, 2 * rows * 128 * 2, 2 * rows * (128 + 4), 2 * rows * (128 + 4),
+        2 * rows * 128, 2 * rows * 4 * 18]
     w = ALL_SHAPES["window-8192"]  # row i sees min(i + 1, 1025) keys
     assert w.flops == 4 * 4 * 64 * (1025 * 1026 // 2 + (8192 - 1025) * 1025)
     p = ALL_SHAPES["packed-16"]

@@ -19,7 +19,8 @@ class Shape:
     sequences of these lengths, L = S = their sum, each attending to its
     own positions only (causally when causal).  storage: how a decoding
     case holds its keys and values, a fastattn KVCache's storage ("float32",
-    "float16", "bfloat16" or "int8"); only fastattn runs the others."""
+    "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2" or
+    "int4"); only fastattn runs the others."""
     name: str
     B: int
     H: int
@@ -66,15 +67,17 @@ class Shape:
 
     @property
     def kv_bytes(self):
-        """Bytes of key and value in their storage (int8: with a float32
-        scale per row): what a decoding step must read."""
+        """Bytes of key and value in their storage (int8 and e4m3 with a
+        float32 scale per row, int4 with a float16 scale per 32 elements):
+        what a decoding step must read."""
         rows = self.B * self.H * self.S
-        if self.storage == "int8":
-            return rows * (self.E + self.Ev + 8)
-        return STORAGE_BYTES[self.storage] * rows * (self.E + self.Ev)
+        if self.storage == "int4":
+            return rows * 18 * (-(-self.E // 32) + -(-self.Ev // 32))
+        scales = 8 if self.storage in ("int8", "float8_e4m3fn") else 0
+        return rows * (STORAGE_BYTES[self.storage] * (self.E + self.Ev) + scales)
 
     def stored_kv(self, seed=0):
-        """The arrays a decoding step reads (key, value, and int8's scales),
+        """The arrays a decoding step reads (key, value, and row scales),
         as float32 views of their bytes (for the read bandwidth on the same
         bytes): a fastattn KVCache of this storage filled with inputs()."""
         import fastattn
@@ -119,8 +122,10 @@ class Shape:
         return q, k, v
 
 
-# bytes per element of each storage of a key/value cache (int8 adds its scales)
-STORAGE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+# bytes per element of each storage of a key/value cache (int8 and e4m3 add
+# their row scales, int4's 18 bytes per 32 elements are kv_bytes')
+STORAGE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1,
+                 "float8_e5m2": 1, "int4": 0.5625}
 # 16 sequences of 32..1024 tokens, as a server packs them
 PACKED = tuple(int(n) for n in np.linspace(32, 1024, 16).round())
 # The benchmark table.
