@@ -103,7 +103,8 @@ class GPT2:
 
     def new_caches(self, batch_size, capacity, storage=None):
         """One empty KVCache per layer, holding its keys and values in
-        storage (KVCache's: "float32", "float16", "bfloat16", "int8"; None:
+        storage (KVCache's: "float32", "float16", "bfloat16", "int8",
+        "float8_e4m3fn", "float8_e5m2", "int4"; None:
         the model's dtype)."""
         return [mha.new_cache(batch_size, capacity, storage=storage) for mha in self.attn]
 
@@ -198,7 +199,7 @@ def compare_storage(model, prompt, mask, tokens, logits):
     print(f"greedy decoding of {tokens.shape[1]} tokens, {tokens.shape[0]} prompts, against a "
           f"float32 cache (logits up to {np.abs(logits).max():.1f}):")
     same16 = True
-    for storage in ("float16", "bfloat16", "int8"):
+    for storage in ("float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"):
         t, lg = model.generate(prompt, tokens.shape[1], mask, storage=storage)
         agree = int((t == tokens).all(axis=1).sum())
         first = np.flatnonzero((t != tokens).any(axis=0))
@@ -210,9 +211,9 @@ def compare_storage(model, prompt, mask, tokens, logits):
             top2 = np.sort(logits[:, first[0]], axis=-1)[:, -2:]
             margin = float((top2[:, 1] - top2[:, 0])[(t != tokens)[:, first[0]]].min())
             where = f" (first difference at step {first[0]}, where the two best logits differ by {margin:.1e})"
-        print(f"  {storage:8s} cache: {agree} of {len(t)} sequences with the same tokens{where}"
+        print(f"  {storage:13s} cache: {agree} of {len(t)} sequences with the same tokens{where}"
               + f"; |logit difference| max {diff.max():.2e}, RMS {np.sqrt((diff ** 2).mean()):.2e}")
-        same16 &= storage == "int8" or agree == len(t)
+        same16 &= storage not in ("float16", "bfloat16") or agree == len(t)
     if not same16:
         print("a 16-bit cache changed a token: at a near-tie of the float32 logits (the margin "
               "above) their rounding can, elsewhere it should not; exit status 1")
