@@ -66,7 +66,8 @@ def _fp8_encode(x: NDArray[Any], storage: str) -> NDArray[np.uint8]:
         up = (values[hi] - a < a - values[lo]) | ((values[hi] - a == a - values[lo]) & (hi % 2 == 0))
     code = np.where((a == values[hi]) | up | (hi == lo), hi, lo).astype(np.uint8)
     code = np.where(np.isnan(a), 0x7e, code).astype(np.uint8)
-    return code | (np.signbit(x).astype(np.uint8) << 7)
+    signed: NDArray[np.uint8] = code | (np.signbit(x).astype(np.uint8) << 7)
+    return signed
 
 
 def _fp8_decode(codes: NDArray[np.uint8], storage: str) -> NDArray[np.float32]:
@@ -74,13 +75,14 @@ def _fp8_decode(codes: NDArray[np.uint8], storage: str) -> NDArray[np.float32]:
     values = _fp8_values(storage)
     table[:len(values)] = values
     out = table[codes & 0x7f].astype(np.float32)
-    return np.where(codes & 0x80, -out, out)
+    signed: NDArray[np.float32] = np.where(codes & 0x80, -out, out)
+    return signed
 
 
 def decode(held: NDArray[Any], scale: Optional[NDArray[np.float32]], storage: str, n: int,
            dtype: np.dtype[Any]) -> NDArray[Any]:
     """What the kernels read from rows held in storage (n elements each), in
-    dtype (a new array)."""
+    dtype (a new array).  Computed as the kernels do, in float32."""
     if storage in ("float8_e4m3fn", "float8_e5m2"):
         out = _fp8_decode(held, storage)
     elif storage == "int4":
@@ -116,8 +118,8 @@ def check(storage: object, dtype: np.dtype[Any], what: str) -> str:
     storage = dtype.name if storage is None else storage
     if dtype == np.float64 and storage != "float64":
         raise ValueError(f"a float64 {what} holds float64 keys and values only (storage "
-                         f"'float64' or None), got storage={storage!r}; for 16-bit or int8 "
-                         "storage pass dtype=np.float32")
+                         f"'float64' or None), got storage={storage!r}; for 16-, 8- or "
+                         "4-bit storage pass dtype=np.float32")
     if dtype != np.float64 and storage not in FLOAT32_STORAGES:  # (also what is not a str)
         raise ValueError(f"storage must be one of {', '.join(map(repr, FLOAT32_STORAGES))} "
                          f"for a {dtype.name} {what}, got {storage!r}")
@@ -173,18 +175,30 @@ def encode(x: NDArray[np.floating[Any]], storage: str, name: str, nthreads: int
     if storage == "int4":
         return int4_encode(x, name), None
     if storage == "float8_e4m3fn":
-        return _e4m3_encode(x)
+        codes, scale = _e4m3_encode(x)
+        with np.errstate(over="ignore"):
+            held = _fp8_decode(codes, storage).max(axis=-1, initial=0) * scale
+        if np.isinf(held).any():  # a row near float32's largest rounded up past it
+            raise ValueError(f"{name} holds {_largest(x)}, beyond the range of float8_e4m3fn "
+                             "storage (its rows, rounded, must stay finite float32s); use "
+                             "storage='float32'")
+        return codes, scale
     scale = (np.abs(x).max(axis=-1, initial=0) / 127).astype(np.float32)
     with np.errstate(over="ignore"):
         read_back = scale * np.float32(127)  # what a largest code is read as
     if np.isinf(read_back).any():
-        raise ValueError(f"{name} holds {np.abs(x).max()}, beyond the range of int8 storage "
+        raise ValueError(f"{name} holds {_largest(x)}, beyond the range of int8 storage "
                          f"(127 times its scale must stay a finite float32); use "
                          "storage='float32'")
     with np.errstate(invalid="ignore", divide="ignore"):  # 0 / 0 for an all-zero row
         codes = np.rint(x / scale[..., None])
     codes = np.clip(np.nan_to_num(codes, nan=0.0), -127, 127).astype(np.int8)
     return codes, scale
+
+
+def _largest(x: NDArray[Any]) -> float:
+    """The element of x of largest magnitude, with its sign."""
+    return float(x.flat[int(np.argmax(np.abs(x)))])
 
 
 def _e4m3_encode(x: NDArray[np.floating[Any]]) -> tuple[NDArray[np.uint8], NDArray[np.float32]]:
@@ -221,7 +235,7 @@ def int4_encode(x: NDArray[np.floating[Any]], name: str = "x") -> NDArray[np.uin
     with np.errstate(over="ignore"):
         d = (np.abs(g).max(axis=-1) / 7).astype(np.float16)
     if np.isinf(d).any():
-        raise ValueError(f"{name} holds {np.abs(x).max()}, beyond the range of int4 storage "
+        raise ValueError(f"{name} holds {_largest(x)}, beyond the range of int4 storage "
                          "(7 times its float16 scale, at most 458528); use storage='float32'")
     d64 = d.astype(np.float64)[..., None]
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -236,7 +236,7 @@ def test_cache_errors(method, args, kwargs, exc, msg):
      "KVCache, got 'float8'"),
     ((1, 1, 1, 1), {"dtype": np.float64, "storage": "int8"}, ValueError,
      "a float64 KVCache holds float64 keys and values only (storage 'float64' or None), got "
-     "storage='int8'; for 16-bit or int8 storage pass dtype=np.float32"),
+     "storage='int8'; for 16-, 8- or 4-bit storage pass dtype=np.float32"),
     ((1, 1, 1, 1), {"storage": np.float16}, ValueError, "storage must be one of"),
     # empty heads: NumPy still refuses the shape
     ((1, 1, 2**62, 0), {"value_dim": 0}, ValueError, "capacity=4611686018427387904, head_dim=0, "

@@ -235,7 +235,9 @@ def test_what_the_storages_cannot_hold_is_refused():
             ("float8_e5m2", big, "70000.0, beyond the range of float8_e5m2 storage"),
             ("float8_e4m3fn", big * np.nan, "non-finite value, which float8_e4m3fn"),
             ("int4", big * np.inf, "non-finite value, which int4 storage"),
-            ("int4", big * 10, "beyond the range of int4 storage")):
+            ("int4", big * -10, "holds -700000.0, beyond the range of int4 storage"),
+            ("float8_e4m3fn", np.full((1, 1, 1, 2), 3.3e38, np.float32),
+             "beyond the range of float8_e4m3fn storage")):
         cache = fastattn.KVCache(1, 1, 4, 2, storage=storage)
         with pytest.raises(ValueError, match=words):
             cache.append(big * 0, x)
