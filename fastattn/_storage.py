@@ -252,4 +252,5 @@ def half_hint(dtype: np.dtype[Any], cache_dtype: np.dtype[Any], name: str, what:
     if not C.is_half(dtype):
         return ""
     return (f"; pass {name}.astype(np.{cache_dtype.name}): a {what} computes in float32 "
-            f"and holds its keys and values in {dtype.name} with storage='{dtype.name}'")
+            f"(one created with storage='{dtype.name}' holds its keys and values in "
+            f"{dtype.name})")

@@ -118,8 +118,8 @@ HOSTILE = [
         "value has dtype float16; this MultiHeadAttention has float32 weights; for float16"),
     row("dtype", cache.append, (kv16, kv16), {}, TypeError,
         "key has dtype float16; this KVCache holds float32; pass key.astype(np.float32): a "
-        "KVCache computes in float32 and holds its keys and values in float16 with "
-        "storage='float16'"),
+        "KVCache computes in float32 (one created with storage='float16' holds its keys and "
+        "values in float16)"),
     # -- dimensions and shapes ------------------------------------------------------------
     row("shape", sdpa, (z(3),) * 3, {}, ValueError, "query must have at least 2 dimensions"),
     row("shape", sdpa, (np.zeros((), np.float32),) * 3, {}, ValueError, "query must have at least 2 dimensions"),
