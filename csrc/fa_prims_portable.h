@@ -212,21 +212,49 @@ static void FA_NAME(narrow_f16)(fa_idx n, const float *x, uint16_t *y)
 }
 #endif
 
+/* t[0..n) = elements c..c+n-1 of a Q4 row (c a multiple of FA_Q4_BLOCK, n
+ * at most one block): its scale converted once, not per element */
+static FA_ALWAYS_INLINE void FA_NAME(q4_run)(const void *p, fa_idx c, fa_idx n, T *t)
+{
+    const uint8_t *blk = (const uint8_t *)p + c / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
+    const float d = fa_q4_scale(blk);
+    for (fa_idx e = 0; e < n; ++e) {
+        const uint8_t b = blk[2 + (e & 15)];
+        t[e] = (T)((float)((e & 16 ? b >> 4 : b & 15) - 8) * d);
+    }
+}
+
 /* dst[0..n) = a contiguous row stored as st, as T */
 static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, const void *src, T *dst)
 {
+    if (st == FA_STORE_Q4) {
+        for (fa_idx c = 0; c < n; c += FA_Q4_BLOCK)
+            FA_NAME(q4_run)(src, c, n - c < FA_Q4_BLOCK ? n - c : FA_Q4_BLOCK, dst + c);
+        return;
+    }
     for (fa_idx j = 0; j < n; ++j) dst[j] = FA_NAME(st_get)(st, src, j);
 }
 
 /* sum over c of x[c] * y[c] (both contiguous, y stored as st), in eight
- * interleaved partial sums */
+ * interleaved partial sums; a Q4 row a block at a time, the same sums */
 static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y)
 {
     T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     fa_idx c = 0;
-    for (; c + 8 <= n; c += 8)
-        for (int t = 0; t < 8; ++t) part[t] += x[c + t] * FA_NAME(st_get)(st, y, c + t);
-    for (; c < n; ++c) part[0] += x[c] * FA_NAME(st_get)(st, y, c);
+    if (st == FA_STORE_Q4) {
+        T q[FA_Q4_BLOCK];
+        for (fa_idx c0 = 0; c0 < n; c0 += FA_Q4_BLOCK) {
+            const fa_idx m = n - c0 < FA_Q4_BLOCK ? n - c0 : FA_Q4_BLOCK;
+            FA_NAME(q4_run)(y, c0, m, q);
+            for (; c + 8 <= c0 + m; c += 8)
+                for (int t = 0; t < 8; ++t) part[t] += x[c + t] * q[c - c0 + t];
+            for (; c < c0 + m; ++c) part[0] += x[c] * q[c - c0]; /* the last block's tail */
+        }
+    } else {
+        for (; c + 8 <= n; c += 8)
+            for (int t = 0; t < 8; ++t) part[t] += x[c + t] * FA_NAME(st_get)(st, y, c + t);
+        for (; c < n; ++c) part[0] += x[c] * FA_NAME(st_get)(st, y, c);
+    }
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
@@ -239,6 +267,15 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
         const T pr = p[r]; /* held: o could alias p, as far as the compiler knows */
         if (pr == 0) continue;
         const void *xr = FA_NAME(st_at)(st, x, r * rs);
-        for (fa_idx c = 0; c < n; ++c) o[c] += pr * FA_NAME(st_get)(st, xr, c);
+        if (st == FA_STORE_Q4) {
+            T q[FA_Q4_BLOCK];
+            for (fa_idx c0 = 0; c0 < n; c0 += FA_Q4_BLOCK) {
+                const fa_idx m = n - c0 < FA_Q4_BLOCK ? n - c0 : FA_Q4_BLOCK;
+                FA_NAME(q4_run)(xr, c0, m, q);
+                for (fa_idx e = 0; e < m; ++e) o[c0 + e] += pr * q[e];
+            }
+        } else {
+            for (fa_idx c = 0; c < n; ++c) o[c] += pr * FA_NAME(st_get)(st, xr, c);
+        }
     }
 }

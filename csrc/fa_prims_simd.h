@@ -460,13 +460,17 @@ static FA_ALWAYS_INLINE V FA_NAME(vload_st)(const fa_store st, const void *p, fa
     case FA_STORE_Q4: { /* fa_q4_get: VLEN (<= 16) elements lie in one block */
         const uint8_t *blk = (const uint8_t *)p + i / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
         const fa_idx j = i % FA_Q4_BLOCK;
+        uint16_t d;
+        memcpy(&d, blk, sizeof d);
+#ifdef VLOAD_Q4
+        return VLOAD_Q4(blk + 2 + (j & 15), (j & 16) != 0, d);
+#else
         VI c = VLOAD_U8(blk + 2 + (j & 15));
         c = VI_AND(j & 16 ? VI_SRLI(c, 4) : c, VI_SET1(15));
         /* c - 8 as a float: c in the low bits of 2^23 (exact), less 2^23 + 8 */
         const V x = VSUB(VI_AS(VI_OR(c, VI_SET1(0x4b000000))), VSET1(8388616.0f));
-        uint16_t d;
-        memcpy(&d, blk, sizeof d);
         return VMUL(x, VSET1_F16(d)); /* the conversion in registers: exact */
+#endif
     }
     default: break;
     }
@@ -594,6 +598,7 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
 #undef VI_AND
 #undef VI_OR
 #undef VSET1_F16
+#undef VLOAD_Q4
 #undef VSTORE_F16
 #undef VSCALEF
 #undef VFMA_LANE

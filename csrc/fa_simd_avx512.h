@@ -50,6 +50,20 @@
 #define VI_OR(x, y) _mm512_or_si512(x, y)
 /* a binary16 (its bits) in every lane, as float */
 #define VSET1_F16(h) _mm512_cvtph_ps(_mm256_set1_epi16((short)(h)))
+/* VLEN q4_0 elements: the nibbles of 16 bytes at p (high ones when hi),
+ * each picking d * (c - 8) from a table of the 16 (VPERMPS reads an index's
+ * low 4 bits: no mask, no conversion) */
+#define VLOAD_Q4(p, hi, d) fa_avx512_load_q4(p, hi, d)
+#ifndef FA_AVX512_LOAD_Q4
+#define FA_AVX512_LOAD_Q4
+static FA_ALWAYS_INLINE __m512 fa_avx512_load_q4(const uint8_t *p, int hi, uint16_t d)
+{
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    if (hi) c = _mm512_srli_epi32(c, 4);
+    const __m512 codes = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    return _mm512_permutexvar_ps(c, _mm512_mul_ps(codes, VSET1_F16(d))); /* exact products */
+}
+#endif
 /* VLEN floats rounded to nearest-even binary16 and stored */
 #define VSTORE_F16(p, x) _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
 #else
