@@ -172,17 +172,19 @@ def test_attention_gives_the_bits_of_float32_on_what_is_held(data):
 
 
 # RMS error of decoding against the float64 reference on the unquantised
-# keys and values (unit variance, S = 4096, 8 heads of 128, one query):
-# measured 1.5e-8 (float32), 2.5e-4 (int8), 1.14e-3 (float8_e4m3fn), 2.01e-3
-# (float8_e5m2), 3.67e-3 (int4), alike on every path; the bounds leave 2x.
-RMS_BOUND = {"float32": 3e-8, "int8": 5e-4, "float8_e4m3fn": 2.3e-3, "float8_e5m2": 4e-3,
-             "int4": 7.5e-3}
+# keys and values (unit variance, S = 1024, 4 heads of 128, one query; small
+# enough for the emulated aarch64 run): measured 2.9e-8 (float32), 4.4e-4
+# (int8), 1.85e-3 (float8_e4m3fn), 3.62e-3 (float8_e5m2), 6.28e-3 (int4), alike
+# on every path; the bounds leave 2x.  (At S = 4096 and 8 heads, README's
+# figures: 1.5e-8, 2.5e-4, 1.14e-3, 2.01e-3, 3.67e-3.)
+RMS_BOUND = {"float32": 6e-8, "int8": 9e-4, "float8_e4m3fn": 3.7e-3, "float8_e5m2": 7.2e-3,
+             "int4": 1.25e-2}
 
 
 @pytest.mark.parametrize("storage", list(RMS_BOUND))
 def test_decoding_error_against_the_reference(simd, storage):
     rng = np.random.default_rng(7)
-    H, S, D = 8, 4096, 128
+    H, S, D = 4, 1024, 128
     k = rng.standard_normal((1, H, S, D)).astype(np.float32)
     v = rng.standard_normal((1, H, S, D)).astype(np.float32)
     q = rng.standard_normal((1, H, 1, D)).astype(np.float32)
