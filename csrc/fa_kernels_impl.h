@@ -20,7 +20,7 @@ static FA_ALWAYS_INLINE const void *FA_NAME(st_at)(const fa_store st, const void
  * Q4, whose elements are not whole bytes), and the bytes of n elements. */
 static FA_ALWAYS_INLINE const void *FA_NAME(st_col)(const fa_store st, const void *p, fa_idx c)
 {
-    if (st == FA_STORE_Q4) return (const char *)p + c / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
+    if (st == FA_STORE_Q4) return (const void *)fa_q4_block(p, c);
     return FA_NAME(st_at)(st, p, c);
 }
 

@@ -216,7 +216,7 @@ static void FA_NAME(narrow_f16)(fa_idx n, const float *x, uint16_t *y)
  * at most one block): its scale converted once, not per element */
 static FA_ALWAYS_INLINE void FA_NAME(q4_run)(const void *p, fa_idx c, fa_idx n, T *t)
 {
-    const uint8_t *blk = (const uint8_t *)p + c / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
+    const uint8_t *blk = fa_q4_block(p, c);
     const float d = fa_q4_scale(blk);
     for (fa_idx e = 0; e < n; ++e) {
         const uint8_t b = blk[2 + (e & 15)];

@@ -458,8 +458,8 @@ static FA_ALWAYS_INLINE V FA_NAME(vload_st)(const fa_store st, const void *p, fa
         return VI_AS(VI_OR(VI_OR(VAS_I(f), nan), VI_SLLI(VI_AND(u, VI_SET1(0x80)), 24)));
     }
     case FA_STORE_Q4: { /* fa_q4_get: VLEN (<= 16) elements lie in one block */
-        const uint8_t *blk = (const uint8_t *)p + i / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
-        const fa_idx j = i % FA_Q4_BLOCK;
+        const uint8_t *blk = fa_q4_block(p, i);
+        const fa_idx j = i & (FA_Q4_BLOCK - 1);
         uint16_t d;
         memcpy(&d, blk, sizeof d);
 #ifdef VLOAD_Q4
@@ -506,10 +506,19 @@ static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T
     fa_idx c = 0;
     V s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), s3 = VZERO();
     for (; c + 4 * VLEN <= n; c += 4 * VLEN) {
-        s0 = VFMA(VLOAD(x + c), FA_NAME(vload_st)(st, y, c), s0);
-        s1 = VFMA(VLOAD(x + c + VLEN), FA_NAME(vload_st)(st, y, c + VLEN), s1);
-        s2 = VFMA(VLOAD(x + c + 2 * VLEN), FA_NAME(vload_st)(st, y, c + 2 * VLEN), s2);
-        s3 = VFMA(VLOAD(x + c + 3 * VLEN), FA_NAME(vload_st)(st, y, c + 3 * VLEN), s3);
+#if 4 * VLEN % FA_Q4_BLOCK == 0
+        /* from whole Q4 blocks at constant offsets: each block's scale read
+         * and converted once, not per vector */
+        const void *yc = FA_NAME(st_col)(st, y, c);
+        const fa_idx i = 0;
+#else
+        const void *yc = y;
+        const fa_idx i = c;
+#endif
+        s0 = VFMA(VLOAD(x + c), FA_NAME(vload_st)(st, yc, i), s0);
+        s1 = VFMA(VLOAD(x + c + VLEN), FA_NAME(vload_st)(st, yc, i + VLEN), s1);
+        s2 = VFMA(VLOAD(x + c + 2 * VLEN), FA_NAME(vload_st)(st, yc, i + 2 * VLEN), s2);
+        s3 = VFMA(VLOAD(x + c + 3 * VLEN), FA_NAME(vload_st)(st, yc, i + 3 * VLEN), s3);
     }
     for (; c + VLEN <= n; c += VLEN) s0 = VFMA(VLOAD(x + c), FA_NAME(vload_st)(st, y, c), s0);
     T s = VREDUCE(VADD(VADD(s0, s1), VADD(s2, s3)));

@@ -109,6 +109,13 @@ static FA_ALWAYS_INLINE float fa_e4m3_f32(uint8_t b)
 /* float8_e5m2: the top byte of a binary16. */
 static FA_ALWAYS_INLINE float fa_e5m2_f32(uint8_t b) { return fa_f16_f32((uint16_t)(b << 8)); }
 
+/* The start of the Q4 block of element i (>= 0) of a row at p: an
+ * unsigned division, a shift (i is never negative). */
+static FA_ALWAYS_INLINE const uint8_t *fa_q4_block(const void *p, fa_idx i)
+{
+    return (const uint8_t *)p + (size_t)i / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
+}
+
 /* The scale d of the Q4 block at blk (a binary16, possibly unaligned). */
 static FA_ALWAYS_INLINE float fa_q4_scale(const uint8_t *blk)
 {
@@ -120,8 +127,8 @@ static FA_ALWAYS_INLINE float fa_q4_scale(const uint8_t *blk)
 /* Element i of a Q4 row. */
 static FA_ALWAYS_INLINE float fa_q4_get(const void *p, fa_idx i)
 {
-    const uint8_t *blk = (const uint8_t *)p + i / FA_Q4_BLOCK * FA_Q4_BLOCK_BYTES;
-    const fa_idx j = i % FA_Q4_BLOCK;
+    const uint8_t *blk = fa_q4_block(p, i);
+    const fa_idx j = i & (FA_Q4_BLOCK - 1);
     const uint8_t b = blk[2 + (j & 15)];
     const int c = j & 16 ? b >> 4 : b & 15;
     return (float)(c - 8) * fa_q4_scale(blk);
