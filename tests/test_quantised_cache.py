@@ -15,6 +15,7 @@ import pytest
 from conftest import simd_path
 from hypothesis import given
 from hypothesis import strategies as st
+from test_low_precision import filled_cache
 from test_properties import FEATURES, KEYS, LENGTHS, SEEDS
 from test_variants import variants
 
@@ -106,20 +107,10 @@ def test_every_int4_code_reads_as_its_value(simd, L, E):
     np.testing.assert_array_equal(out[:, 0], np.broadcast_to(want, (L, E)))
 
 
-def filled(storage, rng, B=2, Hkv=2, S=37, D=24, Dv=16, scale=1.0):
-    cache = fastattn.KVCache(B, Hkv, S + 8, D, value_dim=Dv, storage=storage)
-    k = (rng.standard_normal((B, Hkv, S, D)) * scale).astype(np.float32)
-    v = (rng.standard_normal((B, Hkv, S, Dv)) * scale).astype(np.float32)
-    k[0, 1, 5] = 0  # a row of zeros
-    cache.append(k[:, :, :S - 3], v[:, :, :S - 3])
-    cache.append(k[:, :, S - 3:], v[:, :, S - 3:])
-    return cache, k, v
-
-
 @pytest.mark.parametrize("storage", STORAGES)
 def test_cache_holds_what_its_storage_says(storage):
     rng = np.random.default_rng(1)
-    cache, k, v = filled(storage, rng, D=80, scale=3.0)
+    cache, k, v = filled_cache(storage, rng, D=80, scale=3.0)
     assert cache.key.dtype == np.float32 and cache.key.shape == k.shape
     assert cache.value.shape == v.shape and not cache.key.flags.writeable
     for held, x in ((cache.key, k), (cache.value, v)):
