@@ -55,18 +55,31 @@ def _fp8_values(storage: str) -> NDArray[np.float64]:
 
 def _fp8_encode(x: NDArray[Any], storage: str) -> NDArray[np.uint8]:
     """Codes of x (finite, or for e5m2 also inf and NaN) rounded to nearest,
-    ties to the even code (IEEE's rounding: an even code has an even
-    fraction); beyond the largest finite, e5m2 rounds to inf as IEEE says."""
-    values = _fp8_values(storage)
-    values[-1] = 65536.0 if storage == "float8_e5m2" else values[-1]  # inf, rounded to as 2^16
-    a = np.abs(x.astype(np.float64))
-    hi = np.minimum(np.searchsorted(values, a), len(values) - 1)  # values[hi - 1] < a <= values[hi]
-    lo = np.maximum(hi - 1, 0)
-    with np.errstate(invalid="ignore"):  # inf - inf at e5m2's inf
-        up = (values[hi] - a < a - values[lo]) | ((values[hi] - a == a - values[lo]) & (hi % 2 == 0))
-    code = np.where((a == values[hi]) | up | (hi == lo), hi, lo).astype(np.uint8)
-    code = np.where(np.isnan(a), 0x7e, code).astype(np.uint8)
-    signed: NDArray[np.uint8] = code | (np.signbit(x).astype(np.uint8) << 7)
+    ties to even (IEEE's rounding; beyond the largest finite, e5m2 rounds to
+    inf).  In float32 bits: a normal value's fraction rounded to the
+    format's bits (a carry steps the exponent), a subnormal one to the
+    format's step by rint; the result, a binary16 value, read off its
+    binary16 bits (e5m2 is their top byte)."""
+    ebits = 4 if storage == "float8_e4m3fn" else 5
+    mbits, emin = 7 - ebits, (-6 if ebits == 4 else -14)  # fraction bits, smallest normal
+    y = np.ascontiguousarray(x, np.float32)
+    bits = y.view(np.uint32)
+    drop = 23 - mbits  # the float32 fraction bits to round off
+    up = bits + np.uint32((1 << (drop - 1)) - 1) + ((bits >> drop) & np.uint32(1))
+    normal = (up & np.uint32(0xFFFFFFFF ^ ((1 << drop) - 1))).view(np.float32)
+    step = np.float32(2.0 ** (emin - mbits))
+    with np.errstate(invalid="ignore", over="ignore"):
+        rounded = np.where(np.abs(y) < np.float32(2.0 ** emin), np.rint(y / step) * step, normal)
+        rounded = np.where(np.isnan(y), y, rounded)
+        h = rounded.astype(np.float16).view(np.uint16)  # exact (beyond e5m2's range: inf)
+    if ebits == 5:
+        return (h >> 8).astype(np.uint8)
+    mag = np.abs(rounded)
+    normal_code = ((h >> 10 & 31).astype(np.int32) - 8) << 3 | (h >> 7 & 7)
+    code = np.where(mag >= np.float32(2.0**-6), normal_code,
+                    np.rint(mag * np.float32(512)).astype(np.int32))
+    signed: NDArray[np.uint8] = (code.astype(np.uint8)
+                                 | ((h >> 15).astype(np.uint8) << 7).astype(np.uint8))
     return signed
 
 
@@ -215,7 +228,9 @@ def _e4m3_encode(x: NDArray[np.floating[Any]]) -> tuple[NDArray[np.uint8], NDArr
     k = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2(amax / 448))
     k = np.where(amax > 0, np.maximum(k, -149), 0)
     scale = np.ldexp(np.float64(1), k).astype(np.float32)
-    return _fp8_encode(x / scale[..., None].astype(np.float64), "float8_e4m3fn"), scale
+    # x / 2^k: exact in float32 (but for results among float32's
+    # subnormals, which round to code 0 whatever their last bit)
+    return _fp8_encode(x.astype(np.float32) / scale[..., None], "float8_e4m3fn"), scale
 
 
 def int4_encode(x: NDArray[np.floating[Any]], name: str = "x") -> NDArray[np.uint8]:

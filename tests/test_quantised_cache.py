@@ -132,9 +132,32 @@ def test_cache_holds_what_its_storage_says(storage):
     if ml_dtypes is not None and storage == "float8_e5m2":
         want = k.astype(ml_dtypes.float8_e5m2).astype(np.float32)
         np.testing.assert_array_equal(cache.key, want)
+    if ml_dtypes is not None and storage == "float8_e4m3fn":
+        scale = cache._key_scale[:, :, :cache.length, None]
+        want = (k / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+        np.testing.assert_array_equal(cache.key, want)
     per_row = {"float8_e4m3fn": 4, "float8_e5m2": 0, "int4": 0}[storage]
     width = {"int4": (3 * 18, 18)}.get(storage, (80, 16))
     assert cache.nbytes == 2 * 2 * 45 * (sum(width) + 2 * per_row) + 2 * 45
+
+
+@pytest.mark.parametrize("storage", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_rounds_as_ml_dtypes_at_every_tie(storage):
+    """Every float8 value, the midpoints between neighbours (ties: to the
+    even code) and the floats either side of them, both signs; e4m3's row
+    holds 448, so its scale is 1."""
+    if ml_dtypes is None:
+        pytest.skip("ml_dtypes is an optional dependency")
+    codes = np.arange(0x7f if storage == "float8_e4m3fn" else 0x7c, dtype=np.uint8)
+    values = np.array([fp8_value(int(c), storage) for c in codes])
+    mids = ((values[1:] + values[:-1]) / 2).astype(np.float32)
+    row = np.concatenate([values.astype(np.float32), mids, np.nextafter(mids, np.float32(0)),
+                          np.nextafter(mids, np.float32(np.inf))])
+    row = np.concatenate([row, -row]).astype(np.float32)
+    cache = fastattn.KVCache(1, 1, 1, row.size, storage=storage)
+    cache.append(row[None, None, None], row[None, None, None])
+    want = row.astype(getattr(ml_dtypes, storage)).astype(np.float32)
+    np.testing.assert_array_equal(cache.key[0, 0, 0], want)
 
 
 @given(st.data())
