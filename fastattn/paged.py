@@ -211,7 +211,10 @@ def paged_attention(
         row (as ``PagedKVCache(storage="int4")`` writes them).
     value_dim : int or None
         int4 caches only: Ev, the elements of a value row (default: 32 per
-        18-byte block of value_cache's rows).
+        18-byte block of value_cache's rows).  Pass it when Ev is not a
+        multiple of 32: the default also computes the padding's columns
+        (zeros), and the others' last bits may then differ from a call of
+        Ev columns, as any call's do between two widths.
     out : ndarray or None, shape (total_q, Hq, Ev), query's dtype
         Written through its strides; must not overlap an input.
     num_threads : int or None
