@@ -23,6 +23,8 @@ STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _
 FLOAT32_STORAGES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2",
                     "int4")
 SCALED = ("int8", "float8_e4m3fn")
+# the storages held as uint8 codes that only their name tells apart
+CODES = ("float8_e4m3fn", "float8_e5m2", "int4")
 
 LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
            "float8_e5m2": 57344.0}  # their largest finite values
@@ -96,7 +98,7 @@ def decode(held: NDArray[Any], scale: Optional[NDArray[np.float32]], storage: st
            dtype: np.dtype[Any]) -> NDArray[Any]:
     """What the kernels read from rows held in storage (n elements each), in
     dtype (a new array).  Computed as the kernels do, in float32."""
-    if storage in ("float8_e4m3fn", "float8_e5m2"):
+    if storage.startswith("float8_"):
         out = _fp8_decode(held, storage)
     elif storage == "int4":
         blocks = held.reshape(held.shape[:-1] + (-1, Q4_BLOCK_BYTES))

@@ -14,10 +14,9 @@ from .varlen import _cu_seqlens
 
 # a cache's dtype -> how the kernels read it (its elements converted exactly
 # to float32 as they are loaded; int8 rows times their float32 scale); the
-# caches of bytes say what they hold with kv_cache_dtype
+# caches of bytes say what they hold with kv_cache_dtype (_storage.CODES)
 _CACHE_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
                  "bfloat16": _core.STORE_BF16, "int8": _core.STORE_I8}
-_BYTE_STORES = ("float8_e4m3fn", "float8_e5m2", "int4")
 _QUERY_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
                  "bfloat16": _core.STORE_BF16}
 
@@ -34,13 +33,13 @@ def _ints(x: object, name: str, ndim: int, layout: str) -> NDArray[np.integer[An
 def _byte_caches(key_cache: NDArray[Any], value_cache: NDArray[Any], kv_cache_dtype: object
                  ) -> tuple[NDArray[Any], NDArray[Any], str]:
     """The caches as the kernels read them and the storage they hold:
-    "auto" (their dtype's), or one of _BYTE_STORES held in uint8 (float8
+    "auto" (their dtype's), or one of _storage.CODES held in uint8 (float8
     also in ml_dtypes' dtypes of that name, read as their bytes)."""
     if kv_cache_dtype == "auto":
         return key_cache, value_cache, key_cache.dtype.name
-    if kv_cache_dtype not in _BYTE_STORES:  # (also what is not a str)
+    if kv_cache_dtype not in _storage.CODES:  # (also what is not a str)
         raise ValueError(f"kv_cache_dtype must be 'auto' or one of "
-                         f"{', '.join(map(repr, _BYTE_STORES))}, got {kv_cache_dtype!r}")
+                         f"{', '.join(map(repr, _storage.CODES))}, got {kv_cache_dtype!r}")
     views = []
     for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
         if a.dtype != np.uint8 and a.dtype.name != kv_cache_dtype:
@@ -67,7 +66,7 @@ def _cache_dtypes(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDA
         if qd.name not in _QUERY_STORES or not qd.isnative:
             raise TypeError(f"query has dtype {qd}; expected float32, float64, float16 or "
                             "bfloat16 (native byte order)")
-        if held not in _BYTE_STORES and (kd.name not in _CACHE_STORES or not kd.isnative):
+        if held not in _storage.CODES and (kd.name not in _CACHE_STORES or not kd.isnative):
             raise TypeError(f"key_cache has dtype {kd}; expected float32, float16, bfloat16 "
                             f"or int8 (with k_scale and v_scale) for a {qd} query, or codes "
                             f"named by kv_cache_dtype")

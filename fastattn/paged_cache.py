@@ -483,7 +483,7 @@ class PagedKVCache:
             query = self._rotate(query, positions, rotary,
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
                                  _runtime.resolve_threads(options.get("num_threads")))
-        codes = self._storage in ("float8_e4m3fn", "float8_e5m2", "int4")
+        codes = self._storage in _storage.CODES
         result = paged_attention(query, self._key, self._value, self.block_table(ids), lens, cu,
                                  k_scale=self._k_scale, v_scale=self._v_scale,
                                  kv_cache_dtype=self._storage if codes else "auto",

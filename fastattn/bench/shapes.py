@@ -71,8 +71,9 @@ class Shape:
         float32 scale per row, int4 with a float16 scale per 32 elements):
         what a decoding step must read."""
         rows = self.B * self.H * self.S
-        if self.storage == "int4":
-            return rows * 18 * (-(-self.E // 32) + -(-self.Ev // 32))
+        if self.storage == "int4":  # the q4_0 rows' bytes (fastattn's own rule)
+            from fastattn._storage import width
+            return rows * (width("int4", self.E) + width("int4", self.Ev))
         scales = 8 if self.storage in ("int8", "float8_e4m3fn") else 0
         return rows * (STORAGE_BYTES[self.storage] * (self.E + self.Ev) + scales)
 
