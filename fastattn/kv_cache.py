@@ -261,8 +261,10 @@ class KVCache:
         TypeError for non-arrays, a dtype other than the cache's or a
         non-bool mask; ValueError for shapes that do not match the cache,
         when the L positions do not fit in the remaining capacity, or for
-        values the storage cannot hold (a finite value beyond float16's
-        range, a non-finite value in int8).  Nothing is written then.
+        values the storage cannot hold (a finite value beyond float16's or
+        float8_e5m2's range, a non-finite value in int8, float8_e4m3fn or
+        int4, a value beyond int8's, e4m3's or int4's range as their scales
+        allow).  Nothing is written then.
         """
         B, Hkv, D, Dv = self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim
         for name, a, last, last_name in (("key", key, D, "head_dim"),

@@ -289,6 +289,7 @@ def test_inputs_are_not_changed():
           value_cache=np.zeros((2, 1, 4, 32), np.uint8), k_scale=np.ones((2, 1, 4), np.float32),
           v_scale=np.ones((2, 1, 4), np.float32)), TypeError, "key_cache holds float8_e5m2"),
     (dict(kv_cache_dtype="auto", value_dim=32), ValueError, "value_dim is for int4 caches"),
+    (dict(value_dim=-1), ValueError, "value_dim"),
 ])
 def test_bad_paged_arguments_are_clear_errors(change, error, words):
     args = dict(query=np.zeros((1, 2, 32), np.float32), key_cache=np.zeros((2, 1, 4, 18), np.uint8),
