@@ -1,6 +1,7 @@
 """fastattn.distributed on a local Ray cluster started here: sharded caches
 and sharded prefill against one process's attention, lost shards,
 snapshots, and nothing left behind."""
+import gc
 import json
 import os
 import subprocess
@@ -232,6 +233,7 @@ def all_cpus_free():
 def test_close_leaves_no_actor_and_no_object():
     worker = ray._private.worker.global_worker
     assert all_cpus_free()
+    gc.collect()  # earlier tests' garbage holds references it would release during this one
     objects = len(worker.core_worker.get_all_reference_counts())
     cache = ShardedKVCache(4, 2, 8, capacity_per_shard=32, chunk_size=8,
                            num_cpus_per_shard=CPUS)
@@ -243,6 +245,7 @@ def test_close_leaves_no_actor_and_no_object():
     with pytest.raises(RuntimeError, match="closed"):
         cache.attend(np.ones((2, 1, 8), np.float32))
     assert all_cpus_free()
+    gc.collect()
     assert len(worker.core_worker.get_all_reference_counts()) == objects
 
 
