@@ -118,6 +118,11 @@ typedef struct {
     fa_idx q_hs, o_hs, lse_hs;
     const double *head_slopes;
     const double *head_sinks;
+    /* Nonzero: the row kernel asks for a block's value rows into L2 while
+     * it reads the block's keys (their weighted sum follows); zero: it
+     * leaves them to the hardware prefetcher.  Which is faster depends on
+     * the CPU (fastattn/_tuning.py measures it); no result depends on it. */
+    int value_prefetch;
 } fa_attn_args;
 
 /* Where the caller's next call of fa_attn_* on this thread will read its

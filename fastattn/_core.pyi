@@ -38,19 +38,21 @@ def attention(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
               sinks: Optional[NDArray[np.float64]] = ...,
               lse: Optional[NDArray[Any]] = ..., q_store: int = ..., kv_store: int = ...,
               k_scale: Optional[NDArray[np.float32]] = ...,
-              v_scale: Optional[NDArray[np.float32]] = ...) -> None: ...
+              v_scale: Optional[NDArray[np.float32]] = ...,
+              value_prefetch: bool = ...) -> None: ...
 def varlen(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDArray[Any],
            lse: Optional[NDArray[Any]], cu_q: NDArray[np.int64], cu_k: NDArray[np.int64],
            group: int, causal: bool, lower_right: bool, scale: float, nthreads: int,
            window_left: int, window_right: int, softcap: float,
-           slopes: Optional[NDArray[np.float64]], sinks: Optional[NDArray[np.float64]]) -> None: ...
+           slopes: Optional[NDArray[np.float64]], sinks: Optional[NDArray[np.float64]],
+           value_prefetch: bool = ...) -> None: ...
 def paged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
           k_scale: Optional[NDArray[np.float32]], v_scale: Optional[NDArray[np.float32]],
           block_table: NDArray[np.int32], seq_lens: NDArray[np.int64], cu_q: NDArray[np.int64],
           out: NDArray[Any], lse: Optional[NDArray[Any]], group: int, causal: bool,
           scale: float, nthreads: int, window_left: int, window_right: int, softcap: float,
           slopes: Optional[NDArray[np.float64]], sinks: Optional[NDArray[np.float64]],
-          q_store: int, kv_store: int) -> None: ...
+          q_store: int, kv_store: int, value_prefetch: bool = ...) -> None: ...
 def rotary(x: NDArray[Any], positions: NDArray[np.int64], cos: NDArray[Any], sin: NDArray[Any],
            interleaved: bool, out: NDArray[Any], nthreads: int) -> None: ...
 def softmax_rows(isa: int, x: NDArray[Any], mask: Optional[NDArray[Any]], mask_kind: int,

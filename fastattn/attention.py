@@ -8,7 +8,7 @@ from typing import Any, Literal, NamedTuple, Optional, Sequence, Union, overload
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _variants
+from . import _core, _runtime, _tuning, _variants
 from ._typing import Float, MaskArray, NDArray
 
 # where query i sits among the keys: a name, or the offset k of i' = i + k
@@ -121,9 +121,12 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
             return None
     nthreads = _runtime.resolve_threads(num_threads)
     if out.size:
-        _core.attention(_runtime.isa(), C.kernel_view(query), C.kernel_view(key),
-                        C.kernel_view(value), mask, kind, out, None, group, is_causal, offset,
-                        scale, nthreads)
+        isa = _runtime.isa()
+        with _tuning.value_prefetch((isa, nthreads, _core.STORE_NATIVE), key.nbytes + value.nbytes,
+                                    L <= _tuning.DECODE_ROWS) as prefetch:
+            _core.attention(isa, C.kernel_view(query), C.kernel_view(key), C.kernel_view(value),
+                            mask, kind, out, None, group, is_causal, offset, scale, nthreads,
+                            value_prefetch=prefetch)
     return out
 
 
@@ -476,11 +479,15 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
             k_scale = C.broadcast_view(stored.key_scale, kv_batch + (S,))
             v_scale = C.broadcast_view(stored.value_scale, kv_batch + (S,))
     if result.size or (weights is not None and weights.size) or (lse is not None and lse.size):
-        _core.attention(_runtime.isa(), q, k, v, mask, kind, result, weights, group, causal,
-                        offset, scale, nthreads, window_left=variants.window_left,
-                        window_right=variants.window_right, softcap=variants.softcap,
-                        slopes=variants.slopes, sinks=variants.sinks, lse=lse,
-                        q_store=store, kv_store=kv_store, k_scale=k_scale, v_scale=v_scale)
+        isa = _runtime.isa()
+        with _tuning.value_prefetch((isa, nthreads, kv_store), k.nbytes + v.nbytes,
+                                    L <= _tuning.DECODE_ROWS) as prefetch:
+            _core.attention(isa, q, k, v, mask, kind, result, weights, group, causal, offset,
+                            scale, nthreads, window_left=variants.window_left,
+                            window_right=variants.window_right, softcap=variants.softcap,
+                            slopes=variants.slopes, sinks=variants.sinks, lse=lse,
+                            q_store=store, kv_store=kv_store, k_scale=k_scale,
+                            v_scale=v_scale, value_prefetch=prefetch)
     half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
     out = narrow(result, dtype, nthreads, out) if half else result
     if half and weights is not None:

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _storage, _variants
+from . import _core, _runtime, _storage, _tuning, _variants
 from ._typing import Float, NDArray
 from .attention import narrow
 from .varlen import _cu_seqlens
@@ -318,9 +318,16 @@ def paged_attention(
     result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
     lse = np.empty((Hq, total_q), compute) if lse_wanted else None
     if result.size or (lse is not None and lse.size):  # every row is in a sequence: all written
-        _core.paged(_runtime.isa(), C.kernel_view(query), C.kernel_view(key_cache),
-                    C.kernel_view(value_cache), scales[0], scales[1], table, lens, cu_q, result,
-                    lse, Hq // Hkv, causal, scale, nthreads, variants.window_left,
-                    variants.window_right, variants.softcap, slopes, sink, q_store, kv_store)
+        isa = _runtime.isa()
+        # the bytes of keys and values the call reads
+        read = int(lens.sum()) * Hkv * (key_cache.shape[-1] + value_cache.shape[-1]) * \
+            key_cache.itemsize
+        with _tuning.value_prefetch((isa, nthreads, kv_store), read,
+                                    lengths[0] <= _tuning.DECODE_ROWS) as prefetch:
+            _core.paged(isa, C.kernel_view(query), C.kernel_view(key_cache),
+                        C.kernel_view(value_cache), scales[0], scales[1], table, lens, cu_q,
+                        result, lse, Hq // Hkv, causal, scale, nthreads, variants.window_left,
+                        variants.window_right, variants.softcap, slopes, sink, q_store,
+                        kv_store, value_prefetch=prefetch)
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result
     return out if lse is None else (out, lse)

@@ -6,7 +6,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _variants
+from . import _core, _runtime, _tuning, _variants
 from ._typing import Float, NDArray
 
 
@@ -128,5 +128,6 @@ def varlen_attention(
         _core.varlen(_runtime.isa(), C.kernel_view(query), C.kernel_view(key),
                      C.kernel_view(value), out, lse, cu_q, cu_k, Hq // Hkv, causal,
                      causal_alignment == "lower_right", scale, nthreads, variants.window_left,
-                     variants.window_right, variants.softcap, slopes, sink)
+                     variants.window_right, variants.softcap, slopes, sink,
+                     value_prefetch=_tuning.current((_runtime.isa(), nthreads, _core.STORE_NATIVE)))
     return out if lse is None else (out, lse)

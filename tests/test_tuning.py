@@ -1,0 +1,103 @@
+"""The measured choice of fetching value rows early (fastattn/_tuning.py):
+no result depends on it, and the first decoding calls pick the faster way."""
+import itertools
+import types
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _tuning
+
+
+@pytest.fixture
+def fresh():
+    """Measuring from scratch, and back to the process's setting after."""
+    before = _tuning._forced
+    _tuning.force(None)
+    yield
+    _tuning.force(before)
+
+
+@pytest.mark.parametrize("storage", ["float32", "float16", "int8", "int4"])
+def test_bits_do_not_depend_on_the_choice(simd, fresh, storage):
+    # several key blocks (FA_RB = 256), grouped heads, a paged cache too
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, S, E = 2, 4, 2, 700, 64
+    q = rng.standard_normal((B, Hq, 1, E), dtype=np.float32)
+    k = rng.standard_normal((B, Hkv, S, E), dtype=np.float32)
+    v = rng.standard_normal((B, Hkv, S, E), dtype=np.float32)
+    cache = fastattn.KVCache(B, Hkv, S, E, storage=storage)
+    cache.append(k, v)
+    paged = fastattn.PagedKVCache(2 * (S // 16 + 1), 16, Hkv, E, storage=storage)
+    seqs = [paged.add_sequence() for _ in range(B)]
+    cu = np.array([0, S, 2 * S])
+    paged.append(seqs, np.concatenate([x.transpose(1, 0, 2) for x in k]),
+                 np.concatenate([x.transpose(1, 0, 2) for x in v]), cu)
+    outs = {}
+    for way in (False, True):
+        _tuning.force(way)
+        dense = fastattn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        outs[way] = (dense, cache.attend(q),
+                     paged.attend(seqs, q[:, :, 0].reshape(B, Hq, E)))
+    for a, b in zip(outs[False], outs[True]):
+        np.testing.assert_array_equal(a, b)
+
+
+def fake_clock(monkeypatch, durations):
+    """perf_counter() returning times whose successive differences, call
+    by call, are durations (a start, then an end per timed call)."""
+    now = itertools.accumulate(itertools.chain.from_iterable((0.0, d) for d in durations))
+    monkeypatch.setattr(_tuning, "time", types.SimpleNamespace(perf_counter=lambda: next(now)))
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_the_faster_way_is_kept(monkeypatch, fresh, faster):
+    key, nbytes = (1, 1, 0), _tuning.MIN_BYTES
+    ways = []
+    # the calls take turns; the faster way's calls take 1 s, the other's 2,
+    # one of them disturbed (9 s): the fastest of each way decides
+    durations = iter([9.0] + [1.0 if i % 2 == faster else 2.0 for i in range(1, 100)])
+    fake_clock(monkeypatch, (next(durations) for _ in itertools.count()))
+    for _ in range(2 * _tuning.TRIALS):
+        with _tuning.value_prefetch(key, nbytes, True) as way:
+            ways.append(way)
+    assert ways == [False, True] * _tuning.TRIALS
+    assert _tuning.chosen() == {key: faster}
+    assert _tuning.in_use() is faster
+    for _ in range(3):  # decided: no more turns
+        with _tuning.value_prefetch(key, nbytes, True) as way:
+            assert way is faster
+    assert _tuning.current(key) is faster
+    assert _tuning.current((1, 2, 0)) is _tuning.DEFAULT  # another thread count: not yet
+
+
+def test_small_or_non_decoding_calls_are_not_measured(monkeypatch, fresh):
+    monkeypatch.setattr(_tuning, "time", None)  # any timing would fail
+    for nbytes, decoding in ((_tuning.MIN_BYTES - 1, True), (_tuning.MIN_BYTES, False)):
+        for _ in range(2 * _tuning.TRIALS + 1):
+            with _tuning.value_prefetch((1, 1, 0), nbytes, decoding) as way:
+                assert way is _tuning.DEFAULT
+    assert _tuning.chosen() == {}
+
+
+def test_a_failed_call_is_not_counted(monkeypatch, fresh):
+    fake_clock(monkeypatch, itertools.repeat(1.0))
+    with pytest.raises(RuntimeError):
+        with _tuning.value_prefetch((1, 1, 0), _tuning.MIN_BYTES, True):
+            raise RuntimeError("the kernel call failed")
+    with _tuning.value_prefetch((1, 1, 0), _tuning.MIN_BYTES, True) as way:
+        assert way is False  # still the first turn's way
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("auto", None),
+                                             (" ", None)])
+def test_environment(monkeypatch, value, expected):
+    monkeypatch.setenv(_tuning.VALUE_PREFETCH_ENV, value)
+    assert _tuning._from_env() is expected
+
+
+def test_environment_typo_warns(monkeypatch):
+    monkeypatch.setenv(_tuning.VALUE_PREFETCH_ENV, "yes")
+    with pytest.warns(RuntimeWarning, match="FASTATTN_VALUE_PREFETCH='yes'"):
+        assert _tuning._from_env() is None
