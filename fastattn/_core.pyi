@@ -33,13 +33,13 @@ def attn_query_block(elsize: int) -> int: ...
 def attention(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
               mask: Optional[NDArray[Any]], mask_kind: int, out: NDArray[Any],
               weights: Optional[NDArray[Any]], group: int, causal: bool, causal_offset: int,
-              scale: float, nthreads: int, window_left: int = ..., window_right: int = ...,
+              scale: float, nthreads: int, value_prefetch: bool = ..., window_left: int = ...,
+              window_right: int = ...,
               softcap: float = ..., slopes: Optional[NDArray[np.float64]] = ...,
               sinks: Optional[NDArray[np.float64]] = ...,
               lse: Optional[NDArray[Any]] = ..., q_store: int = ..., kv_store: int = ...,
               k_scale: Optional[NDArray[np.float32]] = ...,
-              v_scale: Optional[NDArray[np.float32]] = ...,
-              value_prefetch: bool = ...) -> None: ...
+              v_scale: Optional[NDArray[np.float32]] = ...) -> None: ...
 def varlen(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDArray[Any],
            lse: Optional[NDArray[Any]], cu_q: NDArray[np.int64], cu_k: NDArray[np.int64],
            group: int, causal: bool, lower_right: bool, scale: float, nthreads: int,

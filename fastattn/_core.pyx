@@ -482,10 +482,11 @@ cdef int attn_task(int isa, const fa_attn_args *a, const Operands *o, const Batc
 
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
-              double scale, int nthreads, fa_idx window_left=-1, fa_idx window_right=-1,
+              double scale, int nthreads, bint value_prefetch=True, fa_idx window_left=-1,
+              fa_idx window_right=-1,
               double softcap=0, object slopes=None, object sinks=None, object lse=None,
               int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
-              object v_scale=None, bint value_prefetch=True):
+              object v_scale=None):
     """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
 
     All arrays have the same number of dimensions; the axes before the last
@@ -495,7 +496,8 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     are stored as q_store and kv_store (out float32 unless both are native);
     with int8 and float8_e4m3fn, k_scale and v_scale (float32) have k's
     batch shape and S; Q4 rows are blocks of bytes (fa_common.h), so Ev is
-    out's last axis, not v's."""
+    out's last axis, not v's.  value_prefetch: fa_attn_args' (fastattn/_tuning.py
+    chooses it); no result depends on it."""
     cdef int nd = q.ndim - 2
     cdef Batch b
     cdef Operands o

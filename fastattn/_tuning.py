@@ -20,12 +20,11 @@ bits).  FASTATTN_VALUE_PREFETCH=1 or 0 fixes it, for benchmarks of one way.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 import warnings
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 VALUE_PREFETCH_ENV = "FASTATTN_VALUE_PREFETCH"
 # calls of each way before choosing: the fastest of 5 is robust to a few
@@ -85,34 +84,30 @@ def in_use() -> Optional[bool]:
 
 
 def current(key: Key) -> bool:
-    """The flag for a call that is not measured: the choice for key so far."""
-    with _lock:
-        return _forced if _forced is not None else _chosen.get(key, DEFAULT)
+    """The flag for a call that is not measured: the choice for key so far
+    (a dictionary read, atomic: no lock on a tiny call's path)."""
+    forced = _forced
+    return forced if forced is not None else _chosen.get(key, DEFAULT)
 
 
-@contextlib.contextmanager
-def value_prefetch(key: Key, nbytes: int, decoding: bool) -> Iterator[bool]:
-    """Yields the value_prefetch flag for one kernel call made inside the
-    block: decoding calls over nbytes >= MIN_BYTES of keys and values are
-    timed until key's choice is made; other calls get the choice as it
-    stands (DEFAULT before one)."""
-    with _lock:
-        if _forced is not None:
-            way, measure = _forced, False
-        elif key in _chosen or not decoding or nbytes < MIN_BYTES:
-            way, measure = _chosen.get(key, DEFAULT), False
-        else:
-            off, on = _seconds_per_byte.setdefault(key, ([], []))
-            way, measure = len(on) < len(off), True  # each way in turn
-    if not measure:
-        yield way
+def run(key: Key, nbytes: int, decoding: bool, kernel: Callable[[bool], object]) -> None:
+    """kernel(value_prefetch), once.  Decoding calls over nbytes >= MIN_BYTES
+    of keys and values are timed, each way in turn, until key's choice is
+    made; other calls get the choice as it stands (DEFAULT before one).
+    Without a measurement to make, this costs a few dictionary reads: a
+    tiny call's time is mostly Python's."""
+    way = _forced if _forced is not None else _chosen.get(key)
+    if way is not None or not decoding or nbytes < MIN_BYTES:
+        kernel(DEFAULT if way is None else way)
         return
+    with _lock:
+        times = _seconds_per_byte.setdefault(key, ([], []))
+        way = len(times[1]) < len(times[0])  # each way in turn, off first
     start = time.perf_counter()
-    yield way  # a call that raises is not counted
+    kernel(way)  # a call that raises is not counted
     seconds = time.perf_counter() - start
     with _lock:
-        times = _seconds_per_byte.get(key)
-        if times is None or key in _chosen:  # forgotten or decided meanwhile
+        if _seconds_per_byte.get(key) is not times:  # forgotten or decided meanwhile
             return
         times[way].append(seconds / nbytes)
         if min(len(t) for t in times) >= TRIALS:

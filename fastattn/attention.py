@@ -121,12 +121,18 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
             return None
     nthreads = _runtime.resolve_threads(num_threads)
     if out.size:
-        isa = _runtime.isa()
-        with _tuning.value_prefetch((isa, nthreads, _core.STORE_NATIVE), key.nbytes + value.nbytes,
-                                    L <= _tuning.DECODE_ROWS) as prefetch:
-            _core.attention(isa, C.kernel_view(query), C.kernel_view(key), C.kernel_view(value),
-                            mask, kind, out, None, group, is_causal, offset, scale, nthreads,
-                            value_prefetch=prefetch)
+        isa, q, k, v = _runtime.isa(), C.kernel_view(query), C.kernel_view(key), C.kernel_view(value)
+        tkey, nbytes = (isa, nthreads, _core.STORE_NATIVE), key.nbytes + value.nbytes
+        # a tiny call straight to the kernel, its arguments positional: the
+        # closure and a keyword cost it 0.7 us of 4.5
+        if L > _tuning.DECODE_ROWS or nbytes < _tuning.MIN_BYTES:
+            _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
+                            nthreads, _tuning.current(tkey))
+        else:
+            _tuning.run(tkey, nbytes, True,
+                        lambda prefetch: _core.attention(isa, q, k, v, mask, kind, out, None,
+                                                         group, is_causal, offset, scale,
+                                                         nthreads, prefetch))
     return out
 
 
@@ -480,14 +486,14 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
             v_scale = C.broadcast_view(stored.value_scale, kv_batch + (S,))
     if result.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         isa = _runtime.isa()
-        with _tuning.value_prefetch((isa, nthreads, kv_store), k.nbytes + v.nbytes,
-                                    L <= _tuning.DECODE_ROWS) as prefetch:
-            _core.attention(isa, q, k, v, mask, kind, result, weights, group, causal, offset,
-                            scale, nthreads, window_left=variants.window_left,
-                            window_right=variants.window_right, softcap=variants.softcap,
-                            slopes=variants.slopes, sinks=variants.sinks, lse=lse,
-                            q_store=store, kv_store=kv_store, k_scale=k_scale,
-                            v_scale=v_scale, value_prefetch=prefetch)
+        _tuning.run((isa, nthreads, kv_store), k.nbytes + v.nbytes, L <= _tuning.DECODE_ROWS,
+                    lambda prefetch: _core.attention(
+                        isa, q, k, v, mask, kind, result, weights, group, causal, offset, scale,
+                        nthreads, window_left=variants.window_left,
+                        window_right=variants.window_right, softcap=variants.softcap,
+                        slopes=variants.slopes, sinks=variants.sinks, lse=lse, q_store=store,
+                        kv_store=kv_store, k_scale=k_scale, v_scale=v_scale,
+                        value_prefetch=prefetch))
     half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
     out = narrow(result, dtype, nthreads, out) if half else result
     if half and weights is not None:

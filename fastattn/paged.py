@@ -322,12 +322,12 @@ def paged_attention(
         # the bytes of keys and values the call reads
         read = int(lens.sum()) * Hkv * (key_cache.shape[-1] + value_cache.shape[-1]) * \
             key_cache.itemsize
-        with _tuning.value_prefetch((isa, nthreads, kv_store), read,
-                                    lengths[0] <= _tuning.DECODE_ROWS) as prefetch:
-            _core.paged(isa, C.kernel_view(query), C.kernel_view(key_cache),
-                        C.kernel_view(value_cache), scales[0], scales[1], table, lens, cu_q,
-                        result, lse, Hq // Hkv, causal, scale, nthreads, variants.window_left,
+        q, kc, vc = C.kernel_view(query), C.kernel_view(key_cache), C.kernel_view(value_cache)
+        _tuning.run((isa, nthreads, kv_store), read, lengths[0] <= _tuning.DECODE_ROWS,
+                    lambda prefetch: _core.paged(
+                        isa, q, kc, vc, scales[0], scales[1], table, lens, cu_q, result, lse,
+                        Hq // Hkv, causal, scale, nthreads, variants.window_left,
                         variants.window_right, variants.softcap, slopes, sink, q_store,
-                        kv_store, value_prefetch=prefetch)
+                        kv_store, value_prefetch=prefetch))
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result
     return out if lse is None else (out, lse)

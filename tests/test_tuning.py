@@ -60,14 +60,13 @@ def test_the_faster_way_is_kept(monkeypatch, fresh, faster):
     durations = iter([9.0] + [1.0 if i % 2 == faster else 2.0 for i in range(1, 100)])
     fake_clock(monkeypatch, (next(durations) for _ in itertools.count()))
     for _ in range(2 * _tuning.TRIALS):
-        with _tuning.value_prefetch(key, nbytes, True) as way:
-            ways.append(way)
+        _tuning.run(key, nbytes, True, ways.append)
     assert ways == [False, True] * _tuning.TRIALS
     assert _tuning.chosen() == {key: faster}
     assert _tuning.in_use() is faster
     for _ in range(3):  # decided: no more turns
-        with _tuning.value_prefetch(key, nbytes, True) as way:
-            assert way is faster
+        _tuning.run(key, nbytes, True, ways.append)
+    assert ways[-3:] == [faster] * 3
     assert _tuning.current(key) is faster
     assert _tuning.current((1, 2, 0)) is _tuning.DEFAULT  # another thread count: not yet
 
@@ -76,18 +75,22 @@ def test_small_or_non_decoding_calls_are_not_measured(monkeypatch, fresh):
     monkeypatch.setattr(_tuning, "time", None)  # any timing would fail
     for nbytes, decoding in ((_tuning.MIN_BYTES - 1, True), (_tuning.MIN_BYTES, False)):
         for _ in range(2 * _tuning.TRIALS + 1):
-            with _tuning.value_prefetch((1, 1, 0), nbytes, decoding) as way:
-                assert way is _tuning.DEFAULT
+            ways = []
+            _tuning.run((1, 1, 0), nbytes, decoding, ways.append)
+            assert ways == [_tuning.DEFAULT]
     assert _tuning.chosen() == {}
 
 
 def test_a_failed_call_is_not_counted(monkeypatch, fresh):
     fake_clock(monkeypatch, itertools.repeat(1.0))
+    def fail(way):
+        raise RuntimeError("the kernel call failed")
+
     with pytest.raises(RuntimeError):
-        with _tuning.value_prefetch((1, 1, 0), _tuning.MIN_BYTES, True):
-            raise RuntimeError("the kernel call failed")
-    with _tuning.value_prefetch((1, 1, 0), _tuning.MIN_BYTES, True) as way:
-        assert way is False  # still the first turn's way
+        _tuning.run((1, 1, 0), _tuning.MIN_BYTES, True, fail)
+    ways = []
+    _tuning.run((1, 1, 0), _tuning.MIN_BYTES, True, ways.append)
+    assert ways == [False]  # still the first turn's way
 
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("auto", None),
