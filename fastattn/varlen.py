@@ -125,9 +125,10 @@ def varlen_attention(
         C.check_out(out, out_shape, dtype, {"query": query, "key": key, "value": value})
     lse = np.empty((Hq, total_q), dtype) if lse_wanted else None
     if B > 0 and total_q > 0 and Hq > 0:
-        _core.varlen(_runtime.isa(), C.kernel_view(query), C.kernel_view(key),
-                     C.kernel_view(value), out, lse, cu_q, cu_k, Hq // Hkv, causal,
-                     causal_alignment == "lower_right", scale, nthreads, variants.window_left,
-                     variants.window_right, variants.softcap, slopes, sink,
-                     value_prefetch=_tuning.current((_runtime.isa(), nthreads, _core.STORE_NATIVE)))
+        isa = _runtime.isa()
+        _core.varlen(isa, C.kernel_view(query), C.kernel_view(key), C.kernel_view(value), out,
+                     lse, cu_q, cu_k, Hq // Hkv, causal, causal_alignment == "lower_right",
+                     scale, nthreads, variants.window_left, variants.window_right,
+                     variants.softcap, slopes, sink,
+                     value_prefetch=_tuning.current((isa, nthreads, _core.STORE_NATIVE)))
     return out if lse is None else (out, lse)

@@ -70,12 +70,10 @@ class Shape:
         """Bytes of key and value in their storage (int8 and e4m3 with a
         float32 scale per row, int4 with a float16 scale per 32 elements):
         what a decoding step must read."""
-        rows = self.B * self.H * self.S
-        if self.storage == "int4":  # the q4_0 rows' bytes (fastattn's own rule)
-            from fastattn._storage import width
-            return rows * (width("int4", self.E) + width("int4", self.Ev))
-        scales = 8 if self.storage in ("int8", "float8_e4m3fn") else 0
-        return rows * (STORAGE_BYTES[self.storage] * (self.E + self.Ev) + scales)
+        from fastattn._storage import SCALED, width  # (the bench imports fastattn late)
+        rows, st = self.B * self.H * self.S, self.storage
+        scales = 8 if st in SCALED else 0  # a float32 per key row and per value row
+        return rows * (STORAGE_BYTES[st] * (width(st, self.E) + width(st, self.Ev)) + scales)
 
     def stored_kv(self, seed=0):
         """The arrays a decoding step reads (key, value, and row scales),
@@ -123,10 +121,11 @@ class Shape:
         return q, k, v
 
 
-# bytes per element of each storage of a key/value cache (int8 and e4m3 add
-# their row scales, int4's 18 bytes per 32 elements are kv_bytes')
+# bytes per element of the array that holds each storage of a key/value
+# cache (int8 and e4m3 add their row scales; int4 rows are bytes of q4_0
+# blocks, _storage.width of them)
 STORAGE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1,
-                 "float8_e5m2": 1, "int4": 0.5625}
+                 "float8_e5m2": 1, "int4": 1}
 # 16 sequences of 32..1024 tokens, as a server packs them
 PACKED = tuple(int(n) for n in np.linspace(32, 1024, 16).round())
 # The benchmark table.
