@@ -155,11 +155,10 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
  * s0 + r, for nk keys; w.qs holds the query rows.  The value rows of these
  * keys, when v is not NULL and a->value_prefetch is set, are asked for into
  * L2 meanwhile: the sum over them follows.  That took decode-8192 from 5.0
- * to 3.5 ms at 2 threads on an earlier machine
- * (770bd68; float16, AVX-512), and made it 10-20 %
- * slower at 1 thread on a Zen 4 (float32, 13 -> 15 ms), where PREFETCHT1
- * reaches L2 only since Zen 4 and is sometimes dropped (Wang et al. 2024,
- * arXiv:2411.02814): fastattn/_tuning.py chooses by measuring. */
+ * to 3.5 ms at 2 threads on the machine of 770bd68 (float16, AVX-512), and
+ * makes it 10-20 % slower at 1 thread on a Zen 4 (float32), where
+ * PREFETCHT1 reaches L2 only since Zen 4 and is sometimes dropped (Wang et
+ * al. 2024, arXiv:2411.02814): fastattn/_tuning.py chooses by measuring. */
 static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                  const void *k, const void *v, const void *mask, fa_idx i0,
                                  fa_idx n, fa_idx s0, fa_idx nk)
