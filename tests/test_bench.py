@@ -71,14 +71,38 @@ def test_runner_of_a_variant_matches_reference(name, shape):
     assert shape.flops == 2 * shape.B * shape.H * visible * (shape.E + shape.Ev)
 
 
-def test_openvino_model_is_one_sdpa_op_and_skips_decoding():
+def test_openvino_model_is_one_sdpa_op():
     available("openvino")
     model = runners.sdpa_model(2, 4, 5, 6, 8, 3, True, masked=False)
     ops = [op.get_type_name() for op in model.get_ordered_ops()]
     assert ops.count("ScaledDotProductAttention") == 1 and ops.count("Parameter") == 3
     assert [list(p.get_shape()) for p in model.get_parameters()] == [[2, 4, 5, 8], [2, 4, 6, 8],
                                                                      [2, 4, 6, 3]]
-    assert "key/value-cache form" in RUNNERS["openvino"].missing(ALL_SHAPES["decode-4096"])
+
+
+def test_openvino_decodes_with_its_key_value_cache_node():
+    """The stateful decoding graph is fused by OpenVINO's CPU plugin into its
+    cache attention node (query, key, value, beam_idx, past key, past value:
+    six inputs), not run as a decomposed graph; the runner's first call
+    attends to the S positions, and a second to S + 1: the new position,
+    appended again, is in the cache twice."""
+    ov = available("openvino") and __import__("openvino")
+    compiled = ov.Core().compile_model(runners.stateful_decode_model(2, 3, 1, 8, 5), "CPU",
+                                       runners._openvino_config(1))
+    (node,) = [n for n in compiled.get_runtime_model().get_ordered_ops()
+               if n.get_rt_info()["layerType"].astype(str) == "ScaledDotProductAttention"]
+    assert node.get_input_size() == 6
+    shape = Shape("d", 2, 3, 1, 40, 8, kind="decode")
+    q, k, v = shape.inputs(seed=5)
+    with RUNNERS["openvino"].setup(q, k, v, shape, 1) as prepared:
+        first = prepared.to_bhle(prepared.call()).copy()
+        second = prepared.to_bhle(prepared.call())
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    twice = [np.concatenate([a, a[:, :, -1:]], axis=2) for a in (k64, v64)]
+    assert_close(first, reference.scaled_dot_product_attention(q64, k64, v64), np.float32,
+                 shape.E + shape.S, magnitude=4)
+    assert_close(second, reference.scaled_dot_product_attention(q64, *twice), np.float32,
+                 shape.E + shape.S + 1, magnitude=4)
 
 
 def test_torch_runner_restores_threads():

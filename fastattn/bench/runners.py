@@ -36,7 +36,6 @@ class Runner:
     setup: Callable
     holds_scores: bool = False     # keeps the whole (B, H, L, S) score matrix
     masks: bool = True             # can take an explicit mask (window, packed shapes)
-    decodes: bool = True           # its decoding step is the library's own way to decode
 
     def missing(self, shape=None) -> Optional[str]:
         """None when the runner can run here (on shape), else why not."""
@@ -47,11 +46,6 @@ class Runner:
             return "no sliding window, packed sequences or (L, S) mask in this runner"
         if shape is not None and shape.storage != "float32" and self.name != "fastattn":
             return f"a {shape.storage} key/value cache is fastattn's (the others: float32)"
-        if shape is not None and shape.kind == "decode" and not self.decodes:
-            # OpenVINO decodes with its stateful key/value-cache graph (ReadValue
-            # / Assign around the op), which runs its own kernel; the plain
-            # op on one query row is a decomposed graph, not worth quoting
-            return "decoding is its stateful key/value-cache form, not run here"
         return None
 
 
@@ -213,6 +207,47 @@ def sdpa_model(B, H, L, S, E, Ev, is_causal, masked):
     return ov.Model([out], inputs, "attention")
 
 
+def stateful_decode_model(B, H, L, E, Ev):
+    """An OpenVINO model of a decoding step as its LLM exports are made
+    (optimum-intel's stateful form): the key and value caches are the
+    variables "past_key" (B, H, ?, E) and "past_value" (B, H, ?, Ev), each
+    read (ReadValue, empty at first), reordered by the beam_idx input
+    (Gather on the batch axis), extended by the L new positions of the key
+    and value inputs (Concat on the sequence axis), written back (Assign) and
+    given to the opset-13 ScaledDotProductAttention op with the query (B, H,
+    L, E), not causal: each new row sees the whole cache.  The CPU plugin
+    fuses that pattern into its key/value-cache attention node
+    (StatefulSDPAFusion), which appends in place and runs its own kernel."""
+    import openvino as ov
+    import openvino.opset6 as ops6
+    import openvino.opset13 as ops
+    from openvino.op.util import Variable, VariableInfo
+
+    query = ops.parameter([B, H, L, E], ov.Type.f32, name="query")
+    new = [ops.parameter([B, H, L, d], ov.Type.f32, name=name) for name, d in (("key", E),
+                                                                               ("value", Ev))]
+    beam_idx = ops.parameter([B], ov.Type.i32, name="beam_idx")
+    present, assigns = [], []
+    for name, cur, d in (("past_key", new[0], E), ("past_value", new[1], Ev)):
+        info = VariableInfo()
+        info.variable_id, info.data_type = name, ov.Type.f32
+        info.data_shape = ov.PartialShape([-1, H, -1, d])
+        variable = Variable(info)
+        past = ops6.read_value(ops.constant(np.zeros((B, H, 0, d), np.float32)), variable)
+        reordered = ops.gather(past, beam_idx, ops.constant(np.int64(0)))
+        present.append(ops.concat([reordered, cur], 2))
+        assigns.append(ops6.assign(present[-1], variable))
+    out = ops.scaled_dot_product_attention(query, *present, causal=False)
+    return ov.Model([ops.result(out)], assigns, [query, *new, beam_idx], "decode")
+
+
+def _openvino_config(num_threads):
+    # f32: its default on CPUs with AVX512_BF16 is bf16 (and its key/value
+    # cache's u8 or bf16); one stream: one call at a time, on num_threads threads
+    return {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": num_threads,
+            "NUM_STREAMS": 1, "KV_CACHE_PRECISION": "f32"}
+
+
 @contextlib.contextmanager
 def _openvino(q, k, v, shape, num_threads):
     import openvino as ov
@@ -220,16 +255,27 @@ def _openvino(q, k, v, shape, num_threads):
     B, H, L, E = q.shape
     S, Ev = v.shape[-2:]
     mask = shape.mask()
-    model = sdpa_model(B, H, L, S, E, Ev, shape.causal and mask is None, mask is not None)
-    # f32: its default on CPUs with AVX512_BF16 is bf16; one stream: one call
-    # at a time, on num_threads threads
-    compiled = ov.Core().compile_model(model, "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": num_threads,
-        "NUM_STREAMS": 1})
-    request = compiled.create_infer_request()
-    feeds = [np.ascontiguousarray(a) for a in (q, k, v)]
-    if mask is not None:
-        feeds.append(np.where(mask, 0.0, -np.inf).astype(np.float32))
+    if shape.kind == "decode":
+        # The cache holds the first S - L positions (set as the variables'
+        # state, outside the timed calls); each call appends the last L, as
+        # a generation step does, so the first call attends to exactly the
+        # S positions of the others' call, and call n to S + (n - 1)·L
+        # (a second call sees the last positions twice).
+        model = stateful_decode_model(B, H, L, E, Ev)
+        request = ov.Core().compile_model(model, "CPU", _openvino_config(num_threads)
+                                          ).create_infer_request()
+        for state in request.query_state():
+            held = k if state.name == "past_key" else v
+            state.state = ov.Tensor(np.ascontiguousarray(held[:, :, :S - L]))
+        feeds = [np.ascontiguousarray(a) for a in (q, k[:, :, S - L:], v[:, :, S - L:])]
+        feeds.append(np.arange(B, dtype=np.int32))
+    else:
+        model = sdpa_model(B, H, L, S, E, Ev, shape.causal and mask is None, mask is not None)
+        request = ov.Core().compile_model(model, "CPU", _openvino_config(num_threads)
+                                          ).create_infer_request()
+        feeds = [np.ascontiguousarray(a) for a in (q, k, v)]
+        if mask is not None:
+            feeds.append(np.where(mask, 0.0, -np.inf).astype(np.float32))
     out = np.empty((B, H, L, Ev), np.float32)
     # shared tensors: OpenVINO reads the inputs and writes the output in place
     for i, array in enumerate(feeds):
@@ -251,8 +297,7 @@ RUNNERS = {r.name: r for r in (
     Runner("onnxruntime", "ORT BSD", "onnxruntime", *_ORT, _onnxruntime, masks=False),
     Runner("onnxruntime-bhsd", "ORT BHSD", "onnxruntime", *_ORT,
            functools.partial(_onnxruntime, kv_heads_first=True), holds_scores=True, masks=False),
-    Runner("openvino", "OpenVINO", "openvino", ("openvino",), "pip install openvino", _openvino,
-           decodes=False),
+    Runner("openvino", "OpenVINO", "openvino", ("openvino",), "pip install openvino", _openvino),
 )}
 # What the speed-ups are relative to: per library, the faster of its runners
 # on each case.  PEERS: the libraries of the issue's "faster peer".
