@@ -24,13 +24,15 @@ from fastattn import reference as ref
 # draws many more, at random.  Choose with pytest --hypothesis-profile=NAME
 # (or FASTATTN_HYPOTHESIS_PROFILE=NAME).  "emulated" is "ci" with a tenth of
 # the examples, for .ci/aarch64.sh: under qemu every example costs some 30
-# times as much, and the whole "ci" set alone would take over half an hour.
+# times as much, and the whole "ci" set alone would take over half an hour
+# (tests/test_exp.py's sweeps take fewer inputs there too).
 settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None,
                           print_blob=True)
 settings.register_profile("emulated", max_examples=30, derandomize=True, deadline=None,
                           print_blob=True)
 settings.register_profile("thorough", max_examples=3000, deadline=None, print_blob=True)
-settings.load_profile(os.environ.get("FASTATTN_HYPOTHESIS_PROFILE", "ci"))
+PROFILE = os.environ.get("FASTATTN_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
 
 
 def tolerance(dtype, n):
