@@ -105,6 +105,20 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
     }
 }
 
+/* One row of x (a decoding step of multi-head attention) gets a loop of its
+ * own, without the loop over the rows of x: in the shared loop the compiler
+ * kept the bounds and strides on the stack, some 40 instructions a row. */
+static FA_ALWAYS_INLINE void FA_NAME(dots_nq)(const fa_store st, fa_idx nq, fa_idx nr, fa_idx n,
+                                              const T *x, fa_idx ldx, const void *y, fa_idx rs,
+                                              T *s, fa_idx ld, const fa_ahead_rows *l1,
+                                              const fa_ahead_rows *l2)
+{
+    if (nq == 1)
+        FA_NAME(dots_any)(st, 1, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+    else
+        FA_NAME(dots_any)(st, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+}
+
 static void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *x, fa_idx ldx,
                           const void *y, fa_idx rs, T *s, fa_idx ld, const fa_ahead_rows *l1,
                           const fa_ahead_rows *l2)
@@ -112,29 +126,29 @@ static void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *
 #if FA_IS_F32
     switch (st) {
     case FA_STORE_F16:
-        FA_NAME(dots_any)(FA_STORE_F16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_F16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     case FA_STORE_BF16:
-        FA_NAME(dots_any)(FA_STORE_BF16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_BF16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     case FA_STORE_I8:
-        FA_NAME(dots_any)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     case FA_STORE_F8E4M3:
-        FA_NAME(dots_any)(FA_STORE_F8E4M3, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_F8E4M3, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     case FA_STORE_F8E5M2:
-        FA_NAME(dots_any)(FA_STORE_F8E5M2, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_F8E5M2, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     case FA_STORE_Q4:
-        FA_NAME(dots_any)(FA_STORE_Q4, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_Q4, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
         return;
     default: break;
     }
 #else
     (void)st;
 #endif
-    FA_NAME(dots_any)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+    FA_NAME(dots_nq)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
 }
 
 /* o[c] += sum over r < nk of p[r] * x[r * rs + c] (rows contiguous), for

@@ -209,14 +209,15 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                           FA_RB, &none, nones);
         }
     }
-    for (fa_idx r0 = 0, n; r0 < nk; r0 += n) { /* scaled rows: times the row's scale */
+    if (!fa_store_scaled(st)) /* along each row of s: a loop the compiler vectorises */
+        for (fa_idx t = 0; t < nq; ++t)
+            for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] = scale * s[t * FA_RB + r];
+    for (fa_idx r0 = 0, n; fa_store_scaled(st) && r0 < nk; r0 += n) { /* times the row's scale */
         n = fa_kv_run(a, s0 + r0, nk - r0);
-        const float *sc = fa_store_scaled(st) ? a->k_scale + fa_kv_row(a, s0 + r0, a->ksc_s, a->ksc_bs)
-                                            : NULL;
+        const float *sc = a->k_scale + fa_kv_row(a, s0 + r0, a->ksc_s, a->ksc_bs);
         for (fa_idx r = r0; r < r0 + n; ++r) {
-            const T f = sc != NULL ? (T)sc[(r - r0) * a->ksc_s] : 1;
-            for (fa_idx t = 0; t < nq; ++t)
-                s[t * FA_RB + r] = scale * (sc != NULL ? f * s[t * FA_RB + r] : s[t * FA_RB + r]);
+            const T f = (T)sc[(r - r0) * a->ksc_s];
+            for (fa_idx t = 0; t < nq; ++t) s[t * FA_RB + r] = scale * (f * s[t * FA_RB + r]);
         }
     }
     for (fa_idx t = 0; t < nq; ++t) { /* a score inf or NaN: perhaps a sum beyond T's range */
