@@ -10,9 +10,10 @@
  * loaders of fa_load_impl.h, and vexp, sum, prefetch_bytes. */
 
 #define FA_RB 256       /* keys per block */
-/* How far ahead the key rows are prefetched: with rows of a few hundred
- * bytes the hardware prefetcher alone left decoding some 10 % short of the
- * read bandwidth.  Further ahead, the prefetches wait for fill buffers that
+/* How far ahead the key rows are prefetched (with FA_PREFETCH_KEYS): with
+ * rows of a few hundred bytes the hardware prefetcher alone left decoding
+ * some 10 % short of the read bandwidth on the machine of that commit, and
+ * on a Zen 4 it is the other way round (rows_logits).  Further ahead, the prefetches wait for fill buffers that
  * the value rows' misses hold: decode-8192 at 1 / 2 threads, 8 KB -> 2 KB
  * ahead, float32 AVX2 21.6 -> 20.3 / 11.1 -> 10.0 ms, float16 AVX-512
  * 11.1 -> 9.3 / 5.5 -> 5.3 ms (medians of alternating runs). */
@@ -152,13 +153,19 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
 }
 
 /* s[t, r] = logit of row t (of n positions from i0, of every head) and key
- * s0 + r, for nk keys; w.qs holds the query rows.  The value rows of these
- * keys, when v is not NULL and a->value_prefetch is set, are asked for into
- * L2 meanwhile: the sum over them follows.  That took decode-8192 from 5.0
- * to 3.5 ms at 2 threads on the machine of 770bd68 (float16, AVX-512), and
- * makes it 10-20 % slower at 1 thread on a Zen 4 (float32), where
- * PREFETCHT1 reaches L2 only since Zen 4 and is sometimes dropped (Wang et
- * al. 2024, arXiv:2411.02814): fastattn/_tuning.py chooses by measuring. */
+ * s0 + r, for nk keys; w.qs holds the query rows.  What is asked for ahead
+ * depends on a->prefetch, as fastattn/_tuning.py measured it pays:
+ * - FA_PREFETCH_KEYS: the key rows FA_PREFETCH_BYTES on, into L1.  On an
+ *   AMD Zen 4 (float32 decode-8192, AVX-512) the hardware prefetcher alone
+ *   does better: 1 thread 72-75 % of the read bandwidth with these
+ *   prefetches, 80-89 % without; 2 threads 72-87 % against 91-97 %.
+ * - FA_PREFETCH_VALUES, when v is not NULL: the value rows of these keys,
+ *   into L2, as their sum follows.  That took decode-8192 from 5.0 to 3.5
+ *   ms at 2 threads on the machine of 770bd68 (float16, AVX-512), and makes
+ *   it 10-20 % slower at 1 thread on a Zen 4 (float32), where PREFETCHT1
+ *   reaches L2 only since Zen 4 and is sometimes dropped (Wang et al. 2024,
+ *   arXiv:2411.02814).
+ * Paged keys are asked into L2 across blocks whatever a->prefetch says. */
 static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                  const void *k, const void *v, const void *mask, fa_idx i0,
                                  fa_idx n, fa_idx s0, fa_idx nk)
@@ -168,7 +175,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     const T scale = (T)a->scale;
     const fa_store st = a->kv_store;
     const fa_idx row_bytes = FA_NAME(st_row_bytes)(st, a->E); /* 0 when E = 0: nothing to fetch */
-    const fa_idx ahead = row_bytes == 0                   ? 0
+    const fa_idx ahead = row_bytes == 0 || !(a->prefetch & FA_PREFETCH_KEYS) ? 0
                          : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
                                                          : 1;
     const fa_idx eb = FA_NAME(st_bytes)(st);
@@ -195,7 +202,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                 l2[1] = (fa_ahead_rows){(const char *)k + fa_key_at(a, jb) * eb, a->k_ss * eb,
                                         row_bytes, n};
             }
-            if (v != NULL && a->v_es == 1 && a->value_prefetch)
+            if (v != NULL && a->v_es == 1 && (a->prefetch & FA_PREFETCH_VALUES))
                 l2[0] = (fa_ahead_rows){(const char *)v + fa_value_at(a, j) * eb, a->v_ss * eb,
                                         FA_NAME(st_row_bytes)(st, a->Ev), n};
             FA_NAME(dots)(st, nq, n, a->E, w->qs, FA_EP(a), FA_NAME(st_at)(st, k, fa_key_at(a, j)),

@@ -118,12 +118,17 @@ typedef struct {
     fa_idx q_hs, o_hs, lse_hs;
     const double *head_slopes;
     const double *head_sinks;
-    /* Nonzero: the row kernel asks for a block's value rows into L2 while
-     * it reads the block's keys (their weighted sum follows); zero: it
-     * leaves them to the hardware prefetcher.  Which is faster depends on
-     * the CPU (fastattn/_tuning.py measures it); no result depends on it. */
-    int value_prefetch;
+    /* What the row kernel asks the cache for ahead of its reads, beyond
+     * the hardware prefetcher: a bitwise or of FA_PREFETCH_KEYS and
+     * FA_PREFETCH_VALUES.  Which is faster depends on the CPU
+     * (fastattn/_tuning.py measures it); no result depends on it. */
+    int prefetch;
 } fa_attn_args;
+
+/* fa_attn_args.prefetch: key rows FA_PREFETCH_BYTES ahead into L1 as the
+ * keys are read; a block's value rows into L2 while its keys are read
+ * (fa_rows_impl.h). */
+enum { FA_PREFETCH_KEYS = 1, FA_PREFETCH_VALUES = 2 };
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
  * queries (rows i0..i1-1), keys and values: the kernel asks the cache for

@@ -20,6 +20,8 @@ STORE_I8: int
 STORE_F8E4M3: int
 STORE_F8E5M2: int
 STORE_Q4: int
+PREFETCH_KEYS: int
+PREFETCH_VALUES: int
 ATTN_MAX_FEATURES: int
 
 def cpu_has_avx2_fma() -> bool: ...
@@ -33,7 +35,7 @@ def attn_query_block(elsize: int) -> int: ...
 def attention(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
               mask: Optional[NDArray[Any]], mask_kind: int, out: NDArray[Any],
               weights: Optional[NDArray[Any]], group: int, causal: bool, causal_offset: int,
-              scale: float, nthreads: int, value_prefetch: bool = ..., window_left: int = ...,
+              scale: float, nthreads: int, prefetch: int = ..., window_left: int = ...,
               window_right: int = ...,
               softcap: float = ..., slopes: Optional[NDArray[np.float64]] = ...,
               sinks: Optional[NDArray[np.float64]] = ...,
@@ -45,14 +47,14 @@ def varlen(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDA
            group: int, causal: bool, lower_right: bool, scale: float, nthreads: int,
            window_left: int, window_right: int, softcap: float,
            slopes: Optional[NDArray[np.float64]], sinks: Optional[NDArray[np.float64]],
-           value_prefetch: bool = ...) -> None: ...
+           prefetch: int = ...) -> None: ...
 def paged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
           k_scale: Optional[NDArray[np.float32]], v_scale: Optional[NDArray[np.float32]],
           block_table: NDArray[np.int32], seq_lens: NDArray[np.int64], cu_q: NDArray[np.int64],
           out: NDArray[Any], lse: Optional[NDArray[Any]], group: int, causal: bool,
           scale: float, nthreads: int, window_left: int, window_right: int, softcap: float,
           slopes: Optional[NDArray[np.float64]], sinks: Optional[NDArray[np.float64]],
-          q_store: int, kv_store: int, value_prefetch: bool = ...) -> None: ...
+          q_store: int, kv_store: int, prefetch: int = ...) -> None: ...
 def rotary(x: NDArray[Any], positions: NDArray[np.int64], cos: NDArray[Any], sin: NDArray[Any],
            interleaved: bool, out: NDArray[Any], nthreads: int) -> None: ...
 def softmax_rows(isa: int, x: NDArray[Any], mask: Optional[NDArray[Any]], mask_kind: int,

@@ -82,7 +82,10 @@ cdef extern from "fastattn.h" nogil:
         fa_idx q_hs, o_hs, lse_hs
         const double *head_slopes
         const double *head_sinks
-        int value_prefetch
+        int prefetch
+    enum:
+        FA_PREFETCH_KEYS
+        FA_PREFETCH_VALUES
 
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
@@ -163,6 +166,8 @@ STORE_I8 = <int>FA_STORE_I8
 STORE_F8E4M3 = <int>FA_STORE_F8E4M3
 STORE_F8E5M2 = <int>FA_STORE_F8E5M2
 STORE_Q4 = <int>FA_STORE_Q4
+PREFETCH_KEYS = <int>FA_PREFETCH_KEYS
+PREFETCH_VALUES = <int>FA_PREFETCH_VALUES
 ATTN_MAX_FEATURES = FA_ATTN_MAX_FEATURES
 
 
@@ -482,7 +487,8 @@ cdef int attn_task(int isa, const fa_attn_args *a, const Operands *o, const Batc
 
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
-              double scale, int nthreads, bint value_prefetch=True, fa_idx window_left=-1,
+              double scale, int nthreads, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES,
+              fa_idx window_left=-1,
               fa_idx window_right=-1,
               double softcap=0, object slopes=None, object sinks=None, object lse=None,
               int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
@@ -496,7 +502,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     are stored as q_store and kv_store (out float32 unless both are native);
     with int8 and float8_e4m3fn, k_scale and v_scale (float32) have k's
     batch shape and S; Q4 rows are blocks of bytes (fa_common.h), so Ev is
-    out's last axis, not v's.  value_prefetch: fa_attn_args' (fastattn/_tuning.py
+    out's last axis, not v's.  prefetch: fa_attn_args' (fastattn/_tuning.py
     chooses it); no result depends on it."""
     cdef int nd = q.ndim - 2
     cdef Batch b
@@ -505,7 +511,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef cnp.ndarray m_arr, w_arr, x_arr
     memset(&o, 0, sizeof(o))
     memset(&a, 0, sizeof(a))
-    a.value_prefetch = value_prefetch
+    a.prefetch = prefetch
     fill_batch(&b, out, nd)
     o.q, o.k, o.v, o.o = (<char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(k),
                           <char *>cnp.PyArray_DATA(v), <char *>cnp.PyArray_DATA(out))
@@ -732,7 +738,7 @@ def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
            const cnp.int64_t[::1] cu_q, const cnp.int64_t[::1] cu_k, fa_idx group, bint causal,
            bint lower_right, double scale, int nthreads, fa_idx window_left,
            fa_idx window_right, double softcap, object slopes, object sinks,
-           bint value_prefetch=True):
+           int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES):
     """Packed sequences: q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k,
     Hkv, Ev), out (total_q, Hq, Ev), lse None or (Hq, total_q); sequence b
     holds rows cu_q[b]..cu_q[b+1]-1 and keys cu_k[b]..cu_k[b+1]-1 (checked
@@ -742,7 +748,7 @@ def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     cdef fa_idx qb = fa_attn_query_block(<int>es)
     cdef fa_attn_args a
     memset(&a, 0, sizeof(a))
-    a.value_prefetch = value_prefetch
+    a.prefetch = prefetch
     a.E, a.Ev = q.shape[2], v.shape[2]
     a.q_ls, a.q_es = estride(q, 0), estride(q, 2)
     a.k_ss, a.k_es = estride(k, 0), estride(k, 2)
@@ -973,7 +979,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
           const cnp.int64_t[::1] seq_lens, const cnp.int64_t[::1] cu_q, cnp.ndarray out,
           object lse, fa_idx group, bint causal, double scale, int nthreads, fa_idx window_left,
           fa_idx window_right, double softcap, object slopes, object sinks, int q_store,
-          int kv_store, bint value_prefetch=True):
+          int kv_store, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES):
     """Attention of packed queries over paged caches (checked by the
     caller): q (total_q, Hq, E) stored as q_store, key_cache (num_blocks,
     Hkv, block_size, E) and value_cache (..., Ev) as kv_store, with int8
@@ -1003,7 +1009,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     p.a.o_ls, p.a.o_es = estride(out, 0), estride(out, 2)
     p.a.q_hs, p.a.o_hs = estride(q, 1), estride(out, 1)
     p.a.mask_kind = FA_MASK_NONE
-    p.a.value_prefetch = value_prefetch
+    p.a.prefetch = prefetch
     p.a.scale, p.a.softcap, p.a.causal = scale, softcap, causal
     p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store

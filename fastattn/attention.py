@@ -493,7 +493,7 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
                         window_right=variants.window_right, softcap=variants.softcap,
                         slopes=variants.slopes, sinks=variants.sinks, lse=lse, q_store=store,
                         kv_store=kv_store, k_scale=k_scale, v_scale=v_scale,
-                        value_prefetch=prefetch))
+                        prefetch=prefetch))
     half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
     out = narrow(result, dtype, nthreads, out) if half else result
     if half and weights is not None:

@@ -328,6 +328,6 @@ def paged_attention(
                         isa, q, kc, vc, scales[0], scales[1], table, lens, cu_q, result, lse,
                         Hq // Hkv, causal, scale, nthreads, variants.window_left,
                         variants.window_right, variants.softcap, slopes, sink, q_store,
-                        kv_store, value_prefetch=prefetch))
+                        kv_store, prefetch=prefetch))
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result
     return out if lse is None else (out, lse)

@@ -1,5 +1,6 @@
-"""The measured choice of fetching value rows early (fastattn/_tuning.py):
-no result depends on it, and the first decoding calls pick the faster way."""
+"""The measured choice of what the decoding kernel prefetches
+(fastattn/_tuning.py): no result depends on it, and the first decoding calls
+pick the fastest way."""
 import itertools
 import types
 
@@ -35,13 +36,15 @@ def test_bits_do_not_depend_on_the_choice(simd, fresh, storage):
     paged.append(seqs, np.concatenate([x.transpose(1, 0, 2) for x in k]),
                  np.concatenate([x.transpose(1, 0, 2) for x in v]), cu)
     outs = {}
-    for way in (False, True):
+    for way in _tuning.WAYS:
         _tuning.force(way)
         dense = fastattn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         outs[way] = (dense, cache.attend(q),
                      paged.attend(seqs, q[:, :, 0].reshape(B, Hq, E)))
-    for a, b in zip(outs[False], outs[True]):
-        np.testing.assert_array_equal(a, b)
+    assert sorted(outs) == [0, 1, 2, 3]
+    for way in _tuning.WAYS[1:]:
+        for a, b in zip(outs[_tuning.DEFAULT], outs[way]):
+            np.testing.assert_array_equal(a, b)
 
 
 def fake_clock(monkeypatch, durations):
@@ -51,30 +54,32 @@ def fake_clock(monkeypatch, durations):
     monkeypatch.setattr(_tuning, "time", types.SimpleNamespace(perf_counter=lambda: next(now)))
 
 
-@pytest.mark.parametrize("faster", [False, True])
-def test_the_faster_way_is_kept(monkeypatch, fresh, faster):
+@pytest.mark.parametrize("fastest", range(4))
+def test_the_fastest_way_is_kept(monkeypatch, fresh, fastest):
     key, nbytes = (1, 1, 0), _tuning.MIN_BYTES
+    n = len(_tuning.WAYS)
     ways = []
-    # the calls take turns; the faster way's calls take 1 s, the other's 2,
-    # one of them disturbed (9 s): the fastest of each way decides
-    durations = iter([9.0] + [1.0 if i % 2 == faster else 2.0 for i in range(1, 100)])
+    # the calls take turns; the fastest way's calls take 1 s, the others'
+    # 2, 3 or 4, the first call disturbed (9 s): the fastest of each decides
+    durations = iter([9.0] + [1.0 + (i - fastest) % n for i in range(1, 100)])
     fake_clock(monkeypatch, (next(durations) for _ in itertools.count()))
-    for _ in range(2 * _tuning.TRIALS):
+    for _ in range(n * _tuning.TRIALS):
         _tuning.run(key, nbytes, True, ways.append)
-    assert ways == [False, True] * _tuning.TRIALS
-    assert _tuning.chosen() == {key: faster}
-    assert _tuning.in_use() is faster
+    assert ways == list(_tuning.WAYS) * _tuning.TRIALS
+    best = _tuning.WAYS[fastest]
+    assert _tuning.chosen() == {key: best}
+    assert _tuning.in_use() == best
     for _ in range(3):  # decided: no more turns
         _tuning.run(key, nbytes, True, ways.append)
-    assert ways[-3:] == [faster] * 3
-    assert _tuning.current(key) is faster
-    assert _tuning.current((1, 2, 0)) is _tuning.DEFAULT  # another thread count: not yet
+    assert ways[-3:] == [best] * 3
+    assert _tuning.current(key) == best
+    assert _tuning.current((1, 2, 0)) == _tuning.DEFAULT  # another thread count: not yet
 
 
 def test_small_or_non_decoding_calls_are_not_measured(monkeypatch, fresh):
     monkeypatch.setattr(_tuning, "time", None)  # any timing would fail
     for nbytes, decoding in ((_tuning.MIN_BYTES - 1, True), (_tuning.MIN_BYTES, False)):
-        for _ in range(2 * _tuning.TRIALS + 1):
+        for _ in range(len(_tuning.WAYS) * _tuning.TRIALS + 1):
             ways = []
             _tuning.run((1, 1, 0), nbytes, decoding, ways.append)
             assert ways == [_tuning.DEFAULT]
@@ -90,17 +95,22 @@ def test_a_failed_call_is_not_counted(monkeypatch, fresh):
         _tuning.run((1, 1, 0), _tuning.MIN_BYTES, True, fail)
     ways = []
     _tuning.run((1, 1, 0), _tuning.MIN_BYTES, True, ways.append)
-    assert ways == [False]  # still the first turn's way
+    assert ways == [_tuning.WAYS[0]]  # still the first turn's way
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("auto", None),
-                                             (" ", None)])
+@pytest.mark.parametrize("value, expected", [("keys,values", 3), (" Values , keys", 3),
+                                             ("keys", 1), ("values", 2), ("none", 0),
+                                             ("auto", None), (" ", None)])
 def test_environment(monkeypatch, value, expected):
-    monkeypatch.setenv(_tuning.VALUE_PREFETCH_ENV, value)
-    assert _tuning._from_env() is expected
+    monkeypatch.setenv(_tuning.PREFETCH_ENV, value)
+    assert _tuning._from_env() == expected
+    if expected is not None:  # what the bench's JSON records reads back
+        monkeypatch.setenv(_tuning.PREFETCH_ENV, _tuning.describe(expected))
+        assert _tuning._from_env() == expected
 
 
-def test_environment_typo_warns(monkeypatch):
-    monkeypatch.setenv(_tuning.VALUE_PREFETCH_ENV, "yes")
-    with pytest.warns(RuntimeWarning, match="FASTATTN_VALUE_PREFETCH='yes'"):
+@pytest.mark.parametrize("value", ["yes", "1", "keys,", "keys values"])
+def test_environment_typo_warns(monkeypatch, value):
+    monkeypatch.setenv(_tuning.PREFETCH_ENV, value)
+    with pytest.warns(RuntimeWarning, match=f"FASTATTN_PREFETCH={value!r}"):
         assert _tuning._from_env() is None

@@ -50,11 +50,12 @@ def run_case(spec):
             prepared.to_bhle(out), q, k, v, shape, reference_rows(shape))
         del out
         if runner.name == "fastattn" and shape.kind == "decode":
-            # the first decoding calls of a process try both ways of fetching
-            # the value rows (fastattn/_tuning.py): before the timed calls
-            for _ in range(2 * _tuning.TRIALS):
+            # the first decoding calls of a process try each way of
+            # prefetching (fastattn/_tuning.py): before the timed calls
+            for _ in range(len(_tuning.WAYS) * _tuning.TRIALS):
                 prepared.call()
-            result["value_prefetch"] = _tuning.in_use()
+            way = _tuning.in_use()
+            result["prefetch"] = None if way is None else _tuning.describe(way)
         if spec.get("repeat", 0) > 0:
             with OtherLoad() as load:
                 timing = time_call(prepared.call, repeat=spec["repeat"],
