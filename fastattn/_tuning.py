@@ -20,18 +20,24 @@ hardware prefetcher fetches (fa_attn_args.prefetch, csrc/fastattn.h):
 So the first decoding calls of a process over caches larger than L2 take
 the four ways (both, KEYS, VALUES, neither) in turn, TRIALS calls each, and
 the way with the shortest time per byte of cache is kept for the rest of
-the process, per SIMD path, thread count and cache storage.  No result
-depends on the choice (a prefetch only moves data between caches;
-tests/test_tuning.py checks the bits).  FASTATTN_PREFETCH fixes it, for
-benchmarks of one way: "keys,values", "keys", "values" or "none".
+the process, per SIMD path, thread count, cache storage and layout (dense
+or paged).  One call is timed at a time: a call made while another thread's
+is being timed takes the default, untimed.  No result depends on the choice
+(a prefetch only moves data between caches; tests/test_tuning.py checks the
+bits).  FASTATTN_PREFETCH fixes it, for benchmarks of one way:
+"keys,values", "keys", "values" or "none"; "auto", the default, measures,
+and anything else warns and measures.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from . import _core
 
@@ -51,7 +57,7 @@ MIN_BYTES = 8 << 20
 # kernel's FA_ROWS_MAX, csrc/fa_internal.h)
 DECODE_ROWS = 4
 
-Key = Tuple[int, int, int]  # SIMD path, threads, key/value storage
+Key = Tuple[int, int, int, bool]  # SIMD path, threads, key/value storage, paged
 _NAMES = {"keys": KEYS, "values": VALUES}
 
 
@@ -61,25 +67,36 @@ def describe(way: int) -> str:
     return ",".join(name for name, bit in _NAMES.items() if way & bit) or "none"
 
 
+def distinct_bytes(*arrays: np.ndarray) -> int:
+    """The bytes a call reads of the arrays: a broadcast axis (stride 0)
+    counted once, so that a small cache seen by many queries is not taken
+    for a large one."""
+    return sum(a.itemsize * math.prod(n for n, s in zip(a.shape, a.strides) if s != 0)
+               for a in arrays)
+
+
 def _from_env() -> Optional[int]:
-    value = os.environ.get(PREFETCH_ENV, "auto").strip().lower()
+    raw = os.environ.get(PREFETCH_ENV, "auto")
+    value = raw.strip(" \t").lower() if raw.isascii() else None  # no look-alike letters
     if value in ("", "auto"):
         return None
     if value == "none":
         return 0
-    parts = [part.strip() for part in value.split(",")]
+    parts = [part.strip(" \t") for part in value.split(",")] if value is not None else []
     if parts and all(part in _NAMES for part in parts):
         way = 0
         for part in parts:
             way |= _NAMES[part]
         return way
-    warnings.warn(f"{PREFETCH_ENV}={value!r} is not one of 'auto', 'none', 'keys', 'values', "
+    shown = raw if len(raw) <= 40 else raw[:40] + "..."
+    warnings.warn(f"{PREFETCH_ENV}={shown!r} is not one of 'auto', 'none', 'keys', 'values', "
                   "'keys,values'; using 'auto'", RuntimeWarning, stacklevel=2)
     return None
 
 
 _forced: Optional[int] = _from_env()
 _lock = threading.Lock()
+_timing = threading.Lock()  # held by the one call being timed
 _seconds_per_byte: Dict[Key, Dict[int, List[float]]] = {}  # per way
 _chosen: Dict[Key, int] = {}
 
@@ -125,12 +142,18 @@ def run(key: Key, nbytes: int, decoding: bool, kernel: Callable[[int], object]) 
     if way is not None or not decoding or nbytes < MIN_BYTES:
         kernel(DEFAULT if way is None else way)
         return
-    with _lock:
-        times = _seconds_per_byte.setdefault(key, {w: [] for w in WAYS})
-        way = min(WAYS, key=lambda w: len(times[w]))  # each way in turn, in WAYS' order
-    start = time.perf_counter()
-    kernel(way)  # a call that raises is not counted
-    seconds = time.perf_counter() - start
+    if not _timing.acquire(blocking=False):  # another thread's call is timed
+        kernel(DEFAULT)
+        return
+    try:
+        with _lock:
+            times = _seconds_per_byte.setdefault(key, {w: [] for w in WAYS})
+            way = min(WAYS, key=lambda w: len(times[w]))  # each way in turn, in WAYS' order
+        start = time.perf_counter()
+        kernel(way)  # a call that raises is not counted
+        seconds = time.perf_counter() - start
+    finally:
+        _timing.release()
     with _lock:
         if _seconds_per_byte.get(key) is not times:  # forgotten or decided meanwhile
             return

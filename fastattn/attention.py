@@ -122,14 +122,15 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
     nthreads = _runtime.resolve_threads(num_threads)
     if out.size:
         isa, q, k, v = _runtime.isa(), C.kernel_view(query), C.kernel_view(key), C.kernel_view(value)
-        tkey, nbytes = (isa, nthreads, _core.STORE_NATIVE), key.nbytes + value.nbytes
+        # nbytes: at least the bytes read (broadcast axes counted once)
+        tkey, nbytes = (isa, nthreads, _core.STORE_NATIVE, False), key.nbytes + value.nbytes
         # a tiny call straight to the kernel, its arguments positional: the
         # closure and a keyword cost it 0.7 us of 4.5
         if L > _tuning.DECODE_ROWS or nbytes < _tuning.MIN_BYTES:
             _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
                             nthreads, _tuning.current(tkey))
         else:
-            _tuning.run(tkey, nbytes, True,
+            _tuning.run(tkey, _tuning.distinct_bytes(key, value), True,
                         lambda prefetch: _core.attention(isa, q, k, v, mask, kind, out, None,
                                                          group, is_causal, offset, scale,
                                                          nthreads, prefetch))
@@ -486,7 +487,8 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
             v_scale = C.broadcast_view(stored.value_scale, kv_batch + (S,))
     if result.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         isa = _runtime.isa()
-        _tuning.run((isa, nthreads, kv_store), k.nbytes + v.nbytes, L <= _tuning.DECODE_ROWS,
+        _tuning.run((isa, nthreads, kv_store, False), _tuning.distinct_bytes(k, v),
+                    L <= _tuning.DECODE_ROWS,
                     lambda prefetch: _core.attention(
                         isa, q, k, v, mask, kind, result, weights, group, causal, offset, scale,
                         nthreads, window_left=variants.window_left,

@@ -323,7 +323,7 @@ def paged_attention(
         read = int(lens.sum()) * Hkv * (key_cache.shape[-1] + value_cache.shape[-1]) * \
             key_cache.itemsize
         q, kc, vc = C.kernel_view(query), C.kernel_view(key_cache), C.kernel_view(value_cache)
-        _tuning.run((isa, nthreads, kv_store), read, lengths[0] <= _tuning.DECODE_ROWS,
+        _tuning.run((isa, nthreads, kv_store, True), read, lengths[0] <= _tuning.DECODE_ROWS,
                     lambda prefetch: _core.paged(
                         isa, q, kc, vc, scales[0], scales[1], table, lens, cu_q, result, lse,
                         Hq // Hkv, causal, scale, nthreads, variants.window_left,

@@ -130,5 +130,5 @@ def varlen_attention(
                      lse, cu_q, cu_k, Hq // Hkv, causal, causal_alignment == "lower_right",
                      scale, nthreads, variants.window_left, variants.window_right,
                      variants.softcap, slopes, sink,
-                     prefetch=_tuning.current((isa, nthreads, _core.STORE_NATIVE)))
+                     prefetch=_tuning.current((isa, nthreads, _core.STORE_NATIVE, False)))
     return out if lse is None else (out, lse)

@@ -2,6 +2,7 @@
 (fastattn/_tuning.py): no result depends on it, and the first decoding calls
 pick the fastest way."""
 import itertools
+import re
 import types
 
 import numpy as np
@@ -56,7 +57,7 @@ def fake_clock(monkeypatch, durations):
 
 @pytest.mark.parametrize("fastest", range(4))
 def test_the_fastest_way_is_kept(monkeypatch, fresh, fastest):
-    key, nbytes = (1, 1, 0), _tuning.MIN_BYTES
+    key, nbytes = (1, 1, 0, False), _tuning.MIN_BYTES
     n = len(_tuning.WAYS)
     ways = []
     # the calls take turns; the fastest way's calls take 1 s, the others'
@@ -73,7 +74,7 @@ def test_the_fastest_way_is_kept(monkeypatch, fresh, fastest):
         _tuning.run(key, nbytes, True, ways.append)
     assert ways[-3:] == [best] * 3
     assert _tuning.current(key) == best
-    assert _tuning.current((1, 2, 0)) == _tuning.DEFAULT  # another thread count: not yet
+    assert _tuning.current((1, 2, 0, False)) == _tuning.DEFAULT  # another thread count: not yet
 
 
 def test_small_or_non_decoding_calls_are_not_measured(monkeypatch, fresh):
@@ -81,9 +82,32 @@ def test_small_or_non_decoding_calls_are_not_measured(monkeypatch, fresh):
     for nbytes, decoding in ((_tuning.MIN_BYTES - 1, True), (_tuning.MIN_BYTES, False)):
         for _ in range(len(_tuning.WAYS) * _tuning.TRIALS + 1):
             ways = []
-            _tuning.run((1, 1, 0), nbytes, decoding, ways.append)
+            _tuning.run((1, 1, 0, False), nbytes, decoding, ways.append)
             assert ways == [_tuning.DEFAULT]
     assert _tuning.chosen() == {}
+
+
+def test_a_small_cache_seen_by_many_queries_is_not_measured(monkeypatch, fresh):
+    # 4 MB of keys and values broadcast over a batch of 8: 4 MB read, not 32
+    monkeypatch.setattr(_tuning, "time", None)  # any timing would fail
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((1, 4, 1024, 128), dtype=np.float32)
+    q = rng.standard_normal((8, 4, 1, 128), dtype=np.float32)
+    assert _tuning.distinct_bytes(np.broadcast_to(k, (8,) + k.shape[1:]), k) == 2 * k.nbytes
+    for _ in range(len(_tuning.WAYS) * _tuning.TRIALS):
+        fastattn.scaled_dot_product_attention(q, k, k)
+        fastattn.scaled_dot_product_attention(q, np.broadcast_to(k, (8, 4, 1024, 128)), k)
+    assert _tuning.chosen() == {}
+
+
+def test_one_call_is_timed_at_a_time(monkeypatch, fresh):
+    fake_clock(monkeypatch, itertools.repeat(1.0))
+    key, ways = (1, 1, 0, False), []
+    with _tuning._timing:  # another thread's call is being timed
+        _tuning.run(key, _tuning.MIN_BYTES, True, ways.append)
+    assert ways == [_tuning.DEFAULT] and _tuning._seconds_per_byte == {}
+    _tuning.run(key, _tuning.MIN_BYTES, True, ways.append)  # now timed: the first way
+    assert len(_tuning._seconds_per_byte[key][_tuning.WAYS[0]]) == 1
 
 
 def test_a_failed_call_is_not_counted(monkeypatch, fresh):
@@ -92,9 +116,9 @@ def test_a_failed_call_is_not_counted(monkeypatch, fresh):
         raise RuntimeError("the kernel call failed")
 
     with pytest.raises(RuntimeError):
-        _tuning.run((1, 1, 0), _tuning.MIN_BYTES, True, fail)
+        _tuning.run((1, 1, 0, False), _tuning.MIN_BYTES, True, fail)
     ways = []
-    _tuning.run((1, 1, 0), _tuning.MIN_BYTES, True, ways.append)
+    _tuning.run((1, 1, 0, False), _tuning.MIN_BYTES, True, ways.append)
     assert ways == [_tuning.WAYS[0]]  # still the first turn's way
 
 
@@ -109,8 +133,15 @@ def test_environment(monkeypatch, value, expected):
         assert _tuning._from_env() == expected
 
 
-@pytest.mark.parametrize("value", ["yes", "1", "keys,", "keys values"])
+@pytest.mark.parametrize("value", ["yes", "1", "keys,", "KEYS;values", "\u212aeys", "keys\u00a0"])
 def test_environment_typo_warns(monkeypatch, value):
     monkeypatch.setenv(_tuning.PREFETCH_ENV, value)
-    with pytest.warns(RuntimeWarning, match=f"FASTATTN_PREFETCH={value!r}"):
+    with pytest.warns(RuntimeWarning, match=re.escape(f"FASTATTN_PREFETCH={value!r}")):
         assert _tuning._from_env() is None
+
+
+def test_a_long_environment_value_is_shown_cut(monkeypatch):
+    monkeypatch.setenv(_tuning.PREFETCH_ENV, "x" * 100_000)
+    with pytest.warns(RuntimeWarning) as record:
+        assert _tuning._from_env() is None
+    assert len(str(record[0].message)) < 200
