@@ -103,6 +103,10 @@ def test_openvino_decodes_with_its_key_value_cache_node():
                  shape.E + shape.S, magnitude=4)
     assert_close(second, reference.scaled_dot_product_attention(q64, *twice), np.float32,
                  shape.E + shape.S + 1, magnitude=4)
+    for other in (Shape("c", 1, 2, 4, 40, 8, causal=True, kind="decode"),
+                  Shape("w", 1, 2, 1, 40, 8, causal=True, window=2, kind="decode"),
+                  Shape("s", 1, 2, 4, 7, 8, kind="decode")):
+        assert "S >= 2 L" in RUNNERS["openvino"].missing(other)
 
 
 def test_torch_runner_restores_threads():

@@ -46,6 +46,11 @@ class Runner:
             return "no sliding window, packed sequences or (L, S) mask in this runner"
         if shape is not None and shape.storage != "float32" and self.name != "fastattn":
             return f"a {shape.storage} key/value cache is fastattn's (the others: float32)"
+        if (shape is not None and shape.kind == "decode" and self.name == "openvino"
+                and (shape.causal or shape.window >= 0 or shape.S < 2 * shape.L)):
+            # its cache graph below: new rows that see the whole cache, and a
+            # first untimed step of L positions before the measured one
+            return "its key/value-cache graph here: not causal, no window, S >= 2 L"
         return None
 
 
@@ -256,19 +261,24 @@ def _openvino(q, k, v, shape, num_threads):
     S, Ev = v.shape[-2:]
     mask = shape.mask()
     if shape.kind == "decode":
-        # The cache holds the first S - L positions (set as the variables'
-        # state, outside the timed calls); each call appends the last L, as
-        # a generation step does, so the first call attends to exactly the
-        # S positions of the others' call, and call n to S + (n - 1)·L
-        # (a second call sees the last positions twice).
+        # The cache is set to the first S - 2L positions (the variables'
+        # state), and one step appends the next L before anything is
+        # measured: that step copies the state into OpenVINO's own cache
+        # buffer, which a cache filled by its own steps never does.  Then
+        # each call appends the last L, as a generation step does, so the
+        # first call attends to exactly the S positions of the others'
+        # call, and call n to S + (n - 1)·L (a second call sees the last
+        # positions twice).
         model = stateful_decode_model(B, H, L, E, Ev)
         request = ov.Core().compile_model(model, "CPU", _openvino_config(num_threads)
                                           ).create_infer_request()
         for state in request.query_state():
             held = k if state.name == "past_key" else v
-            state.state = ov.Tensor(np.ascontiguousarray(held[:, :, :S - L]))
+            state.state = ov.Tensor(np.ascontiguousarray(held[:, :, :S - 2 * L]))
+        beams = np.arange(B, dtype=np.int32)
+        request.infer([q, k[:, :, S - 2 * L:S - L], v[:, :, S - 2 * L:S - L], beams])
         feeds = [np.ascontiguousarray(a) for a in (q, k[:, :, S - L:], v[:, :, S - L:])]
-        feeds.append(np.arange(B, dtype=np.int32))
+        feeds.append(beams)
     else:
         model = sdpa_model(B, H, L, S, E, Ev, shape.causal and mask is None, mask is not None)
         request = ov.Core().compile_model(model, "CPU", _openvino_config(num_threads)
