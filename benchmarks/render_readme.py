@@ -21,10 +21,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RECORDS_DIR = os.path.join(HERE, "records")
 README = os.path.join(HERE, "..", "README.md")
 # the records README's table is drawn from, in order
-RECORDS = ["zen4-2026-12-02-1and2threads.json"]
+RECORDS = ["zen4-2026-12-03-readme-four-peers.json"]
 BEGIN = ("<!-- speed table: benchmarks/render_readme.py --write renders it from "
          "benchmarks/records -->")
 END = "<!-- end of the speed table -->"
+# the peers' columns: fastattn's speed-up over each (its JSON key, the header)
+PEERS = {"torch": "xPyTorch", "onnxruntime": "xORT", "openvino": "xOV"}
 # (B, H, L, S, E) of each shape, for the reader
 SHAPE_DIMS = {n: (s.B, s.H, s.L, s.S, s.E) for n, s in ALL_SHAPES.items()}
 
@@ -59,19 +61,20 @@ def rows(record):
         for threads in (1, 2):
             c = cases.get((shape, threads))
             if c is None:
-                cells += ["", "", "", ""]
+                cells += [""] * (2 + len(PEERS))
                 continue
             pct = c.get("pct_peak")
-            cells += [duration(c["median"]), "" if pct is None else f"{pct:.0f}",
-                      ratio(c.get("speedup_vs_torch")), ratio(c.get("speedup_vs_onnxruntime"))]
+            cells += [duration(c["median"]), "" if pct is None else f"{pct:.0f}"]
+            cells += [ratio(c.get(f"speedup_vs_{peer}")) for peer in PEERS]
         yield "| " + " | ".join(cells) + " |"
 
 
 def render(records=RECORDS, directory=RECORDS_DIR):
+    peers = " | ".join(PEERS.values())
     lines = [BEGIN,
-             "| CPU | shape (B, H, L, S, E) | 1 thread | %peak | xPyTorch | xORT | 2 threads "
-             "| %peak | xPyTorch | xORT |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| CPU | shape (B, H, L, S, E) | 1 thread | %peak | {peers} | 2 threads | %peak "
+             f"| {peers} |",
+             "|---" * (2 + 2 * (2 + len(PEERS))) + "|"]
     for name in records:
         with open(os.path.join(directory, name)) as f:
             lines += list(rows(json.load(f)))
