@@ -12,11 +12,12 @@
 #define FA_RB 256       /* keys per block */
 /* How far ahead the key rows are prefetched (with FA_PREFETCH_KEYS): with
  * rows of a few hundred bytes the hardware prefetcher alone left decoding
- * some 10 % short of the read bandwidth on the machine of that commit, and
- * on a Zen 4 it is the other way round (rows_logits).  Further ahead, the prefetches wait for fill buffers that
- * the value rows' misses hold: decode-8192 at 1 / 2 threads, 8 KB -> 2 KB
- * ahead, float32 AVX2 21.6 -> 20.3 / 11.1 -> 10.0 ms, float16 AVX-512
- * 11.1 -> 9.3 / 5.5 -> 5.3 ms (medians of alternating runs). */
+ * some 10 % short of the read bandwidth on the machine of that commit (on a
+ * Zen 4 it is the other way round: rows_logits).  Further ahead, the
+ * prefetches wait for fill buffers that the value rows' misses hold:
+ * decode-8192 at 1 / 2 threads, 8 KB -> 2 KB ahead, float32 AVX2 21.6 ->
+ * 20.3 / 11.1 -> 10.0 ms, float16 AVX-512 11.1 -> 9.3 / 5.5 -> 5.3 ms
+ * (medians of alternating runs). */
 #define FA_PREFETCH_BYTES 2048
 /* Paged keys (fa_attn_args' placement) are also asked into L2 this far
  * ahead, across blocks: each block starts a new stream that the hardware

@@ -488,9 +488,8 @@ cdef int attn_task(int isa, const fa_attn_args *a, const Operands *o, const Batc
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
               double scale, int nthreads, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES,
-              fa_idx window_left=-1,
-              fa_idx window_right=-1,
-              double softcap=0, object slopes=None, object sinks=None, object lse=None,
+              fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
+              object slopes=None, object sinks=None, object lse=None,
               int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
               object v_scale=None):
     """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
