@@ -528,7 +528,7 @@ static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T
 
 /* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, x stored as
  * st, leaving out the rows whose p[r] is exactly 0 (their x is never
- * read).  Up to 8 vectors of o stay in registers for the whole sweep over r. */
+ * read).  Up to 8 vectors of o stay in registers for the sweep over r. */
 static FA_ALWAYS_INLINE void FA_NAME(gemv_t_body)(const int nv, const fa_store st, fa_idx nk,
                                                   const T *p, const void *x, fa_idx rs, T *o)
 {
@@ -543,8 +543,8 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_body)(const int nv, const fa_store s
     for (int u = 0; u < nv; ++u) VSTORE(o + u * VLEN, acc[u]);
 }
 
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, fa_idx n,
-                                                 const T *p, const void *x, fa_idx rs, T *o)
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_cols)(const fa_store st, fa_idx nk, fa_idx n,
+                                                  const T *p, const void *x, fa_idx rs, T *o)
 {
     fa_idx c = 0;
     for (; c + 8 * VLEN <= n; c += 8 * VLEN)
@@ -567,6 +567,32 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
         for (fa_idx cc = c; cc < n; ++cc) o[cc] += p[r] * FA_NAME(st_get)(st, xr, cc);
     }
 }
+
+/* Rows wider than the registers hold (8 vectors: AVX2 from 64 floats,
+ * NEON from 32) are summed a run of rows at a time, every column group of
+ * a run before the next run, so that each row is read whole while it is in
+ * L1.  A column group swept over all nk rows at once read each row a part
+ * at a time, blocks of rows apart, which the hardware prefetcher streams
+ * badly: on a Zen 3, float32 decode-8192 (AVX2, alternating builds) read
+ * at 66 -> 75 % of the read bandwidth at 1 thread, 67 -> 87 % at 2
+ * (medians), float16 and int8 at 1 thread 17-20 % faster; a C loop of the
+ * two ways alone over 128 MB, 48-58 % -> 77-93 % with runs of 2-4 KB.  Each
+ * o[c] still sums its rows in order: the same bits. */
+#define FA_GEMV_RUN_BYTES 4096
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, fa_idx n,
+                                                 const T *p, const void *x, fa_idx rs, T *o)
+{
+    if (n <= 8 * VLEN) {
+        FA_NAME(gemv_t_cols)(st, nk, n, p, x, rs, o);
+        return;
+    }
+    const fa_idx row_bytes = FA_NAME(st_row_bytes)(st, n);
+    const fa_idx run = row_bytes >= FA_GEMV_RUN_BYTES / 2 ? 2 : FA_GEMV_RUN_BYTES / row_bytes;
+    for (fa_idx r0 = 0; r0 < nk; r0 += run)
+        FA_NAME(gemv_t_cols)(st, nk - r0 < run ? nk - r0 : run, n, p + r0,
+                             FA_NAME(st_at)(st, x, r0 * rs), rs, o);
+}
+#undef FA_GEMV_RUN_BYTES
 #undef V
 #undef VI
 #undef VMASK
