@@ -118,17 +118,20 @@ typedef struct {
     fa_idx q_hs, o_hs, lse_hs;
     const double *head_slopes;
     const double *head_sinks;
-    /* What the row kernel asks the cache for ahead of its reads, beyond
-     * the hardware prefetcher: a bitwise or of FA_PREFETCH_KEYS and
-     * FA_PREFETCH_VALUES.  Which is faster depends on the CPU
-     * (fastattn/_tuning.py measures it); no result depends on it. */
+    /* What the kernels ask the cache for ahead of their reads, beyond the
+     * hardware prefetcher: a bitwise or of FA_PREFETCH_KEYS and
+     * FA_PREFETCH_VALUES (the row kernel: which is faster depends on the
+     * CPU, fastattn/_tuning.py measures it) and FA_PREFETCH_BLOCKS (the
+     * block kernel, for keys and values beyond L2).  No result depends on
+     * it. */
     int prefetch;
 } fa_attn_args;
 
-/* fa_attn_args.prefetch: key rows FA_PREFETCH_BYTES ahead into L1 as the
- * keys are read; a block's value rows into L2 while its keys are read
- * (fa_rows_impl.h). */
-enum { FA_PREFETCH_KEYS = 1, FA_PREFETCH_VALUES = 2 };
+/* fa_attn_args.prefetch: the row kernel's key rows FA_PREFETCH_BYTES ahead
+ * into L1 as the keys are read, and a block's value rows into L2 while its
+ * keys are read (fa_rows_impl.h); the block kernel's next key block, keys
+ * and values, into L2 while it computes the current one (fa_attn_impl.h). */
+enum { FA_PREFETCH_KEYS = 1, FA_PREFETCH_VALUES = 2, FA_PREFETCH_BLOCKS = 4 };
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
  * queries (rows i0..i1-1), keys and values: the kernel asks the cache for

@@ -41,7 +41,8 @@ def attention(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
               sinks: Optional[NDArray[np.float64]] = ...,
               lse: Optional[NDArray[Any]] = ..., q_store: int = ..., kv_store: int = ...,
               k_scale: Optional[NDArray[np.float32]] = ...,
-              v_scale: Optional[NDArray[np.float32]] = ...) -> None: ...
+              v_scale: Optional[NDArray[np.float32]] = ...,
+              ahead_blocks: bool = ...) -> None: ...
 def varlen(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], out: NDArray[Any],
            lse: Optional[NDArray[Any]], cu_q: NDArray[np.int64], cu_k: NDArray[np.int64],
            group: int, causal: bool, lower_right: bool, scale: float, nthreads: int,

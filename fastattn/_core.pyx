@@ -86,6 +86,7 @@ cdef extern from "fastattn.h" nogil:
     enum:
         FA_PREFETCH_KEYS
         FA_PREFETCH_VALUES
+        FA_PREFETCH_BLOCKS
 
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
@@ -491,7 +492,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
               fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
               object slopes=None, object sinks=None, object lse=None,
               int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
-              object v_scale=None):
+              object v_scale=None, bint ahead_blocks=True):
     """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
 
     All arrays have the same number of dimensions; the axes before the last
@@ -502,7 +503,8 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     with int8 and float8_e4m3fn, k_scale and v_scale (float32) have k's
     batch shape and S; Q4 rows are blocks of bytes (fa_common.h), so Ev is
     out's last axis, not v's.  prefetch: fa_attn_args' (fastattn/_tuning.py
-    chooses it); no result depends on it."""
+    chooses it); ahead_blocks: FA_PREFETCH_BLOCKS joins it where one item's
+    keys and values exceed L2.  No result depends on either."""
     cdef int nd = q.ndim - 2
     cdef Batch b
     cdef Operands o
@@ -511,6 +513,11 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     memset(&o, 0, sizeof(o))
     memset(&a, 0, sizeof(a))
     a.prefetch = prefetch
+    # one item's keys and values beyond L2: the block kernel asks for each
+    # next key block while it computes one (FA_PREFETCH_BLOCKS)
+    if ahead_blocks and (k.shape[nd] * (k.shape[nd + 1] + v.shape[nd + 1]) *
+                         cnp.PyArray_ITEMSIZE(k) > L2_BYTES):
+        a.prefetch |= FA_PREFETCH_BLOCKS
     fill_batch(&b, out, nd)
     o.q, o.k, o.v, o.o = (<char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(k),
                           <char *>cnp.PyArray_DATA(v), <char *>cnp.PyArray_DATA(out))

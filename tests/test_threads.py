@@ -1,6 +1,7 @@
 """Results are bitwise identical whatever the thread count, from any number
 of Python threads at once, while the settings change."""
 import concurrent.futures
+import functools
 import itertools
 import os
 import subprocess
@@ -48,6 +49,24 @@ def test_attention_beyond_l2_matches_calls_per_head(simd, rng, threads):
         np.testing.assert_array_equal(
             out[h], fastattn.scaled_dot_product_attention(q[h], k[h], v[h], is_causal=True,
                                                           num_threads=threads))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_keys_beyond_l2_give_the_bits_without_block_prefetch(simd, rng, dtype, monkeypatch,
+                                                             padded):
+    """One item's keys and values beyond L2 (8-16 MB here) make the block
+    kernel ask for each next key block as it computes one
+    (FA_PREFETCH_BLOCKS); without the hint the results must be the same
+    bits."""
+    L, S, E = 8, 2 ** 15 + 37, 32  # a partial last key block
+    q = rng.standard_normal((1, L, E)).astype(dtype)
+    k, v = (rng.standard_normal((1, S, E)).astype(dtype) for _ in range(2))
+    mask = rng.random((1, 1, S)) > 0.3 if padded else None
+    hinted = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, num_threads=1)
+    monkeypatch.setattr(fastattn._core, "attention",
+                        functools.partial(fastattn._core.attention, ahead_blocks=False))
+    plain = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, num_threads=1)
+    np.testing.assert_array_equal(hinted, plain)
 
 
 def test_ops_thread_counts(simd, rng, dtype):
