@@ -94,6 +94,9 @@ class KVCache:
         Every conversion the kernels make is exact, and for float8 and int4
         the scale multiplies exactly: attention over such a cache gives the
         bits of the float32 call on ``cache.key`` and ``cache.value``.
+        int8's row scale multiplies each dot product and each weight
+        instead, so its results are within rounding of that call, not
+        its bits (the low-precision guide).
 
     Raises
     ------

@@ -101,7 +101,7 @@ def test_softmax_exp_gives_the_same_bits_on_every_simd_path():
     # path (the portable path has no fused multiply-add and rounds its own way)
     paths = [p for p in _runtime.available_simd_paths() if p != "portable"]
     if len(paths) < 2:
-        pytest.skip(f"one SIMD path on this machine: {paths}")
+        pytest.skip(f"one SIMD path besides the portable one on this machine: {paths}")
     x = softmax_exp_inputs()
     ys = []
     for p in paths:
