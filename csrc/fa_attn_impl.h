@@ -78,6 +78,15 @@ static void FA_NAME(ahead_stream)(FA_NAME(ahead) *h, int s, const void *base, fa
     h->len[s] = n * size;
 }
 
+/* Each stream's lines spread over `parts` products: its quota per product. */
+static void FA_NAME(ahead_spread)(FA_NAME(ahead) *h, fa_idx parts)
+{
+    for (int s = 0; s < 4; ++s) {
+        const fa_idx lines = h->rows[s] * ((h->len[s] + 63) / 64);
+        h->quota[s] = parts > 0 ? (lines + parts - 1) / parts : 0;
+    }
+}
+
 /* The lines of this call's output rows i0..i1-1 and of the next call,
  * spread over `parts` products; none without a next call. */
 static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_next *next,
@@ -100,10 +109,7 @@ static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_nex
             FA_NAME(ahead_stream)(&h, 3, (const T *)next->v + b * a->v_ss, n, a->v_ss, a->v_es, a->Ev);
         }
     }
-    for (int s = 0; s < 4; ++s) {
-        const fa_idx lines = h.rows[s] * ((h.len[s] + 63) / 64);
-        h.quota[s] = parts > 0 ? (lines + parts - 1) / parts : 0;
-    }
+    FA_NAME(ahead_spread)(&h, parts);
     return h;
 }
 
@@ -125,10 +131,7 @@ static FA_NAME(ahead) FA_NAME(ahead_of_block)(const fa_attn_args *a, const void 
         return h;
     FA_NAME(ahead_stream)(&h, 2, (const T *)k + s0 * a->k_ss, n, a->k_ss, a->k_es, a->E);
     FA_NAME(ahead_stream)(&h, 3, (const T *)v + s0 * a->v_ss, n, a->v_ss, a->v_es, a->Ev);
-    for (int s = 2; s < 4; ++s) {
-        const fa_idx lines = h.rows[s] * ((h.len[s] + 63) / 64);
-        h.quota[s] = parts > 0 ? (lines + parts - 1) / parts : 0;
-    }
+    FA_NAME(ahead_spread)(&h, parts);
     return h;
 }
 
