@@ -55,7 +55,8 @@ def paged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArr
           out: NDArray[Any], lse: Optional[NDArray[Any]], group: int, causal: bool,
           scale: float, nthreads: int, window_left: int, window_right: int, softcap: float,
           slopes: Optional[NDArray[np.float64]], sinks: Optional[NDArray[np.float64]],
-          q_store: int, kv_store: int, prefetch: int = ...) -> None: ...
+          q_store: int, kv_store: int, prefetch: int = ...,
+          ahead_blocks: bool = ...) -> None: ...
 def rotary(x: NDArray[Any], positions: NDArray[np.int64], cos: NDArray[Any], sin: NDArray[Any],
            interleaved: bool, out: NDArray[Any], nthreads: int) -> None: ...
 def softmax_rows(isa: int, x: NDArray[Any], mask: Optional[NDArray[Any]], mask_kind: int,

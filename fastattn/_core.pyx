@@ -868,6 +868,8 @@ cdef struct Paged:
     const double *slope   # (B, Hq) or NULL
     const double *sink    # (Hq,) or NULL
     fa_idx table_s, Hq, group, qh, kh, vh, oh, lh, ksch, vsch
+    fa_idx kv_row_bytes   # a key row's and a value row's bytes
+    bint ahead_blocks     # FA_PREFETCH_BLOCKS for sequences beyond L2
     int qsize, kvsize, es
 
 
@@ -902,6 +904,8 @@ cdef inline fa_attn_args paged_args(const Paged *p, fa_idx b, fa_idx h,
     r.causal_offset = r.S - r.L
     r.block_table = p.table + b * p.table_s
     r.heads = heads
+    if p.ahead_blocks and r.S * p.kv_row_bytes > L2_BYTES:  # as attention() decides
+        r.prefetch |= FA_PREFETCH_BLOCKS
     if p.ksc != NULL:
         r.k_scale = p.ksc + (h // p.group) * p.ksch
         r.v_scale = p.vsc + (h // p.group) * p.vsch
@@ -985,7 +989,8 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
           const cnp.int64_t[::1] seq_lens, const cnp.int64_t[::1] cu_q, cnp.ndarray out,
           object lse, fa_idx group, bint causal, double scale, int nthreads, fa_idx window_left,
           fa_idx window_right, double softcap, object slopes, object sinks, int q_store,
-          int kv_store, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES):
+          int kv_store, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES,
+          bint ahead_blocks=True):
     """Attention of packed queries over paged caches (checked by the
     caller): q (total_q, Hq, E) stored as q_store, key_cache (num_blocks,
     Hkv, block_size, E) and value_cache (..., Ev) as kv_store, with int8
@@ -998,7 +1003,8 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     One task list for the whole ragged batch: a task per block of query
     rows of each (sequence, head), of the sequence's own length, or, where
     scaled_dot_product_attention splits a sequence's keys (decoding), a
-    task per piece, merged after; costlier tasks first."""
+    task per piece, merged after; costlier tasks first.  prefetch and
+    ahead_blocks as in attention(), per sequence."""
     cdef Paged p
     cdef fa_idx nseq = cu_q.shape[0] - 1, Hq = out.shape[1]
     cdef fa_idx b, h, i0, nqb, piece, chunk, nsplit, ntasks = 0, nitems = 0, nstate = 0
@@ -1020,6 +1026,8 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
     p.a.block_size = key_cache.shape[2]
+    p.kv_row_bytes = (key_cache.shape[3] + value_cache.shape[3]) * p.kvsize
+    p.ahead_blocks = ahead_blocks
     p.a.block_table = &block_table[0, 0] if block_table.shape[0] > 0 and block_table.shape[1] > 0 else NULL
     p.q, p.k = <char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(key_cache)
     p.v, p.o = <char *>cnp.PyArray_DATA(value_cache), <char *>cnp.PyArray_DATA(out)

@@ -69,6 +69,33 @@ def test_keys_beyond_l2_give_the_bits_without_block_prefetch(simd, rng, dtype, m
     np.testing.assert_array_equal(hinted, plain)
 
 
+@pytest.mark.parametrize("storage", ["float32", "float64", "float16", "int8"])
+def test_paged_keys_beyond_l2_give_the_bits_without_block_prefetch(simd, rng, monkeypatch,
+                                                                   storage):
+    """A sequence whose keys and values in a paged cache exceed L2 makes the
+    block kernel ask for each next key block, through the block table, in
+    any storage; without the hint the results must be the same bits."""
+    L, S, E, bs, Hq = 8, 2 ** 15 + 37, 32, 16, 2
+    nb = -(-S // bs)
+    compute = np.float64 if storage == "float64" else np.float32
+    q = rng.standard_normal((L, Hq, E)).astype(compute)
+    kc, vc = (rng.standard_normal((nb + 3, 1, bs, E)).astype(compute) for _ in range(2))
+    extra = {}
+    if storage == "int8":
+        scales = [(np.abs(x).max(-1) / 127).astype(np.float32) for x in (kc, vc)]
+        kc, vc = (np.round(x / sc[..., None]).astype(np.int8) for x, sc in zip((kc, vc), scales))
+        extra = dict(k_scale=scales[0], v_scale=scales[1])
+    elif storage == "float16":
+        kc, vc = kc.astype(np.float16), vc.astype(np.float16)
+    table = rng.permutation(nb + 3)[:nb].astype(np.int32)[None]
+    args = (q, kc, vc, table, np.array([S]), np.array([0, L]))
+    hinted = fastattn.paged_attention(*args, num_threads=1, **extra)
+    monkeypatch.setattr(fastattn._core, "paged",
+                        functools.partial(fastattn._core.paged, ahead_blocks=False))
+    plain = fastattn.paged_attention(*args, num_threads=1, **extra)
+    np.testing.assert_array_equal(hinted, plain)
+
+
 def test_ops_thread_counts(simd, rng, dtype):
     a = rng.standard_normal((3, 200, 300)).astype(dtype)
     b = rng.standard_normal((300, 270)).astype(dtype)
