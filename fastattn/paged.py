@@ -280,7 +280,7 @@ def paged_attention(
                          "block_size, Ev)")
     if block_size == 0:
         raise ValueError("key_cache has block_size 0; expected blocks of at least one position")
-    if Hkv == 0 or Hq % Hkv:
+    if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):  # no heads at all: empty
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if E > _core.ATTN_MAX_FEATURES or Ev > _core.ATTN_MAX_FEATURES:
         raise ValueError(f"E = {E} and Ev = {Ev}: at most {_core.ATTN_MAX_FEATURES} features "

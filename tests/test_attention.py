@@ -159,6 +159,16 @@ def test_empty_batch(simd, dtype):
     assert fastattn.scaled_dot_product_attention(q, q, q).shape == (0, 3, 4, 8)
 
 
+def test_no_heads_with_gqa_give_an_empty_result(dtype):
+    """Zero query heads over zero key/value heads is an empty call, as
+    without enable_gqa and as in PyTorch; query heads over none is an
+    error (test_errors)."""
+    q, k = np.zeros((2, 0, 4, 8), dtype), np.zeros((2, 0, 6, 8), dtype)
+    out, lse = fastattn.scaled_dot_product_attention(q, k, k[..., :5], enable_gqa=True,
+                                                     return_lse=True)
+    assert out.shape == (2, 0, 4, 5) and out.dtype == dtype and lse.shape == (2, 0, 4)
+
+
 def test_large_logits(simd, dtype, rng):
     """Scores up to ~4000, exact in float32 (small integers), far past where a
     naive exp overflows, with each row's maximum in the last key block."""
