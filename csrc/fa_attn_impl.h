@@ -188,11 +188,13 @@ static void FA_NAME(fetch_some)(FA_NAME(ahead) *h)
 
 /* Key and value tiles converted from their storage or gathered from
  * their blocks (fa_load_impl.h): KB rows of E and of Ev, also where a
- * block of queries is converted; none when everything is stored as T,
- * densely. */
+ * block of queries is converted or a mask may hide values that are not
+ * finite (hidden_values); none when everything is stored as T, densely,
+ * without a mask. */
 static size_t FA_NAME(panels_work)(const fa_attn_args *a)
 {
-    if (a->kv_store == FA_STORE_NATIVE && a->q_store == FA_STORE_NATIVE && a->block_table == NULL)
+    if (a->kv_store == FA_STORE_NATIVE && a->q_store == FA_STORE_NATIVE &&
+        a->block_table == NULL && a->mask_kind == FA_MASK_NONE)
         return 0;
     return sizeof(T) * (size_t)FA_KB * (size_t)(FA_EP(a) + FA_EVP(a));
 }
@@ -341,9 +343,51 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
     return 1;
 }
 
-void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const void *v,
-                   const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
-                   const fa_attn_next *next, void *work)
+/* The value tile vt of keys s0..s0+nk-1 with the rows of the keys that the
+ * mask hides from every query of the block (bias as block_logits leaves
+ * it) read as zeros where they are not finite: their weights are 0, but 0 x
+ * inf or NaN in the products gives NaN (attn_block's second run).  In place
+ * when no row is zeroed, else copied into panel.  A zeroed row adds +0 where
+ * its finite values would have added +-0: the same bits but for the sign of
+ * an output that is exactly zero.  A row is tested by its sum, not finite
+ * also when finite values overflow it: such a row is zeroed too. */
+static FA_NAME(tile) FA_NAME(hidden_values)(const fa_attn_args *a, FA_NAME(tile) vt,
+                                            const T *bias, fa_idx nq, fa_idx ld, fa_idx nk,
+                                            T *panel)
+{
+    const T ninf = -(T)INFINITY;
+    const fa_idx lp = FA_EVP(a);
+    for (fa_idx r = 0; r < nk; ++r) {
+        const T *b = a->m_ls == 0 ? bias + r : bias + r * ld; /* a mask per key, or a tile */
+        if (b[0] != ninf) continue;
+        int hidden = 1;
+        for (fa_idx j = 1; a->m_ls != 0 && j < nq; ++j) hidden &= b[j] == ninf;
+        if (!hidden) continue;
+        const T *x = vt.p + r * vt.ss;
+        T sum = 0;
+        if (vt.es == 1)
+            sum = FA_NAME(sum)(a->Ev, x);
+        else
+            for (fa_idx c = 0; c < a->Ev; ++c) sum += x[c * vt.es] * 0;
+        if (sum - sum == 0) continue;
+        if (vt.p != panel) { /* the tile in place: copied first */
+            for (fa_idx t = 0; t < nk; ++t)
+                for (fa_idx c = 0; c < a->Ev; ++c) panel[t * lp + c] = vt.p[t * vt.ss + c * vt.es];
+            vt.p = panel;
+            vt.ss = lp;
+            vt.es = 1;
+        }
+        for (fa_idx c = 0; c < a->Ev; ++c) panel[r * lp + c] = 0;
+    }
+    return vt;
+}
+
+/* attn; zero_hidden: the value rows of keys the mask hides from the whole
+ * block read as zeros where they are not finite (hidden_values). */
+static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void *k,
+                                const void *v, const void *mask, T *out, T *w, T *lse,
+                                fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work,
+                                int zero_hidden)
 {
     const fa_idx nq = i1 - i0, ld = (nq + FA_NR - 1) / FA_NR * FA_NR;
     const fa_idx E = a->E, Ev = a->Ev;
@@ -441,7 +485,8 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
         }
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
-        const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
+        FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
+        if (zero_hidden) vt = FA_NAME(hidden_values)(a, vt, bias, nq, ld, nk, vpanel);
         for (fa_idx c = 0, mr; c < Ev; c += mr) {
             mr = FA_NAME(tile_rows)(Ev, c);
             for (fa_idx p = 0; p < ld; p += FA_NR) {
@@ -470,10 +515,21 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
     FA_NAME(normalize)(Ev, ld, ot, l, bl);
     FA_NAME(pack_t)(Ev, nq, ot, ld, 1, 1, out + i0 * a->o_ls, a->o_ls, a->o_es);
     /* Zero weights times a non-finite value of a hidden key give NaN in the
-     * products above: recompute any row that is not finite with the row
-     * kernel, which skips keys of weight 0 (it gives the same NaN or inf when
-     * they are genuine), its weights too (a row whose score overflowed has
-     * no m and l here to give them). */
+     * products above.  Padding positions hold whatever was there: with a
+     * mask, the block runs once more with the rows of the keys it hides from
+     * every query zeroed where not finite (a padded batch with NaN there
+     * took 6-8x the time, computed again row by row: 8 heads, L = S = 512,
+     * 112 keys hidden; now 2x, and the finite call's bits).  Then any row
+     * still not finite is computed again by the row kernel, which skips keys
+     * of weight 0 (it gives the same NaN or inf when they are genuine), its
+     * weights too (a row whose score overflowed has no m and l here to give
+     * them). */
+    int bad = 0;
+    for (fa_idx j = 0; j < nq; ++j) bad |= bl[j] != 0;
+    if (bad && !zero_hidden && a->mask_kind != FA_MASK_NONE) {
+        FA_NAME(attn_block)(a, q, k, v, mask, out, w, lse, i0, i1, next, work, 1);
+        return;
+    }
     for (fa_idx j = 0; j < nq; ++j) {
         if (bl[j] != 0)
             FA_NAME(attn_rows)(a, q, k, v, mask, out, w, lse, i0 + j, i0 + j + 1, rows_work);
@@ -499,4 +555,11 @@ void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const vo
             for (fa_idx r = 0; r < nk; ++r) wrow[r * a->w_ss] = zero ? fill : st[r * ld + j] / l[j];
         }
     }
+}
+
+void FA_NAME(attn)(const fa_attn_args *a, const void *q, const void *k, const void *v,
+                   const void *mask, T *out, T *w, T *lse, fa_idx i0, fa_idx i1,
+                   const fa_attn_next *next, void *work)
+{
+    FA_NAME(attn_block)(a, q, k, v, mask, out, w, lse, i0, i1, next, work, 0);
 }

@@ -230,8 +230,12 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     }
     for (fa_idx t = 0; t < nq; ++t) { /* a score inf or NaN: perhaps a sum beyond T's range */
         T *z = s + t * FA_RB, sum = FA_NAME(sum)(nk, z);
-        for (fa_idx r = 0; sum - sum != 0 && r < nk; ++r)
-            if (z[r] - z[r] != 0)
+        if (sum - sum == 0) continue;
+        /* not where the stage hides the key whatever its score (a padded
+         * cache's NaN there cost decoding two thirds more) */
+        const fa_attn_args h = FA_NAME(head_args)(a, t / n);
+        for (fa_idx r = 0; r < nk; ++r)
+            if (z[r] - z[r] != 0 && FA_NAME(modify)(&h, mask, i0 + t % n, s0 + r, 0) != -(T)INFINITY)
                 z[r] = (fa_store_scaled(st) ? (T)fa_key_scale(a, s0 + r) : 1) *
                        FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
     }

@@ -228,6 +228,46 @@ def test_nonfinite_value_at_hidden_key_does_not_leak(simd, dtype, rng):
     assert np.all(np.isfinite(out[:2])) and not np.any(np.isfinite(out[2:]))
 
 
+@pytest.mark.parametrize("L", [70, 3], ids=["block", "rows"])
+@pytest.mark.parametrize("mask_kind", ["per-key-bool", "tile-bool", "tile-additive"])
+def test_nonfinite_at_padded_keys_gives_the_finite_bits(simd, dtype, rng, L, mask_kind):
+    """NaN and inf keys and values at positions a padding mask hides from
+    every query (a padded batch's unused slots) give the bits of the call
+    with zeros there, and a NaN value at a key that only some queries of a
+    block see is NaN in exactly their rows.  The block kernel once sent
+    every row of such a block through the row kernel, 6-8x slower, with
+    other bits."""
+    B, H, S, E = 2, 2, 300, 8
+    q, k, v = attn_case(rng, dtype, (B, H, L, E), (B, H, S, E), (B, H, S, 5))
+    lengths = [300, 217]  # the second item's keys 217.. are padding: in two key blocks
+    visible = np.arange(S)[None, :] < np.array(lengths)[:, None]  # (B, S)
+    shape = (B, 1, 1, S) if mask_kind == "per-key-bool" else (B, 1, L, S)
+    mask = np.broadcast_to(visible[:, None, None, :], shape).copy()
+    if mask_kind == "tile-additive":
+        mask = np.where(mask, 0.0, -np.inf).astype(dtype)
+    zeros_k, zeros_v = k.copy(), v.copy()
+    zeros_k[1, :, 217:], zeros_v[1, :, 217:] = 0, 0
+    nans_k, nans_v = k.copy(), v.copy()
+    nans_k[1, :, 217:] = np.nan
+    nans_v[1, :, 217::2], nans_v[1, :, 218::2] = np.nan, -np.inf
+    want = fastattn.scaled_dot_product_attention(q, zeros_k, zeros_v, attn_mask=mask)
+    got = fastattn.scaled_dot_product_attention(q, nans_k, nans_v, attn_mask=mask)
+    np.testing.assert_array_equal(got, want)
+    r_out = ref.scaled_dot_product_attention(*f64(q, zeros_k, zeros_v), attn_mask=mask)
+    assert_close(got, r_out, dtype, S, magnitude=4)
+    if mask_kind == "per-key-bool":
+        return
+    # key 5 of the first item hidden from the first rows only: NaN there
+    # reaches exactly the rows that see it
+    mask[0, :, :L // 2, 5] = False if mask.dtype == bool else -np.inf
+    nans_v[0, :, 5] = np.nan
+    got = fastattn.scaled_dot_product_attention(q, nans_k, nans_v, attn_mask=mask)
+    assert np.all(np.isnan(got[0, :, L // 2:])) and np.all(np.isfinite(got[0, :, :L // 2]))
+    np.testing.assert_array_equal(got[1], want[1])
+    r_out = ref.scaled_dot_product_attention(*f64(q, zeros_k, v), attn_mask=mask)
+    assert_close(got[0, :, :L // 2], r_out[0, :, :L // 2], dtype, S, magnitude=4)
+
+
 @pytest.mark.parametrize("L, S", [(64, 400), (2, 400), (1, 4000), (3, 5000)],
                          ids=["block", "rows", "split", "split-3-rows"])
 @pytest.mark.parametrize("kind", ["later-maximum", "finfo-min-padding"])
