@@ -31,7 +31,9 @@ def _is_torch_tensor(x: object) -> bool:
                for c in type(x).__mro__)
 
 
-def require_array(x: object, name: str) -> NDArray[Any]:
+def require_array(x: object, name: str, dtype: str = "np.float32") -> NDArray[Any]:
+    """x itself when it is a plain ndarray, else a TypeError that says how to
+    make one (a list's hint names dtype, the one the argument expects)."""
     if type(x) is np.ndarray:
         return x
     if not isinstance(x, np.ndarray):
@@ -40,7 +42,7 @@ def require_array(x: object, name: str) -> NDArray[Any]:
             raise TypeError(f"{name} must be a numpy.ndarray, got {kind.__module__}."
                             f"{kind.__name__}; pass {name}.numpy() ({name}.detach().cpu()"
                             ".numpy() for a tensor that requires grad or is not on the CPU)")
-        hint = (f"; pass np.asarray({name}, dtype=np.float32) (or the dtype meant)"
+        hint = (f"; pass np.asarray({name}, dtype={dtype}) (or the dtype meant)"
                 if isinstance(x, (list, tuple)) else "")
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}{hint}")
     if isinstance(x, MaskedArray):  # its mask would be silently ignored

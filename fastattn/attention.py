@@ -425,7 +425,8 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
         batch, kv_batch, group = outer + (Hq,), outer + (Hkv,), Hq // Hkv if Hkv else 1
     else:
         heads = {a.shape[-3] for a in (query, key) if a.ndim >= 3} - {1}
-        hint = " (set enable_gqa=True for grouped-query attention)" if len(heads) > 1 else ""
+        hint = (" (set enable_gqa=True for grouped-query attention)"
+                if len(heads) > 1 and 0 not in heads else "")  # no heads: GQA cannot help
         if (query.ndim == key.ndim == 4 and query.shape[-3] != key.shape[-3]
                 and query.shape[-2] == key.shape[-2] and query.shape[0] == key.shape[0]):
             hint = hint[:-1] + ("; or, if these are (B, L, H, E) arrays, FlashAttention's "

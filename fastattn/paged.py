@@ -22,7 +22,7 @@ _QUERY_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
 
 
 def _ints(x: object, name: str, ndim: int, layout: str) -> NDArray[np.integer[Any]]:
-    a = C.require_array(x, name)
+    a = C.require_array(x, name, "np.int32")
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} has dtype {a.dtype}; expected int32 (or another integer dtype)")
     if a.ndim != ndim:
@@ -262,11 +262,13 @@ def paged_attention(
     if held == "int4":  # rows of q4_0 blocks: E's bytes, and Ev's
         Ev = Ev // _storage.Q4_BLOCK_BYTES * _storage.Q4_BLOCK if value_dim is None else value_dim
         Ev = C.check_index(Ev, "value_dim", 0)
-        if _storage.width(held, Ev) != value_cache.shape[3] or value_cache.strides[3] != 1:
+        # (an empty cache's strides may be 0: NumPy's for arrays of no element)
+        if _storage.width(held, Ev) != value_cache.shape[3] or (
+                value_cache.size > 1 and value_cache.strides[3] != 1):
             raise ValueError(f"value_cache has rows of {value_cache.shape[3]} bytes, strides "
                              f"{value_cache.strides}; int4 rows of value_dim = {Ev} elements "
                              f"are {_storage.width(held, Ev)} contiguous bytes")
-        if key_cache.strides[3] != 1:
+        if key_cache.size > 1 and key_cache.strides[3] != 1:
             raise ValueError(f"key_cache has strides {key_cache.strides}; int4 rows are "
                              "contiguous bytes")
     elif value_dim is not None:

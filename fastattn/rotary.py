@@ -28,7 +28,7 @@ def tables(cos: object, sin: object, D: int) -> tuple[NDArray[Any], NDArray[Any]
 
 
 def positions_of(positions: object, n: int, max_pos: int) -> NDArray[np.int64]:
-    p = C.require_array(positions, "positions")
+    p = C.require_array(positions, "positions", "np.int64")
     if p.dtype.kind not in "iu":
         raise TypeError(f"positions has dtype {p.dtype}; expected an integer dtype")
     if p.shape != (n,):

@@ -11,7 +11,7 @@ from ._typing import Float, NDArray
 
 
 def _cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
-    a = C.require_array(x, name)
+    a = C.require_array(x, name, "np.int32")
     if a.dtype not in (np.int32, np.int64):
         raise TypeError(f"{name} has dtype {a.dtype}; expected int32 or int64")
     if a.ndim != 1 or a.shape[0] < 1:

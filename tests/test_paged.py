@@ -268,6 +268,8 @@ def table_with(b, i, value):
     (dict(k_scale=np.ones((5, 2, 8), np.float32)), TypeError, "scales of int8 and float8_e4m3fn caches"),
     (dict(query=lambda q: q[:, :3]), ValueError, "multiple of key/value heads"),
     (dict(query=lambda q: q.tolist()), TypeError, "numpy.ndarray"),
+    (dict(seq_lens=[20, 9]), TypeError, "pass np.asarray(seq_lens, dtype=np.int32)"),
+    (dict(block_table=lambda t: t.tolist()), TypeError, "np.asarray(block_table, dtype=np.int32)"),
 ])
 def test_bad_input_is_a_clear_error(change, error, words):
     with pytest.raises(error) as e:

@@ -70,6 +70,24 @@ def one_key_call(key_codes, value_codes, storage, E, Ev, L, k_scale=None, v_scal
                                     return_lse=True, kv_cache_dtype=storage, **scales, **extra)
 
 
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("pool", ["no blocks", "no heads"])
+def test_an_empty_pool_gives_an_empty_or_zero_result(storage, pool):
+    """A pool of no blocks (every sequence empty) or of no heads: NumPy gives
+    such arrays zero strides, which int4's check of contiguous rows refused."""
+    E, nb, Hkv = 64, (0 if pool == "no blocks" else 2), (0 if pool == "no heads" else 2)
+    width = E // 32 * 18 if storage == "int4" else E
+    kc, vc = (np.zeros((nb, Hkv, 16, width), np.uint8) for _ in range(2))
+    scales = (dict(k_scale=np.ones((nb, Hkv, 16), np.float32), v_scale=np.ones((nb, Hkv, 16),
+              np.float32)) if storage == "float8_e4m3fn" else {})
+    L = 0 if pool == "no blocks" else 3  # no keys: no queries either (they are the last)
+    query = np.ones((L, 2 * Hkv, E), np.float32)
+    out = fastattn.paged_attention(query, kc, vc, np.zeros((1, nb), np.int32),
+                                   np.array([0 if pool == "no blocks" else 3]), np.array([0, L]),
+                                   kv_cache_dtype=storage, is_causal=False, **scales)
+    assert out.shape == (L, 2 * Hkv, E) and not np.any(out)
+
+
 @pytest.mark.parametrize("L", [1, 8])  # the row kernel and the block kernel's tiles
 @pytest.mark.parametrize("storage", ["float8_e4m3fn", "float8_e5m2"])
 def test_every_float8_code_reads_as_its_value(simd, storage, L):
