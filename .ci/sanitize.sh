@@ -16,7 +16,7 @@ trap 'rm -rf "$work"' EXIT
 
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
-"$py" -m pip install -q --disable-pip-version-check numpy Cython "setuptools>=77" wheel pytest hypothesis ml_dtypes
+"$py" -m pip install -q --disable-pip-version-check numpy Cython "setuptools>=77" wheel pytest pytest-xdist hypothesis ml_dtypes
 
 # A copy of the sources without the products of an earlier build, which
 # setuptools would otherwise take as up to date.
@@ -41,8 +41,10 @@ cd "$work"
 # (a test asks for a cache of petabytes and expects MemoryError).
 # --capture=sys: a report written to file descriptor 2 reaches the log even
 # though it ends the process.
+# -n auto: a pytest-xdist worker per core; a report that ends a worker fails
+# its test and the run.
 LD_PRELOAD=$(gcc -print-file-name=libasan.so) \
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    "$work/venv/bin/pytest" -q -p no:cacheprovider --capture=sys tests \
+    "$work/venv/bin/pytest" -q -n auto -p no:cacheprovider --capture=sys tests \
     --ignore=tests/test_leaks.py --ignore=tests/test_torch.py

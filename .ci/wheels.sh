@@ -57,11 +57,11 @@ echo "wheels: the repaired wheel works without a compiler"
 mkdir "$work/sdist" && tar -C "$work/sdist" -xzf "$sdist"
 unpacked=$(ls -d "$work"/sdist/fastattn-*)
 python3 -m venv "$work/venv2"
-"$work/venv2/bin/pip" install "${pip_q[@]}" "$unpacked" pytest hypothesis psutil ml_dtypes \
+"$work/venv2/bin/pip" install "${pip_q[@]}" "$unpacked" pytest pytest-xdist hypothesis psutil ml_dtypes \
     >"$work/sdist.log" 2>&1 || { tail -30 "$work/sdist.log"; exit 1; }
 cd "$unpacked" && mkdir "$work/away"
 # tests/ of the unpacked sdist, against the fastattn built from it (the
 # torch, transformers and bench tests skip: their packages are not here)
-(cd "$work/away" && "$work/venv2/bin/python" -m pytest -q -p no:cacheprovider "$unpacked/tests" \
+(cd "$work/away" && "$work/venv2/bin/python" -m pytest -q -n auto -p no:cacheprovider "$unpacked/tests" \
     -x --ignore="$unpacked/tests/test_leaks.py" | tail -3)
 echo "wheels: the sdist builds and its tests pass"
