@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import Cython  # noqa: F401  (a clear error when the build requirement is missing)
 import numpy
@@ -55,6 +56,15 @@ int main(void) {
 INSTALL_COMPILER = ("Debian/Ubuntu: apt-get install gcc python3-dev; "
                     "Fedora: dnf install gcc python3-devel; macOS: xcode-select --install; "
                     "Windows: Microsoft C++ Build Tools")
+
+
+def _cpus():
+    """The CPUs this process may run on (an affinity mask or a container's
+    cgroup can allow fewer than the machine has)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def _is_x86_64():
@@ -144,15 +154,23 @@ class BuildExt(build_ext):
         c99 = ["-std=c99", "-Wall", "-Wextra", "-fno-trapping-math"] if unix else []
         build_tmp = os.path.join(self.build_temp, "csrc")
         baseline = PORTABLE_SOURCES + (NEON_SOURCES if _is_aarch64() else [])
-        objects = self.compiler.compile([os.path.join(CSRC, s) for s in baseline],
-                                        output_dir=build_tmp, extra_postargs=common + c99)
+        jobs = [(source, []) for source in baseline]
         if _is_x86_64():
             for source, flags in SIMD_SOURCES.items():
                 if not unix:  # MSVC spells them /arch:AVX2, /arch:AVX512
                     flags = ["/arch:AVX512" if "avx512" in source else "/arch:AVX2"]
-                objects += self.compiler.compile([os.path.join(CSRC, source)],
-                                                 output_dir=build_tmp,
-                                                 extra_postargs=common + c99 + flags)
+                jobs.append((source, flags))
+        # a compiler process per file, as many at once as there are CPUs to
+        # run them (each file instantiates kernels for two element types: the
+        # build is most of an install's time)
+        workers = _cpus()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            compiled = pool.map(lambda job: self.compiler.compile(
+                [os.path.join(CSRC, job[0])], output_dir=build_tmp,
+                extra_postargs=common + c99 + job[1]), jobs)
+            objects = [obj for objs in compiled for obj in objs]
+        if self.parallel is None:  # _core and _peak at once too
+            self.parallel = workers
         for ext in self.extensions:
             ext.extra_objects = objects + list(ext.extra_objects or [])
             ext.extra_compile_args = common + list(ext.extra_compile_args or [])
