@@ -443,16 +443,6 @@ cdef fa_idx group_heads(fa_attn_args *a, Batch *b, Operands *o, int nd) noexcept
     return together
 
 
-cdef inline fa_idx query_block(const fa_attn_args *a, int elsize) noexcept nogil:
-    """Query rows per task: the wide block where one item's keys and values
-    exceed L2 (FA_PREFETCH_BLOCKS), as long as the item still has two
-    blocks of rows for the threads to share."""
-    cdef fa_idx wide = fa_attn_query_block(elsize, 1)
-    if a.prefetch & FA_PREFETCH_BLOCKS and a.L >= 2 * wide:
-        return wide
-    return fa_attn_query_block(elsize, 0)
-
-
 # Task t of the attention loop: head by head, so that the threads share one
 # head's keys and values in cache; within a head the largest causal blocks
 # come first, except under a window's left bound (ascending), where blocks
@@ -586,7 +576,11 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         a.vsc_s = estride(x_arr, nd)
 
     group_heads(&a, &b, &o, nd)
-    cdef fa_idx qb = query_block(&a, o.elsize)
+    # keys and values beyond L2: the wide block, as long as each item still
+    # has two blocks of rows for the threads to share
+    cdef fa_idx qb = fa_attn_query_block(o.elsize, 0)
+    if a.prefetch & FA_PREFETCH_BLOCKS and a.L >= 2 * fa_attn_query_block(o.elsize, 1):
+        qb = fa_attn_query_block(o.elsize, 1)
     cdef fa_idx nqb = (a.L + qb - 1) // qb
     cdef fa_idx ntasks = nqb * b.count
     cdef size_t work_bytes = fa_attn_work_bytes(&a, o.elsize)
@@ -1073,7 +1067,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     # call's; a few rows (decoding) of the query heads of one key/value head
     # together (fa_attn_args' heads: the keys read once for all); then
     # sorted costlier first
-    cdef fa_idx qb
+    cdef fa_idx qb = fa_attn_query_block(p.es, 0)
     cdef fa_idx together, nchunks, h0
     cdef fa_attn_args ai
     for b in range(nseq):
@@ -1082,7 +1076,6 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
             continue
         nsplit = fa_attn_splits(&ai)
         together = grouped(&ai, group)
-        qb = query_block(&ai, p.es)
         nchunks = (Hq // group) * ((group + together - 1) // together)
         ntasks += nchunks * (nsplit if nsplit > 1 else (ai.L + qb - 1) // qb)
         nitems += nchunks if nsplit > 1 else 0
@@ -1101,7 +1094,6 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
             continue
         nsplit = fa_attn_splits(&ai)
         together = grouped(&ai, group)
-        qb = query_block(&ai, p.es)
         nqb = (ai.L + qb - 1) // qb
         chunk = (ai.S + nsplit - 1) // nsplit
         for h0 in range(Hq):  # chunks of `together` heads of one key/value head

@@ -54,12 +54,12 @@ def test_attention_beyond_l2_matches_calls_per_head(simd, rng, threads):
 @pytest.mark.parametrize("padded", [False, True])
 def test_keys_beyond_l2_give_the_bits_without_block_prefetch(simd, rng, dtype, monkeypatch,
                                                              padded):
-    """One item's keys and values beyond L2 (2-4 MB here, above the 2 MB of
-    the largest L2s) make the block kernel ask for each next key block as it
-    computes one (FA_PREFETCH_BLOCKS), and take twice the query rows per
-    block; without the hint, in blocks of the usual rows, the results must
-    be the same bits."""
-    L, S, E = 260, 2 ** 13 + 37, 32  # partial last blocks of queries and keys
+    """One item's keys and values beyond L2 (8-16 MB here) make the block
+    kernel ask for each next key block as it computes one
+    (FA_PREFETCH_BLOCKS), and take twice the query rows per block; without
+    the hint, in blocks of the usual rows, the results must be the same
+    bits."""
+    L, S, E = 300, 2 ** 15 + 37, 32  # partial last blocks of queries and keys
     q = rng.standard_normal((1, L, E)).astype(dtype)
     k, v = (rng.standard_normal((1, S, E)).astype(dtype) for _ in range(2))
     mask = rng.random((1, 1, S)) > 0.3 if padded else None
@@ -75,11 +75,8 @@ def test_paged_keys_beyond_l2_give_the_bits_without_block_prefetch(simd, rng, mo
                                                                    storage):
     """A sequence whose keys and values in a paged cache exceed L2 makes the
     block kernel ask for each next key block, through the block table, in
-    any storage, and take twice the query rows per block; without the hint,
-    in blocks of the usual rows, the results must be the same bits.  (Keys
-    and values of 0.5-4 MB by storage: beyond most L2s in float32 and
-    float64, beyond this project's machines' 0.5-1 MB in all four.)"""
-    L, S, E, bs, Hq = 260, 2 ** 13 + 37, 32, 16, 1
+    any storage; without the hint the results must be the same bits."""
+    L, S, E, bs, Hq = 8, 2 ** 15 + 37, 32, 16, 2
     nb = -(-S // bs)
     compute = np.float64 if storage == "float64" else np.float32
     q = rng.standard_normal((L, Hq, E)).astype(compute)
