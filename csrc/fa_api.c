@@ -153,10 +153,7 @@ int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask
     return 0;
 }
 
-fa_idx fa_attn_query_block(int elsize, int wide)
-{
-    return (wide ? FA_QB_WIDE_BYTES : FA_QB_BYTES) / elsize;
-}
+fa_idx fa_attn_query_block(int elsize) { return FA_QB_BYTES / elsize; }
 
 static int attn_features_ok(const fa_attn_args *a)
 {
@@ -172,7 +169,7 @@ size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
 
 static int rows_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
 {
-    return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize, 1) &&
+    return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize) &&
            (a->heads <= 1 || (a->heads <= FA_ROWS_MAX && a->heads * (i1 - i0) <= FA_ROWS_MAX &&
                               a->mask_kind == FA_MASK_NONE));
 }

@@ -20,7 +20,7 @@
 
 #include "fa_rows_impl.h"
 
-#define FA_QB (FA_QB_WIDE_BYTES / (fa_idx)sizeof(T)) /* most query rows per block: 128 floats, 64 doubles */
+#define FA_QB (FA_QB_BYTES / (fa_idx)sizeof(T)) /* query rows per block: 64 floats, 32 doubles */
 #define FA_KB 128           /* keys per block */
 /* A score of E >= 2 * FA_EC features is summed in two halves: float32
  * scores then carry less rounding error (output RMS error against float64:
@@ -424,7 +424,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     const T sscale = (T)a->scale / qscale; /* the scores' part */
     if (a->q_store == FA_STORE_NATIVE) {
         FA_NAME(pack_t)(nq, E, (const T *)q + i0 * a->q_ls, a->q_ls, a->q_es, qscale, qp, ld, 1);
-    } else { /* converted row by row (FA_QB <= FA_KB: the rows fit the panel), then packed */
+    } else { /* converted row by row (FA_QB <= FA_KB rows fit the panel), then packed */
         for (fa_idx j = 0; j < nq; ++j)
             FA_NAME(load_row)(a->q_store, E, FA_NAME(st_at)(a->q_store, q, (i0 + j) * a->q_ls),
                               a->q_es, panel + j * FA_EP(a));

@@ -34,14 +34,8 @@
 #define FA_GEMM_NC_F64 128
 
 /* Query rows per block of the attention kernel (256 bytes of a column), the
- * same on every path so that the split of work does not depend on it; twice
- * that (fa_attn_query_block's wide) where one item's keys and values miss
- * L2, so that each sweep of them from L3 serves twice the rows (long-8192,
- * AVX2, 1 / 2 threads: 3-4 % faster; shapes whose keys stay in L2 were
- * 2-3 % slower with it).  No result depends on the block: each query row's
- * arithmetic is its own. */
+ * same on every path so that the split of work does not depend on it. */
 #define FA_QB_BYTES 256
-#define FA_QB_WIDE_BYTES 512
 
 /* Query blocks of at most this many rows go to the row kernel, and may be
  * split along the keys (fa_attn_part / fa_attn_merge). */

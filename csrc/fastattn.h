@@ -152,13 +152,11 @@ typedef struct {
  * Beyond it fa_attn_* return -1 and fa_attn_work_bytes 0. */
 #define FA_ATTN_MAX_FEATURES ((fa_idx)1 << 20)
 
-/* Query rows per piece of work: 64 floats (32 doubles), or twice that
- * (wide: suits keys and values beyond L2, which each sweep reads from L3);
- * fa_attn_* take up to the wide block.  No result depends on the choice. */
-fa_idx fa_attn_query_block(int elsize, int wide);
+/* Query rows per piece of work. */
+fa_idx fa_attn_query_block(int elsize);
 /* Bytes of scratch one call of fa_attn_* needs for these arguments. */
 size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize);
-/* Output rows i0..i1-1 (i1 - i0 <= the wide query block) of
+/* Output rows i0..i1-1 (i1 - i0 <= query block) of
  *   softmax(modified scores) V
  * (the scores scale * Q K^T through the per-score stage of fa_attn_args)
  * computed block by block with an online softmax, never forming the L x S

@@ -20,7 +20,7 @@ def info():
     print(f"OpenMP: {'compiled in' if fastattn.openmp_enabled() else 'not compiled in (serial build)'}")
     print(f"threads: {fastattn.get_num_threads()}")
     print(f"query rows per block: {_core.attn_query_block(4)} (float32), "
-          f"{_core.attn_query_block(8)} (float64); twice that where keys and values miss L2")
+          f"{_core.attn_query_block(8)} (float64)")
     print(f"numpy {numpy.__version__}, python {sys.version.split()[0]}")
     return 0
 

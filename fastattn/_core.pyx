@@ -106,7 +106,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask_kind mk,
                            const void *mask, fa_idx ms, double *out, fa_idx os, void *work)
     enum: FA_ATTN_MAX_FEATURES
-    fa_idx fa_attn_query_block(int elsize, int wide)
+    fa_idx fa_attn_query_block(int elsize)
     size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
     ctypedef struct fa_attn_next:
         const void *q
@@ -222,8 +222,8 @@ def omp_max_threads():
     return fa_omp_max_threads()
 
 
-def attn_query_block(int elsize, bint wide=False):
-    return fa_attn_query_block(elsize, wide)
+def attn_query_block(int elsize):
+    return fa_attn_query_block(elsize)
 
 
 cdef struct Batch:
@@ -576,11 +576,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         a.vsc_s = estride(x_arr, nd)
 
     group_heads(&a, &b, &o, nd)
-    # keys and values beyond L2: the wide block, as long as each item still
-    # has two blocks of rows for the threads to share
-    cdef fa_idx qb = fa_attn_query_block(o.elsize, 0)
-    if a.prefetch & FA_PREFETCH_BLOCKS and a.L >= 2 * fa_attn_query_block(o.elsize, 1):
-        qb = fa_attn_query_block(o.elsize, 1)
+    cdef fa_idx qb = fa_attn_query_block(o.elsize)
     cdef fa_idx nqb = (a.L + qb - 1) // qb
     cdef fa_idx ntasks = nqb * b.count
     cdef size_t work_bytes = fa_attn_work_bytes(&a, o.elsize)
@@ -755,7 +751,7 @@ def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out
     by the caller).  slopes (B, Hq) and sinks (Hq,) float64 or None.  One
     task per (sequence, head, block of query rows), of its actual length."""
     cdef fa_idx nseq = cu_q.shape[0] - 1, Hq = out.shape[1], es = cnp.PyArray_ITEMSIZE(q)
-    cdef fa_idx qb = fa_attn_query_block(<int>es, 0)
+    cdef fa_idx qb = fa_attn_query_block(<int>es)
     cdef fa_attn_args a
     memset(&a, 0, sizeof(a))
     a.prefetch = prefetch
@@ -1067,7 +1063,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     # call's; a few rows (decoding) of the query heads of one key/value head
     # together (fa_attn_args' heads: the keys read once for all); then
     # sorted costlier first
-    cdef fa_idx qb = fa_attn_query_block(p.es, 0)
+    cdef fa_idx qb = fa_attn_query_block(p.es)
     cdef fa_idx together, nchunks, h0
     cdef fa_attn_args ai
     for b in range(nseq):
