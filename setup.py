@@ -59,8 +59,8 @@ INSTALL_COMPILER = ("Debian/Ubuntu: apt-get install gcc python3-dev; "
 
 
 def _cpus():
-    """The CPUs this process may run on (an affinity mask or a container's
-    cgroup can allow fewer than the machine has)."""
+    """The CPUs this process may run on (its affinity mask can allow fewer
+    than the machine has)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS, Windows
