@@ -85,7 +85,8 @@ typedef struct {
 
 /* s[t * ld + r] = sum over c < n of x[t * ldx + c] * y_r[c], for the nq
  * rows of x and the nr rows y_r = y + r * rs (each contiguous, stored as
- * st): each row of y is read once for all the rows of x.  With row r, the
+ * st): each row of y is read once for all the rows of x (float8_e4m3fn's
+ * converted once: dot_rows_body).  With row r, the
  * rows of l1 are asked for into L1 and those of l2[0] and l2[1] into L2.
  * One loop for all the rows, so that its bounds and strides stay in
  * registers. */
@@ -101,7 +102,22 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
         for (int u = 0; u < 2; ++u)
             if (r < l2[u].count)
                 for (fa_idx e = 0; e < l2[u].bytes; e += 64) FA_PREFETCH_L2(l2[u].p + r * l2[u].rb + e);
-        for (fa_idx t = 0; t < nq; ++t) s[t * ld + r] = FA_NAME(dot_body)(st, n, x + t * ldx, row);
+        /* float8_e4m3fn's conversion takes 7 vector operations: each
+         * vector of the row converted once for all the rows of x.  For the
+         * others (1-2) that loop was slower (rows_shared's figures). */
+        if (nq > 1 && st == FA_STORE_F8E4M3 && FA_NAME(rows_shared)(st))
+            for (fa_idx t0 = 0; t0 < nq; t0 += 4) {
+                const T *xt = x + t0 * ldx;
+                T *st0 = s + t0 * ld + r;
+                switch (nq - t0 < 4 ? nq - t0 : 4) {
+                case 4: FA_NAME(dot_rows_body)(4, st, n, xt, ldx, row, st0, ld); break;
+                case 3: FA_NAME(dot_rows_body)(3, st, n, xt, ldx, row, st0, ld); break;
+                case 2: FA_NAME(dot_rows_body)(2, st, n, xt, ldx, row, st0, ld); break;
+                default: FA_NAME(dot_rows_body)(1, st, n, xt, ldx, row, st0, ld); break;
+                }
+            }
+        else
+            for (fa_idx t = 0; t < nq; ++t) s[t * ld + r] = FA_NAME(dot_body)(st, n, x + t * ldx, row);
     }
 }
 
@@ -158,23 +174,29 @@ static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx 
     FA_NAME(gemv_t_any)(FA_STORE_NATIVE, nk, n, p, x, rs, o);
 }
 
-static void FA_NAME(gemv_t_st)(fa_store st, fa_idx nk, fa_idx n, const T *p, const void *x,
-                               fa_idx rs, T *o)
+/* gemv_t for the nq rows of weights p + t * ldp into the rows o + t * ldo
+ * (nq query heads sharing x), x stored as st: each row of x read once for
+ * them all (gemv_t_rows_any), the bits of a gemv_t_any per row. */
+static void FA_NAME(gemv_t_st)(fa_store st, fa_idx nq, fa_idx nk, fa_idx n, const T *p,
+                               fa_idx ldp, const void *x, fa_idx rs, T *o, fa_idx ldo)
 {
 #if FA_IS_F32
     switch (st) {
-    case FA_STORE_F16: FA_NAME(gemv_t_any)(FA_STORE_F16, nk, n, p, x, rs, o); return;
-    case FA_STORE_BF16: FA_NAME(gemv_t_any)(FA_STORE_BF16, nk, n, p, x, rs, o); return;
-    case FA_STORE_I8: FA_NAME(gemv_t_any)(FA_STORE_I8, nk, n, p, x, rs, o); return;
-    case FA_STORE_F8E4M3: FA_NAME(gemv_t_any)(FA_STORE_F8E4M3, nk, n, p, x, rs, o); return;
-    case FA_STORE_F8E5M2: FA_NAME(gemv_t_any)(FA_STORE_F8E5M2, nk, n, p, x, rs, o); return;
-    case FA_STORE_Q4: FA_NAME(gemv_t_any)(FA_STORE_Q4, nk, n, p, x, rs, o); return;
+    case FA_STORE_F16: FA_NAME(gemv_t_rows_any)(FA_STORE_F16, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_BF16: FA_NAME(gemv_t_rows_any)(FA_STORE_BF16, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_I8: FA_NAME(gemv_t_rows_any)(FA_STORE_I8, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_F8E4M3: FA_NAME(gemv_t_rows_any)(FA_STORE_F8E4M3, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_F8E5M2: FA_NAME(gemv_t_rows_any)(FA_STORE_F8E5M2, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_Q4: FA_NAME(gemv_t_rows_any)(FA_STORE_Q4, nq, nk, n, p, ldp, x, rs, o, ldo); return;
     default: break;
     }
 #else
     (void)st;
 #endif
-    FA_NAME(gemv_t_any)(FA_STORE_NATIVE, nk, n, p, x, rs, o);
+    if (nq == 1) /* a decoding step of multi-head attention: gemv_t_any's loop alone */
+        FA_NAME(gemv_t_any)(FA_STORE_NATIVE, nk, n, p, x, rs, o);
+    else
+        FA_NAME(gemv_t_rows_any)(FA_STORE_NATIVE, nq, nk, n, p, ldp, x, rs, o, ldo);
 }
 
 /* A tile of key or value rows as T, read through p + r * ss + e * es. */

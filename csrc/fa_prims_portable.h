@@ -279,3 +279,28 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
         }
     }
 }
+
+/* Whether rows stored as st are converted once for the query heads of a
+ * group: on the AVX-512 path (fa_prims_simd.h), never here. */
+static FA_ALWAYS_INLINE int FA_NAME(rows_shared)(const fa_store st)
+{
+    (void)st;
+    return 0;
+}
+
+/* s[t * ld] = dot_body(st, n, x + t * ldx, y) for t < nq */
+static FA_ALWAYS_INLINE void FA_NAME(dot_rows_body)(const int nq, const fa_store st, fa_idx n,
+                                                    const T *x, fa_idx ldx, const void *y, T *s,
+                                                    fa_idx ld)
+{
+    for (int t = 0; t < nq; ++t) s[t * ld] = FA_NAME(dot_body)(st, n, x + t * ldx, y);
+}
+
+/* gemv_t_any for nq rows of weights p + t * ldp into the rows o + t * ldo
+ * (the AVX-512 path reads x once for them all) */
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_any)(const fa_store st, fa_idx nq, fa_idx nk,
+                                                      fa_idx n, const T *p, fa_idx ldp,
+                                                      const void *x, fa_idx rs, T *o, fa_idx ldo)
+{
+    for (fa_idx t = 0; t < nq; ++t) FA_NAME(gemv_t_any)(st, nk, n, p + t * ldp, x, rs, o + t * ldo);
+}

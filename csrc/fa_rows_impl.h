@@ -108,9 +108,9 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq
     if (a->v_es == 1) {
         for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
             n = fa_kv_run(a, s0 + r0, nk - r0);
-            const void *rows = FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0));
-            for (fa_idx t = 0; t < nq; ++t)
-                FA_NAME(gemv_t_st)(st, n, Ev, s + t * FA_RB + r0, rows, a->v_ss, o + t * FA_EVP(a));
+            FA_NAME(gemv_t_st)(st, nq, n, Ev, s + r0, FA_RB,
+                               FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0)), a->v_ss, o,
+                               FA_EVP(a));
         }
         return;
     }

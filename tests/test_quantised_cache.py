@@ -321,3 +321,32 @@ def test_bad_paged_arguments_are_clear_errors(change, error, words):
     with pytest.raises(error) as e:
         fastattn.paged_attention(**args)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16", "int8"] + STORAGES)
+@pytest.mark.parametrize("Ev", [24, 100, 128, 200])
+@pytest.mark.parametrize("L", [1, 2])
+def test_grouped_query_decoding_is_each_head_alone_in_every_storage(simd, storage, Ev, L):
+    """Decoding with 4 query heads per key/value head reads each value row
+    once for the group (the AVX-512 path converts it once for them all);
+    every head keeps the bits of a cache that holds its keys and values
+    alone, whatever the width (whole tiles, a part tile, scalar columns),
+    also where some weights underflow to 0 and the values there are NaN."""
+    rng = np.random.default_rng(Ev + L)
+    B, Hkv, G, S, E = 2, 2, 4, 600, 64
+    k = rng.standard_normal((B, Hkv, S, E)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, S, Ev)).astype(np.float32)
+    q = rng.standard_normal((B, Hkv * G, L, E)).astype(np.float32)
+    # a key far ahead of the rest for head 0's first query (its score some
+    # 400 above theirs): its other weights underflow to 0, among them that
+    # of a value row of NaN, which the other heads of the group see
+    k[0, 0, 300] = 400 * q[0, 0, 0] / np.linalg.norm(q[0, 0, 0])
+    if storage not in ("int8", "int4", "float8_e4m3fn"):  # scaled formats refuse NaN
+        v[0, 0, 301] = np.nan
+    grouped = fastattn.KVCache(B, Hkv, S, E, value_dim=Ev, storage=storage)
+    grouped.append(k, v)
+    alone = fastattn.KVCache(B, Hkv * G, S, E, value_dim=Ev, storage=storage)
+    alone.append(np.repeat(k, G, axis=1), np.repeat(v, G, axis=1))
+    got = grouped.attend(q)
+    np.testing.assert_array_equal(got, alone.attend(q))
+    assert np.isfinite(got[0, 0, 0]).all() and np.isfinite(got[:, G:]).all()
