@@ -68,7 +68,10 @@ def simd_path() -> str:
     Chosen at import from the CPU's features (the widest it has), or forced
     with the environment variable FASTATTN_SIMD=portable|avx2|avx512|neon|auto.
     A value that is not a path, or a path this CPU cannot run, gives one
-    RuntimeWarning at import and the widest path instead."""
+    RuntimeWarning at import and the widest path instead.  On 'avx512',
+    decoding (at most 4 query rows) whose E or Ev is not a multiple of 16
+    float32 or 8 float64 runs the AVX2 kernels, which are faster there, and
+    gives their bits (the guide "Speed and threads")."""
     return _simd_path
 
 

@@ -1,7 +1,7 @@
 """scaled_dot_product_attention against the float64 NumPy reference."""
 import numpy as np
 import pytest
-from conftest import assert_close, check_attention, f64
+from conftest import assert_close, check_attention, f64, simd_path
 from test_variants import check_lse
 
 import fastattn
@@ -594,3 +594,26 @@ def test_grouped_query_decoding_is_each_head_alone(simd, dtype, L, Hq, Hkv, S):
     want, want_lse = fastattn.scaled_dot_product_attention(q, ko, vo, **options)
     np.testing.assert_array_equal(out, want)
     np.testing.assert_array_equal(lse, want_lse)
+
+
+@pytest.mark.skipif("avx512" not in fastattn.available_simd_paths(), reason="no AVX-512 here")
+@pytest.mark.parametrize("E,Ev", [(12, 12), (44, 64), (64, 76), (132, 204)])
+@pytest.mark.parametrize("L,S", [(1, 300), (4, 2500), (2, 40)])
+def test_decoding_with_part_vectors_runs_the_avx2_kernels_on_avx512(dtype, E, Ev, L, S):
+    """Decoding (at most 4 query rows) whose E or Ev is not a whole number
+    of 512-bit vectors runs the AVX2 kernels on an AVX-512 CPU (fa_api.c's
+    attn_isa, where 256-bit vectors were up to 2.2x faster): the AVX2
+    path's bits, with the weights and the log-sum-exp, split keys or not."""
+    rng = np.random.default_rng(E * Ev + L)
+    q = rng.standard_normal((2, 3, L, E)).astype(dtype)
+    k = rng.standard_normal((2, 3, S, E)).astype(dtype)
+    v = rng.standard_normal((2, 3, S, Ev)).astype(dtype)
+    results = {}
+    for path in ("avx512", "avx2"):
+        with simd_path(path):
+            results[path] = [fastattn.scaled_dot_product_attention(
+                q, k, v, is_causal=True, causal_alignment="lower_right", num_threads=2, **kw)
+                for kw in ({"return_lse": True}, {"need_weights": True})]
+    for got, want in zip(results["avx512"], results["avx2"]):
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y)
