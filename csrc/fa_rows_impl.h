@@ -74,13 +74,15 @@ static FA_ALWAYS_INLINE fa_idx FA_NAME(heads)(const fa_attn_args *a)
 }
 
 /* The arguments of query head g of a call: its ALiBi slope and sink, one
- * head. */
+ * head (no per-head arrays left, so that the second pass of attn_rows,
+ * which takes the arguments of head 0 of this one, keeps head g's). */
 static fa_attn_args FA_NAME(head_args)(const fa_attn_args *a, fa_idx g)
 {
     fa_attn_args h = *a;
     h.heads = 1;
     if (a->head_slopes != NULL) h.alibi_slope = a->head_slopes[g];
     if (a->head_sinks != NULL) h.sink = a->head_sinks[g];
+    h.head_slopes = h.head_sinks = NULL;
     return h;
 }
 

@@ -577,17 +577,25 @@ def test_running_maximum_rises_block_by_block(simd, dtype, rng, step):
 @pytest.mark.parametrize("L", [1, 2])
 @pytest.mark.parametrize("Hq,Hkv", [(8, 2), (8, 1), (6, 2), (3, 1)])
 @pytest.mark.parametrize("S", [300, 2100])
-def test_grouped_query_decoding_is_each_head_alone(simd, dtype, L, Hq, Hkv, S):
+@pytest.mark.parametrize("nan_value", [False, True])
+def test_grouped_query_decoding_is_each_head_alone(simd, dtype, L, Hq, Hkv, S, nan_value):
     """Decoding with grouped-query attention computes the query heads of a
     key/value head together (their keys read once); each head keeps the
     bits of the same call with the keys repeated per head (one head per
-    call), with its own slope and sink, its lse, split keys or not."""
+    call), with its own slope and sink, its lse, split keys or not; also
+    where a NaN value row sends heads through the row kernel's second pass
+    (which took head 0's slope and sink for every head: the helper's
+    reproducer of 2026-12-04), seen by some heads only."""
     rng = np.random.default_rng(Hq * S + L)
     q = rng.standard_normal((2, Hq, L, 32)).astype(dtype)
     k = rng.standard_normal((2, Hkv, S, 32)).astype(dtype)
     v = rng.standard_normal((2, Hkv, S, 24)).astype(dtype)
+    slopes = rng.random(Hq) * 0.01
+    if nan_value:  # steep slopes on even heads: the first key's weight underflows there
+        v[:, :, 0] = np.nan
+        slopes[::2] = 1.0
     options = dict(is_causal=True, causal_alignment="lower_right", return_lse=True,
-                   alibi_slopes=rng.random(Hq) * 0.01, sinks=rng.standard_normal(Hq))
+                   alibi_slopes=slopes, sinks=rng.standard_normal(Hq))
     out, lse = fastattn.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
     group = Hq // Hkv
     ko, vo = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)

@@ -324,14 +324,15 @@ def test_bad_paged_arguments_are_clear_errors(change, error, words):
 
 
 @pytest.mark.parametrize("storage", ["float16", "bfloat16", "int8"] + STORAGES)
-@pytest.mark.parametrize("Ev", [24, 100, 128, 200])
+@pytest.mark.parametrize("Ev", [16, 80, 128, 208])
 @pytest.mark.parametrize("L", [1, 2])
 def test_grouped_query_decoding_is_each_head_alone_in_every_storage(simd, storage, Ev, L):
     """Decoding with 4 query heads per key/value head reads each value row
-    once for the group (the AVX-512 path converts it once for them all);
-    every head keeps the bits of a cache that holds its keys and values
-    alone, whatever the width (whole tiles, a part tile, scalar columns),
-    also where some weights underflow to 0 and the values there are NaN."""
+    once for the group (the AVX-512 path converts it once for them all, in
+    tiles of 4 vectors: widths of whole tiles and part tiles; other widths
+    take the AVX2 kernels there); every head keeps the bits of a cache that
+    holds its keys and values alone, also where some weights underflow to 0
+    and the values there are NaN."""
     rng = np.random.default_rng(Ev + L)
     B, Hkv, G, S, E = 2, 2, 4, 600, 64
     k = rng.standard_normal((B, Hkv, S, E)).astype(np.float32)
@@ -350,3 +351,20 @@ def test_grouped_query_decoding_is_each_head_alone_in_every_storage(simd, storag
     got = grouped.attend(q)
     np.testing.assert_array_equal(got, alone.attend(q))
     assert np.isfinite(got[0, 0, 0]).all() and np.isfinite(got[:, G:]).all()
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"] + STORAGES)
+@pytest.mark.parametrize("Ev", [24, 100, 200])
+def test_the_last_query_rows_of_a_prefill_give_the_float32_bits(simd, storage, Ev):
+    """A prefill of 67 queries leaves 3 rows to the row kernel, which reads
+    each value row once for them (on AVX-512 converted once, whatever the
+    width: part tiles and scalar columns): the bits of the float32 call on
+    what the cache holds."""
+    rng = np.random.default_rng(Ev)
+    B, H, S, E, L = 1, 2, 300, 48, 67
+    cache = fastattn.KVCache(B, H, S, E, value_dim=Ev, storage=storage)
+    cache.append(rng.standard_normal((B, H, S, E)).astype(np.float32),
+                 rng.standard_normal((B, H, S, Ev)).astype(np.float32))
+    q = rng.standard_normal((B, H, L, E)).astype(np.float32)
+    want = sdpa(q, cache.key, cache.value, is_causal=True, causal_alignment="lower_right")
+    np.testing.assert_array_equal(cache.attend(q), want)
