@@ -193,10 +193,7 @@ static void FA_NAME(gemv_t_st)(fa_store st, fa_idx nq, fa_idx nk, fa_idx n, cons
 #else
     (void)st;
 #endif
-    if (nq == 1) /* a decoding step of multi-head attention: gemv_t_any's loop alone */
-        FA_NAME(gemv_t_any)(FA_STORE_NATIVE, nk, n, p, x, rs, o);
-    else
-        FA_NAME(gemv_t_rows_any)(FA_STORE_NATIVE, nq, nk, n, p, ldp, x, rs, o, ldo);
+    FA_NAME(gemv_t_rows_any)(FA_STORE_NATIVE, nq, nk, n, p, ldp, x, rs, o, ldo);
 }
 
 /* A tile of key or value rows as T, read through p + r * ss + e * es. */

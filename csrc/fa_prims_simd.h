@@ -657,10 +657,10 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_body)(const int nq, const int n
         for (int u = 0; u < nv; ++u) VSTORE(o + t * ldo + c + u * VLEN, acc[t][u]);
 }
 
-/* Vectors per tile of gemv_t_rows_cols: nq x nv accumulators, nq broadcast
- * weights and a vector of x within the 32 registers of AVX-512 and NEON
- * (FA_MR 8) or the 16 of AVX2. */
-#define FA_GEMV_NV(nq) (FA_MR >= 8 ? ((nq) <= 2 ? 8 : 4) : ((nq) <= 2 ? 4 : 2))
+/* Vectors per tile of gemv_t_rows_nq: nq x nv accumulators, nq broadcast
+ * weights and a vector of x within AVX-512's 32 registers (the one path
+ * rows_shared lets share). */
+#define FA_GEMV_NV(nq) ((nq) <= 2 ? 8 : 4)
 
 static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_nq)(const int nq, const fa_store st, fa_idx nk,
                                                      fa_idx n, const T *p, fa_idx ldp,
