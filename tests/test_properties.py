@@ -38,9 +38,10 @@ SEEDS = st.integers(0, 2**32 - 1)
 EDGES = [11, 13, 16, 17, 31, 32, 33, 37, 63, 64, 65, 67, 68, 69, 95, 96, 97, 127, 128, 129,
          255, 256, 257]
 LENGTHS = st.one_of(st.integers(0, 9), st.sampled_from(EDGES))
-# Keys: also past 2048, where decoding (few rows and heads) splits them in
-# pieces computed apart and merged.
-KEYS = st.one_of(LENGTHS, st.sampled_from([2047, 2048, 3001, 4161]))
+# Keys: also about the row kernel's blocks (1024) and past 2048, where
+# decoding (few rows and heads) splits them in pieces computed apart and
+# merged.
+KEYS = st.one_of(LENGTHS, st.sampled_from([1023, 1024, 1025, 2047, 2048, 3001, 4161]))
 FEATURES = st.one_of(st.integers(0, 9), st.sampled_from([16, 17, 31, 33, 64, 65]))
 BATCH = st.sampled_from([1, 2, 3, 1, 2, 3, 0])  # a zero now and then
 
