@@ -48,6 +48,22 @@ static T FA_NAME(sum)(fa_idx n, const T *x)
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
+/* The largest of x[0..n), NaN ignored (-inf when there is none), in eight
+ * interleaved parts as sum: a loop the compiler vectorises, where one
+ * running maximum waited for each comparison before the next. */
+static T FA_NAME(max)(fa_idx n, const T *x)
+{
+    const T ninf = -(T)INFINITY;
+    T part[8] = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf};
+    fa_idx j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int t = 0; t < 8; ++t) part[t] = x[j + t] > part[t] ? x[j + t] : part[t];
+    for (; j < n; ++j) part[0] = x[j] > part[0] ? x[j] : part[0];
+    T m = part[0];
+    for (int t = 1; t < 8; ++t) m = part[t] > m ? part[t] : m;
+    return m;
+}
+
 /* Ask the cache for n bytes from x ahead of their use; a prefetch never
  * faults and changes no result.  Four lines per turn: the row kernel asks
  * for a key row (8 lines of 128 floats) with every row it reads, and a loop

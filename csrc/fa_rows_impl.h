@@ -289,8 +289,8 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
             const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
             FA_NAME(rows_logits)(a, w, k, values ? v : NULL, mask, i0, n, s0, nk);
             for (fa_idx t = 0; t < nq; ++t) {
-                T *st = s + t * FA_RB, bm = ninf;
-                for (fa_idx r = 0; r < nk; ++r) bm = st[r] > bm ? st[r] : bm; /* NaN ignored */
+                T *st = s + t * FA_RB;
+                const T bm = FA_NAME(max)(nk, st);
                 if (bm > m[t] && m[t] != ninf) { /* the sink's term and the keys' so far */
                     T alpha = m[t] - bm;
                     FA_NAME(vexp)(1, &alpha, &alpha);
