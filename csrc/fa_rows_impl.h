@@ -48,7 +48,7 @@
 /* Scratch of the row kernel, from a 64-byte aligned start. */
 static size_t FA_NAME(rows_work)(const fa_attn_args *a)
 {
-    return sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + FA_EVP(a)) + FA_ROWS_SCALARS +
+    return sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + 2 * FA_EVP(a)) + FA_ROWS_SCALARS +
                                 FA_GATHER(a));
 }
 
@@ -57,6 +57,7 @@ typedef struct {
     T *qs;     /* FA_ROWS_MAX x E: the query rows */
     T *s;      /* FA_ROWS_MAX x FA_RB: logits, then weights */
     T *o;      /* FA_ROWS_MAX x Ev: unnormalised output */
+    T *ob;     /* FA_ROWS_MAX x Ev: a block's part of it (rows_accumulate) */
     T *m, *l;  /* running maximum and sum */
     T *gather; /* a key row or a value tile copied contiguous */
 } FA_NAME(rows_scratch);
@@ -67,7 +68,8 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     w.qs = work;
     w.s = w.qs + FA_ROWS_MAX * FA_EP(a);
     w.o = w.s + FA_ROWS_MAX * FA_RB;
-    w.m = w.o + FA_ROWS_MAX * FA_EVP(a);
+    w.ob = w.o + FA_ROWS_MAX * FA_EVP(a);
+    w.m = w.ob + FA_ROWS_MAX * FA_EVP(a);
     w.l = w.m + FA_ROWS_MAX;
     w.gather = w.m + FA_ROWS_SCALARS;
     return w;
@@ -306,7 +308,15 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
                 else if (l[t] != 0)
                     for (fa_idx r = 0; r < nk; ++r) st[r] /= l[t];
             }
-            if (values) FA_NAME(rows_values)(a, v, nq, s0, nk, s, o, w->gather);
+            if (!values) continue;
+            /* the block's weighted values summed apart, then added: one
+             * running sum over all the keys stops growing once it is 2^24
+             * times each term (float32: 2^29 keys of weight 1 and value 1
+             * gave 0.5); a block's part is at most 1024 terms */
+            for (fa_idx i = 0; i < nq * FA_EVP(a); ++i) w->ob[i] = 0;
+            FA_NAME(rows_values)(a, v, nq, s0, nk, s, w->ob, w->gather);
+            for (fa_idx t = 0; t < nq; ++t)
+                for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] += w->ob[t * FA_EVP(a) + c];
         }
 }
 

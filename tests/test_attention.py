@@ -554,6 +554,23 @@ def test_power_of_two_scale_above_one_with_huge_queries(simd, L):
     np.testing.assert_array_equal(w, np.ones((L, 1), np.float32))
 
 
+@pytest.mark.parametrize("S", [3000, 2 ** 20])
+def test_decoding_keeps_small_weights_after_a_large_one(simd, S):
+    """Every value 1, so the output is 1 whatever the weights: one key of
+    weight 1 (the 1024th), then keys of weight 2^-25, below half an ulp of
+    1 in float32.  Added one by one to the running sum of the weighted
+    values, each was lost (S = 2^20: 0.99814; S = 3000: 0.999986); each
+    key block's part is summed apart and then added, so they count.  (The
+    same running sum stopped at 2^24 terms: 2^29 keys of equal weight gave
+    0.5, too slow a case for the suite.)"""
+    q = np.ones((1, 1, 1, 1), np.float32)
+    k = np.full((1, 1, S, 1), -25 * np.log(2), np.float32)
+    k[0, 0, 1023] = 0
+    v = np.ones((1, 1, S, 1), np.float32)
+    out = fastattn.scaled_dot_product_attention(q, k, v)
+    assert abs(float(out[0, 0, 0, 0]) - 1) <= 4 * np.finfo(np.float32).eps
+
+
 @pytest.mark.parametrize("step", [0.5, 5.0, 6.0, 40.0])
 def test_running_maximum_rises_block_by_block(simd, dtype, rng, step):
     """Scores that rise by `step` from one key block of 128 to the next, and
