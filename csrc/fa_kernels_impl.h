@@ -49,8 +49,8 @@ static T FA_NAME(sum)(fa_idx n, const T *x)
 }
 
 /* The largest of x[0..n), NaN ignored (-inf when there is none), in eight
- * interleaved parts as sum: a loop the compiler vectorises, where one
- * running maximum waited for each comparison before the next. */
+ * interleaved parts as sum: eight independent chains of comparisons, where
+ * one running maximum waited for each comparison before the next. */
 static T FA_NAME(max)(fa_idx n, const T *x)
 {
     const T ninf = -(T)INFINITY;

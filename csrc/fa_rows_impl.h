@@ -7,7 +7,7 @@
  * the output.
  *
  * Needs T, FA_NAME, the per-score stage (fa_scores_impl.h) and the
- * loaders of fa_load_impl.h, and vexp, sum, prefetch_bytes. */
+ * loaders of fa_load_impl.h, and vexp, sum, max, prefetch_bytes. */
 
 /* Keys per block.  Each block's key rows are read, then its value rows:
  * the longer each of those runs, the more of the read bandwidth decoding

@@ -23,7 +23,7 @@ def fresh():
 
 @pytest.mark.parametrize("storage", ["float32", "float16", "int8", "int4"])
 def test_bits_do_not_depend_on_the_choice(simd, fresh, storage):
-    # key blocks of pieces (FA_RB = 1024), grouped heads, a paged cache too
+    # two pieces of two key blocks each (FA_RB = 1024), grouped heads, a paged cache too
     rng = np.random.default_rng(3)
     B, Hq, Hkv, S, E = 2, 4, 2, 2100, 64
     q = rng.standard_normal((B, Hq, 1, E), dtype=np.float32)
