@@ -186,6 +186,40 @@ def test_stored_kv_is_what_a_cache_step_reads(storage):
     assert sum(a.nbytes for a in arrays) == s.kv_bytes
 
 
+def test_paired_read_passes_before_each_call(monkeypatch):
+    """Each round: one pass of the read loop over the arrays, then one call;
+    the share is the median of pass time / call time.  A clock the pass and
+    the calls advance by known amounts makes the ratios exact."""
+    clock, log = [0.0], []
+    monkeypatch.setattr(measure, "perf_counter", lambda: clock[0])
+    arrays = [np.ones(16, np.float32)]
+
+    def read_run(isa, got, threads):
+        assert got is arrays and threads == 2
+        log.append("read")
+        return 64, 0.002, 16.0
+
+    def call():
+        log.append("call")
+        clock[0] += [0.004, 0.008, 0.0025][len(log) // 2 % 3]  # 50, 25, 80 %
+
+    monkeypatch.setattr(measure._peak, "read_run", read_run)
+    r = measure.paired_read(call, arrays, 2, repeat=3, min_time=0.0)
+    assert log == ["read", "call"] * 3 and r["rounds"] == 3
+    assert r["pct_read"] == pytest.approx(50) and r["read_gbps"] == pytest.approx(64 / 0.002 / 1e9)
+    log.clear()
+    assert measure.paired_read(call, arrays, 2, repeat=1, min_time=0.01)["rounds"] >= 2
+
+
+def test_worker_pairs_a_decoding_case_with_read_passes(monkeypatch):
+    shape = Shape("d", 1, 2, 1, 300, 16, kind="decode", storage="int8")
+    monkeypatch.setitem(worker.ALL_SHAPES, "d", shape)
+    result = worker.run_case({"runner": "fastattn", "shape": "d", "threads": 1, "repeat": 2,
+                              "min_time": 0, "warmup": 0})
+    assert result["status"] == "ok" and result["paired_read"]["rounds"] == 2
+    assert result["paired_read"]["pct_read"] > 0 and result["max_abs_err"] < 1e-2
+
+
 @pytest.mark.parametrize("isa", fastattn.available_simd_paths())
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_read_loop_reads_every_element_once(isa, threads):
@@ -285,6 +319,18 @@ def test_report_from_a_made_up_run():
         with tempfile.TemporaryDirectory() as tmp:
             report.plot(r, os.path.join(tmp, "bars.png"))
             assert os.path.getsize(os.path.join(tmp, "bars.png")) > 0
+
+
+def test_decoding_pct_peak_from_its_paired_read_passes():
+    """Of the read passes paired with its calls; in a record without them, of
+    the best pass measured before the cases."""
+    r = _made_up_run()
+    r["peaks"]["1"]["read:decode-4096"] = {"gbps": 50.0, "bytes": 1}
+    t = ALL_SHAPES["decode-4096"].kv_bytes / 40e9
+    r["cases"] = [_case("decode-4096", "fastattn", t, simd="avx2"),
+                  _case("decode-4096", "fastattn", t, simd="avx2",
+                        paired_read={"rounds": 9, "pct_read": 93.0, "read_gbps": 43.0})]
+    assert [c["pct_peak"] for c in report.derive(r)["cases"]] == [pytest.approx(80), 93.0]
 
 
 def test_report_notes_a_disturbed_run():

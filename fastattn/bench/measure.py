@@ -177,6 +177,36 @@ def read_bandwidth(num_threads, arrays=None, *, min_time=0.2, repeat=5):
             "other_cores": load.cores}
 
 
+def paired_read(call, arrays, num_threads, *, repeat=5, min_time=1.0):
+    """A decoding call's speed against the read bandwidth of the same moment:
+    rounds of one pass of fa_peak_read_f32 over arrays (the bytes the call
+    reads, or a copy of them) at num_threads threads, then one call, until
+    at least repeat rounds and min_time seconds of calls.
+
+    A VM's bandwidth drifts over minutes and can be bimodal at 2 threads
+    (a Zen 4 VM gave 36-38 or 62-64 GB/s from one second to the next, as its
+    virtual CPUs moved), so a call timed apart from the bandwidth can be
+    compared with a state of the machine it never ran in.  Each round's
+    ratio (pass time / call time, the share of the bandwidth the call got
+    when both read the same number of bytes) compares like with like.
+
+    Returns a dict: rounds, pct_read (100 x the median ratio), read_gbps
+    (the median pass), other_cores."""
+    isa = fastattn.simd_path()
+    ratios, passes, total = [], [], 0.0
+    with OtherLoad() as load:
+        while len(ratios) < repeat or total < min_time:
+            nbytes, read_s, _ = _peak.read_run(isa, arrays, num_threads)
+            start = perf_counter()
+            call()
+            call_s = perf_counter() - start
+            total += call_s
+            ratios.append(read_s / call_s)
+            passes.append(nbytes / read_s / 1e9)
+    return {"rounds": len(ratios), "pct_read": 100 * statistics.median(ratios),
+            "read_gbps": statistics.median(passes), "other_cores": load.cores}
+
+
 def machine_info():
     """What the numbers depend on: CPU, SIMD paths, library versions."""
     import platform

@@ -21,7 +21,9 @@ def derive(report):
     key and value bytes over the time) or us (the tiny shape); pct_peak (of
     the FMA peak at that thread count: for fastattn that of the SIMD path the
     case ran, for the others that of the CPU's widest path, or for decoding
-    of the read bandwidth measured on the shape's own key and value);
+    of the read bandwidth on the shape's own bytes: the median share of
+    measure.paired_read's rounds, or, in a record without them, against the
+    best pass measured before the cases);
     speedup_vs_<library> = the
     time (statistic()) of that library's faster runner / this one's (> 1: faster;
     libraries: runners.BASELINES; none against its own library: an ORT row
@@ -42,7 +44,9 @@ def derive(report):
         elif shape.kind == "decode":
             c["gbps"] = shape.kv_bytes / t / 1e9
             same = peaks.get(f"read:{shape.name}")
-            if same:
+            if "paired_read" in c:
+                c["pct_peak"] = c["paired_read"]["pct_read"]
+            elif same:
                 c["pct_peak"] = 100 * c["gbps"] / same["gbps"]
         elif shape.kind == "overhead":
             c["us"] = t * 1e6
@@ -191,7 +195,8 @@ def format_table(report):
               "decoding through its stateful key/value-cache graph (an f32 cache).  %peak: of "
               "the FMA peak at that thread count, for fastattn of its row's SIMD path, for the "
               f"others of the widest path ({m['simd_paths'][-1]}); for decoding of the read "
-              "bandwidth on the same key and value.  +MB: peak resident memory of the first "
+              "bandwidth on the same bytes, a pass of the read loop before each of as many "
+              "calls again, the median of their ratios (a machine's bandwidth drifts).  +MB: peak resident memory of the first "
               "call above the inputs and the output (fresh process).  max err, rms err: largest "
               "and root-mean-square |out - float64 reference| over up to 64 query rows per "
               "head.  other: CPU cores used by other processes during the timed calls (the "

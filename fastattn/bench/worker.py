@@ -7,7 +7,9 @@ spinning worker threads of one library stealing the cores of the next, a
 caching allocator holding memory) and gives each its own peak-memory
 reading.  In order: build the inputs, set the runner up, make one call under
 PeakRSS (its first call, so lazy allocations count), check that call's
-output against the float64 reference, then time it.  The result is printed
+output against the float64 reference, then time it (and a decoding call
+again, each call after a pass of the read loop over the same bytes:
+measure.paired_read).  The result is printed
 as one JSON line after RESULT_TAG.
 """
 import json
@@ -17,7 +19,7 @@ import traceback
 import fastattn
 from fastattn import _tuning
 
-from .measure import OtherLoad, PeakRSS, time_call
+from .measure import OtherLoad, PeakRSS, paired_read, time_call
 from .runners import RUNNERS, output_errors, reference_rows
 from .shapes import ALL_SHAPES
 
@@ -62,6 +64,10 @@ def run_case(spec):
                                    min_time=spec.get("min_time", 0.0),
                                    warmup=spec.get("warmup", 1))
             result.update(timing.asdict(), other_cores=load.cores)
+            if shape.kind == "decode":  # as many calls again, each after a read pass
+                result["paired_read"] = paired_read(
+                    prepared.call, shape.stored_kv(spec.get("seed", 0)), spec["threads"],
+                    repeat=spec["repeat"], min_time=spec.get("min_time", 0.0))
     result["version"] = getattr(__import__(runner.library), "__version__", "?")
     return dict(result, status="ok")
 
