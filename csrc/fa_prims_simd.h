@@ -752,7 +752,7 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_run)(const int parts, const fa_store
  * at 66 -> 75 % of the read bandwidth at 1 thread, 67 -> 87 % at 2
  * (medians), float16 and int8 at 1 thread 17-20 % faster; a C loop of the
  * two ways alone over 128 MB, 48-58 % -> 77-93 % with runs of 2-4 KB.  Each
- * o[c] still sums its rows in order: the same bits. */
+ * element still sums its rows in order: the same bits. */
 #define FA_GEMV_RUN_BYTES 4096
 
 /* The sums of gemv_t_body for the nq rows of weights p + t * ldp (the query
@@ -761,11 +761,11 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_run)(const int parts, const fa_store
  * head's rows fit the registers, the parts close in them; else (rows in
  * runs, or the heads sharing each vector of x) the sums go through q a run
  * or a part at a time and each part closes between them.  Zen 4, 1 thread,
- * float16 rows of 128 from memory: closing in registers what the runs
- * carry made AVX2 decoding 7-9 % slower and the shared heads' loop 5-6 %;
- * a call per part, decoding of one head 7 %.  Each element sums the same
- * products in the same parts and order whatever nq and however the caller
- * splits the rows. */
+ * rows of 128 from memory: closing in registers what the runs carry made
+ * AVX2 float32 decoding 7-9 % slower, and the shared heads' loop float16
+ * 5-6 %; a call per part, float16 decoding of one head 7-12 %.  Each
+ * element sums the same products in the same parts and order whatever nq
+ * and however the caller splits the rows. */
 static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_any)(const fa_store st, fa_idx nq, fa_idx nk,
                                                       fa_idx n, const T *p, fa_idx ldp,
                                                       const void *x, fa_idx rs, T *o, T *q,
