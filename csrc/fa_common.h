@@ -64,16 +64,6 @@ typedef enum {
 #define FA_ALWAYS_INLINE inline
 #endif
 
-/* The row kernel's loops over key and value rows are functions of their
- * own.  Left to the compiler, the key loop went inline into its caller
- * after an edit elsewhere in the row kernel, kept a bound on the stack, and
- * decoding ran 8 % slower with the cache in L2 (gcc, AVX-512, Zen 4). */
-#if defined(__GNUC__) || defined(__clang__)
-#define FA_NOINLINE __attribute__((noinline))
-#else
-#define FA_NOINLINE
-#endif
-
 /* Ask the cache for the line at p: a hint that never faults and changes no
  * result. */
 #if defined(__GNUC__) || defined(__clang__)

@@ -42,12 +42,6 @@
 #define FA_ROWS_MAX 4
 /* Values of a piece's state before a row's output: its maximum and sum. */
 #define FA_STATE_HEAD 2
-/* The row kernel's weighted sums of value rows (gemv_t_any) run over at
- * most this many keys of a block before they are added up, as the block
- * kernel's over its key blocks of 128: one running sum over a block of
- * 1024 keys rounded away the small weights after a large one (575 ulps of
- * float32 where the block kernel gave 79). */
-#define FA_VPART 128
 
 #define FA_CAT4_(a, b, c, d) a##_##b##_##c##_##d
 #define FA_CAT4(a, b, c, d) FA_CAT4_(a, b, c, d)

@@ -135,9 +135,9 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_nq)(const fa_store st, fa_idx nq, fa_i
         FA_NAME(dots_any)(st, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
 }
 
-static FA_NOINLINE void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *x,
-                                      fa_idx ldx, const void *y, fa_idx rs, T *s, fa_idx ld,
-                                      const fa_ahead_rows *l1, const fa_ahead_rows *l2)
+static void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *x, fa_idx ldx,
+                          const void *y, fa_idx rs, T *s, fa_idx ld, const fa_ahead_rows *l1,
+                          const fa_ahead_rows *l2)
 {
 #if FA_IS_F32
     switch (st) {
@@ -167,43 +167,33 @@ static FA_NOINLINE void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx 
     FA_NAME(dots_nq)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
 }
 
-/* The sum over r < nk of p[r] * x[r * rs + c] (rows contiguous), for
- * c < n, skipping rows of weight exactly 0, in parts of FA_VPART rows from
- * row -rb: the closed ones added to o, the open one in q (gemv_t_any) */
-static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, T *o, T *q,
-                            fa_idx rb)
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c] (rows contiguous), for
+ * c < n, skipping rows of weight exactly 0; x stored as T, or as st */
+static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx rs, T *o)
 {
-    FA_NAME(gemv_t_any)(FA_STORE_NATIVE, nk, n, p, x, rs, o, q, rb);
+    FA_NAME(gemv_t_any)(FA_STORE_NATIVE, nk, n, p, x, rs, o);
 }
 
 /* gemv_t for the nq rows of weights p + t * ldp into the rows o + t * ldo
- * and q + t * ldo (nq query heads sharing x), x stored as st: each row of x
- * read once for them all (gemv_t_rows_any), the bits of a gemv_t_any per
- * row. */
-static FA_NOINLINE void FA_NAME(gemv_t_st)(fa_store st, fa_idx nq, fa_idx nk, fa_idx n, const T *p,
-                                           fa_idx ldp, const void *x, fa_idx rs, T *o, T *q,
-                                           fa_idx ldo, fa_idx rb)
+ * (nq query heads sharing x), x stored as st: each row of x read once for
+ * them all (gemv_t_rows_any), the bits of a gemv_t_any per row. */
+static void FA_NAME(gemv_t_st)(fa_store st, fa_idx nq, fa_idx nk, fa_idx n, const T *p,
+                               fa_idx ldp, const void *x, fa_idx rs, T *o, fa_idx ldo)
 {
 #if FA_IS_F32
     switch (st) {
-    case FA_STORE_F16:
-        FA_NAME(gemv_t_rows_any)(FA_STORE_F16, nq, nk, n, p, ldp, x, rs, o, q, ldo, rb); return;
-    case FA_STORE_BF16:
-        FA_NAME(gemv_t_rows_any)(FA_STORE_BF16, nq, nk, n, p, ldp, x, rs, o, q, ldo, rb); return;
-    case FA_STORE_I8:
-        FA_NAME(gemv_t_rows_any)(FA_STORE_I8, nq, nk, n, p, ldp, x, rs, o, q, ldo, rb); return;
-    case FA_STORE_F8E4M3:
-        FA_NAME(gemv_t_rows_any)(FA_STORE_F8E4M3, nq, nk, n, p, ldp, x, rs, o, q, ldo, rb); return;
-    case FA_STORE_F8E5M2:
-        FA_NAME(gemv_t_rows_any)(FA_STORE_F8E5M2, nq, nk, n, p, ldp, x, rs, o, q, ldo, rb); return;
-    case FA_STORE_Q4:
-        FA_NAME(gemv_t_rows_any)(FA_STORE_Q4, nq, nk, n, p, ldp, x, rs, o, q, ldo, rb); return;
+    case FA_STORE_F16: FA_NAME(gemv_t_rows_any)(FA_STORE_F16, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_BF16: FA_NAME(gemv_t_rows_any)(FA_STORE_BF16, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_I8: FA_NAME(gemv_t_rows_any)(FA_STORE_I8, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_F8E4M3: FA_NAME(gemv_t_rows_any)(FA_STORE_F8E4M3, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_F8E5M2: FA_NAME(gemv_t_rows_any)(FA_STORE_F8E5M2, nq, nk, n, p, ldp, x, rs, o, ldo); return;
+    case FA_STORE_Q4: FA_NAME(gemv_t_rows_any)(FA_STORE_Q4, nq, nk, n, p, ldp, x, rs, o, ldo); return;
     default: break;
     }
 #else
     (void)st;
 #endif
-    FA_NAME(gemv_t_rows_any)(FA_STORE_NATIVE, nq, nk, n, p, ldp, x, rs, o, q, ldo, rb);
+    FA_NAME(gemv_t_rows_any)(FA_STORE_NATIVE, nq, nk, n, p, ldp, x, rs, o, ldo);
 }
 
 /* A tile of key or value rows as T, read through p + r * ss + e * es. */

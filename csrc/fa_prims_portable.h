@@ -258,33 +258,24 @@ static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-/* The sum over rows r < nk of p[r] * x[r * rs + c], for c < n, x stored as
- * st, leaving out the rows whose p[r] is exactly 0 (their x is never read),
- * in parts of FA_VPART rows counted from row -rb (fa_internal.h): q[c]
- * holds the sum of the part open at row 0 and gets that of the part open
- * after row nk - 1; each part that closes between them is added to o[c]. */
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, x stored as
+ * st, leaving out the rows whose p[r] is exactly 0 (their x is never read). */
 static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, fa_idx n,
-                                                 const T *p, const void *x, fa_idx rs, T *o,
-                                                 T *q, fa_idx rb)
+                                                 const T *p, const void *x, fa_idx rs, T *o)
 {
     for (fa_idx r = 0; r < nk; ++r) {
-        if ((rb + r) % FA_VPART == 0 && rb + r > 0)
-            for (fa_idx c = 0; c < n; ++c) {
-                o[c] += q[c];
-                q[c] = 0;
-            }
-        const T pr = p[r]; /* held: q could alias p, as far as the compiler knows */
+        const T pr = p[r]; /* held: o could alias p, as far as the compiler knows */
         if (pr == 0) continue;
         const void *xr = FA_NAME(st_at)(st, x, r * rs);
         if (st == FA_STORE_Q4) {
-            T y[FA_Q4_BLOCK];
+            T q[FA_Q4_BLOCK];
             for (fa_idx c0 = 0; c0 < n; c0 += FA_Q4_BLOCK) {
                 const fa_idx m = n - c0 < FA_Q4_BLOCK ? n - c0 : FA_Q4_BLOCK;
-                FA_NAME(q4_run)(xr, c0, m, y);
-                for (fa_idx e = 0; e < m; ++e) q[c0 + e] += pr * y[e];
+                FA_NAME(q4_run)(xr, c0, m, q);
+                for (fa_idx e = 0; e < m; ++e) o[c0 + e] += pr * q[e];
             }
         } else {
-            for (fa_idx c = 0; c < n; ++c) q[c] += pr * FA_NAME(st_get)(st, xr, c);
+            for (fa_idx c = 0; c < n; ++c) o[c] += pr * FA_NAME(st_get)(st, xr, c);
         }
     }
 }
@@ -309,9 +300,7 @@ static FA_ALWAYS_INLINE void FA_NAME(dot_rows_body)(const int nq, const fa_store
  * (the AVX-512 path reads x once for them all) */
 static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_any)(const fa_store st, fa_idx nq, fa_idx nk,
                                                       fa_idx n, const T *p, fa_idx ldp,
-                                                      const void *x, fa_idx rs, T *o, T *q,
-                                                      fa_idx ldo, fa_idx rb)
+                                                      const void *x, fa_idx rs, T *o, fa_idx ldo)
 {
-    for (fa_idx t = 0; t < nq; ++t)
-        FA_NAME(gemv_t_any)(st, nk, n, p + t * ldp, x, rs, o + t * ldo, q + t * ldo, rb);
+    for (fa_idx t = 0; t < nq; ++t) FA_NAME(gemv_t_any)(st, nk, n, p + t * ldp, x, rs, o + t * ldo);
 }

@@ -564,182 +564,45 @@ static FA_ALWAYS_INLINE int FA_NAME(rows_shared)(const fa_store st)
     return st != FA_STORE_NATIVE && FA_MR >= 8 && VLEN >= 16;
 }
 
-/* The end of the part of FA_VPART rows (counted from row -rb) that row r
- * is in, at most nk; *closes: whether a part ends just before row r. */
-static FA_ALWAYS_INLINE fa_idx FA_NAME(part_end)(fa_idx rb, fa_idx r, fa_idx nk, int *closes)
-{
-    const fa_idx at = (rb + r) % FA_VPART;
-    *closes = at == 0 && rb + r > 0;
-    return nk - r < FA_VPART - at ? nk : r + FA_VPART - at;
-}
-
-/* The sum over rows r < nk of p[r] * x[r * rs + c], for c < n, x stored as
+/* o[c] += sum over r < nk of p[r] * x[r * rs + c], for c < n, x stored as
  * st, leaving out the rows whose p[r] is exactly 0 (their x is never
- * read), into q[c], which holds the sum so far.  Up to 8 vectors of it stay
- * in registers for the sweep over r.  With parts, the sums run over parts
- * of FA_VPART rows counted from row -rb (the start of the caller's key
- * block, fa_internal.h): each part that closes is added to o[c] and q[c]
- * starts again from 0. */
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_body)(const int nv, const int parts,
-                                                  const fa_store st, fa_idx nk, const T *p,
-                                                  const void *x, fa_idx rs, T *o, T *q, fa_idx rb)
+ * read).  Up to 8 vectors of o stay in registers for the sweep over r. */
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_body)(const int nv, const fa_store st, fa_idx nk,
+                                                  const T *p, const void *x, fa_idx rs, T *o)
 {
     V acc[8];
-    for (int u = 0; u < nv; ++u) acc[u] = VLOAD(q + u * VLEN);
-    for (fa_idx r = 0; r < nk;) {
-        int closes = 0;
-        const fa_idx r1 = parts ? FA_NAME(part_end)(rb, r, nk, &closes) : nk;
-        for (int u = 0; closes && u < nv; ++u) {
-            VSTORE(o + u * VLEN, VADD(VLOAD(o + u * VLEN), acc[u]));
-            acc[u] = VZERO();
-        }
-        for (; r < r1; ++r) {
-            if (p[r] == 0) continue;
-            const V pr = VSET1(p[r]);
-            const void *xr = FA_NAME(st_at)(st, x, r * rs);
-            for (int u = 0; u < nv; ++u)
-                acc[u] = VFMA(pr, FA_NAME(vload_st)(st, xr, u * VLEN), acc[u]);
-        }
+    for (int u = 0; u < nv; ++u) acc[u] = VLOAD(o + u * VLEN);
+    for (fa_idx r = 0; r < nk; ++r) {
+        if (p[r] == 0) continue;
+        const V pr = VSET1(p[r]);
+        const void *xr = FA_NAME(st_at)(st, x, r * rs);
+        for (int u = 0; u < nv; ++u) acc[u] = VFMA(pr, FA_NAME(vload_st)(st, xr, u * VLEN), acc[u]);
     }
-    for (int u = 0; u < nv; ++u) VSTORE(q + u * VLEN, acc[u]);
+    for (int u = 0; u < nv; ++u) VSTORE(o + u * VLEN, acc[u]);
 }
 
-/* o[c] += q[c], q[c] = 0 for c < n: a part closes (in vectors: as far as
- * the compiler knows o and q overlap, so it would not vectorise the loop) */
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_close)(fa_idx n, T *o, T *q)
-{
-    fa_idx c = 0;
-    for (; c + VLEN <= n; c += VLEN) {
-        VSTORE(o + c, VADD(VLOAD(o + c), VLOAD(q + c)));
-        VSTORE(q + c, VZERO());
-    }
-    for (; c < n; ++c) {
-        o[c] += q[c];
-        q[c] = 0;
-    }
-}
-
-/* gemv_t_body for the columns c0 <= c < n (fewer than VLEN), one at a
- * time, of the nq rows of weights p + t * ldp into o + t * ldo and
- * q + t * ldo. */
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_tail)(const int parts, const fa_store st, fa_idx nq,
-                                                  fa_idx nk, fa_idx c0, fa_idx n, const T *p,
-                                                  fa_idx ldp, const void *x, fa_idx rs, T *o,
-                                                  T *q, fa_idx ldo, fa_idx rb)
-{
-    for (fa_idx t = 0; c0 < n && t < nq; ++t)
-        for (fa_idx r = 0; r < nk; ++r) {
-            if (parts && (rb + r) % FA_VPART == 0 && rb + r > 0)
-                FA_NAME(gemv_t_close)(n - c0, o + t * ldo + c0, q + t * ldo + c0);
-            const T pr = p[t * ldp + r];
-            if (pr == 0) continue;
-            const void *xr = FA_NAME(st_at)(st, x, r * rs);
-            for (fa_idx cc = c0; cc < n; ++cc) q[t * ldo + cc] += pr * FA_NAME(st_get)(st, xr, cc);
-        }
-}
-
-/* gemv_t_body over all n columns */
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_cols)(const int parts, const fa_store st, fa_idx nk,
-                                                  fa_idx n, const T *p, const void *x, fa_idx rs,
-                                                  T *o, T *q, fa_idx rb)
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_cols)(const fa_store st, fa_idx nk, fa_idx n,
+                                                  const T *p, const void *x, fa_idx rs, T *o)
 {
     fa_idx c = 0;
     for (; c + 8 * VLEN <= n; c += 8 * VLEN)
-        FA_NAME(gemv_t_body)(8, parts, st, nk, p, FA_NAME(st_col)(st, x, c), rs, o + c, q + c, rb);
+        FA_NAME(gemv_t_body)(8, st, nk, p, FA_NAME(st_col)(st, x, c), rs, o + c);
     const void *xc = FA_NAME(st_col)(st, x, c); /* 8 VLEN: whole Q4 blocks */
     switch ((n - c) / VLEN) {
-    case 7: FA_NAME(gemv_t_body)(7, parts, st, nk, p, xc, rs, o + c, q + c, rb); break;
-    case 6: FA_NAME(gemv_t_body)(6, parts, st, nk, p, xc, rs, o + c, q + c, rb); break;
-    case 5: FA_NAME(gemv_t_body)(5, parts, st, nk, p, xc, rs, o + c, q + c, rb); break;
-    case 4: FA_NAME(gemv_t_body)(4, parts, st, nk, p, xc, rs, o + c, q + c, rb); break;
-    case 3: FA_NAME(gemv_t_body)(3, parts, st, nk, p, xc, rs, o + c, q + c, rb); break;
-    case 2: FA_NAME(gemv_t_body)(2, parts, st, nk, p, xc, rs, o + c, q + c, rb); break;
-    case 1: FA_NAME(gemv_t_body)(1, parts, st, nk, p, xc, rs, o + c, q + c, rb); break;
+    case 7: FA_NAME(gemv_t_body)(7, st, nk, p, xc, rs, o + c); break;
+    case 6: FA_NAME(gemv_t_body)(6, st, nk, p, xc, rs, o + c); break;
+    case 5: FA_NAME(gemv_t_body)(5, st, nk, p, xc, rs, o + c); break;
+    case 4: FA_NAME(gemv_t_body)(4, st, nk, p, xc, rs, o + c); break;
+    case 3: FA_NAME(gemv_t_body)(3, st, nk, p, xc, rs, o + c); break;
+    case 2: FA_NAME(gemv_t_body)(2, st, nk, p, xc, rs, o + c); break;
+    case 1: FA_NAME(gemv_t_body)(1, st, nk, p, xc, rs, o + c); break;
     default: break;
     }
     c += (n - c) / VLEN * VLEN;
-    FA_NAME(gemv_t_tail)(parts, st, 1, nk, c, n, p, 0, x, rs, o, q, 0, rb);
-}
-
-/* gemv_t_cols without parts for the nq <= 4 rows of weights p + t * ldp
- * into the rows q + t * ldq, none of the weights 0: each vector of x is
- * loaded (and converted) once for all of them, nv vectors of a row at a
- * time.  Each element sums the products of gemv_t_cols in the same order:
- * the same bits. */
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_body)(const int nq, const int nv,
-                                                       const fa_store st, fa_idx nk,
-                                                       const T *p, fa_idx ldp, const void *x,
-                                                       fa_idx rs, fa_idx c, T *q, fa_idx ldq)
-{
-    V acc[4][8];
-    for (int t = 0; t < nq; ++t)
-        for (int u = 0; u < nv; ++u) acc[t][u] = VLOAD(q + t * ldq + c + u * VLEN);
-    for (fa_idx r = 0; r < nk; ++r) {
+    for (fa_idx r = 0; c < n && r < nk; ++r) {
+        if (p[r] == 0) continue;
         const void *xr = FA_NAME(st_at)(st, x, r * rs);
-        V b[4];
-        for (int t = 0; t < nq; ++t) b[t] = VSET1(p[t * ldp + r]);
-        for (int u = 0; u < nv; ++u) {
-            const V xv = FA_NAME(vload_st)(st, xr, c + u * VLEN);
-            for (int t = 0; t < nq; ++t) acc[t][u] = VFMA(b[t], xv, acc[t][u]);
-        }
-    }
-    for (int t = 0; t < nq; ++t)
-        for (int u = 0; u < nv; ++u) VSTORE(q + t * ldq + c + u * VLEN, acc[t][u]);
-}
-
-/* Vectors per tile of gemv_t_rows_nq: nq x nv accumulators, nq broadcast
- * weights and a vector of x within AVX-512's 32 registers (the one path
- * rows_shared lets share). */
-#define FA_GEMV_NV(nq) ((nq) <= 2 ? 8 : 4)
-
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_nq)(const int nq, const fa_store st, fa_idx nk,
-                                                     fa_idx n, const T *p, fa_idx ldp,
-                                                     const void *x, fa_idx rs, T *q, fa_idx ldq)
-{
-    const int nv = FA_GEMV_NV(nq);
-    fa_idx c = 0;
-#define FA_ROWS_BODY(w) FA_NAME(gemv_t_rows_body)(nq, w, st, nk, p, ldp, x, rs, c, q, ldq)
-    for (; c + nv * VLEN <= n; c += nv * VLEN) FA_ROWS_BODY(nv);
-    switch ((n - c) / VLEN) {
-    case 7: FA_ROWS_BODY(7); break;
-    case 6: FA_ROWS_BODY(6); break;
-    case 5: FA_ROWS_BODY(5); break;
-    case 4: FA_ROWS_BODY(4); break;
-    case 3: FA_ROWS_BODY(3); break;
-    case 2: FA_ROWS_BODY(2); break;
-    case 1: FA_ROWS_BODY(1); break;
-    default: break;
-    }
-#undef FA_ROWS_BODY
-    c += (n - c) / VLEN * VLEN; /* gemv_t_cols' scalar columns */
-    FA_NAME(gemv_t_tail)(0, st, (fa_idx)nq, nk, c, n, p, ldp, x, rs, q, q, ldq, 0);
-}
-
-/* One run of gemv_t_rows_any: without parts, rows stored in fewer bits
- * are read and converted once for all the heads where no weight of the run
- * is 0 and rows_shared says so; else gemv_t_cols runs per head, leaving
- * zero weights' rows out. */
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_run)(const int parts, const fa_store st, fa_idx nq,
-                                                 fa_idx m, fa_idx n, const T *p, fa_idx ldp,
-                                                 const void *x, fa_idx rs, T *o, T *q,
-                                                 fa_idx ldo, fa_idx rb)
-{
-    int shared = !parts && nq > 1 && FA_NAME(rows_shared)(st);
-    for (fa_idx t = 0; shared && t < nq; ++t)
-        for (fa_idx r = 0; r < m; ++r) shared &= p[t * ldp + r] != 0;
-    for (fa_idx t0 = 0; t0 < nq; t0 += 4) {
-        const T *pt = p + t0 * ldp;
-        T *qt = q + t0 * ldo;
-        switch (!shared ? 1 : nq - t0 < 4 ? nq - t0 : 4) {
-        case 4: FA_NAME(gemv_t_rows_nq)(4, st, m, n, pt, ldp, x, rs, qt, ldo); break;
-        case 3: FA_NAME(gemv_t_rows_nq)(3, st, m, n, pt, ldp, x, rs, qt, ldo); break;
-        case 2: FA_NAME(gemv_t_rows_nq)(2, st, m, n, pt, ldp, x, rs, qt, ldo); break;
-        default:
-            for (fa_idx t = t0; t < nq && t < t0 + 4; ++t)
-                FA_NAME(gemv_t_cols)(parts, st, m, n, p + t * ldp, x, rs, o + t * ldo,
-                                     q + t * ldo, rb);
-            break;
-        }
+        for (fa_idx cc = c; cc < n; ++cc) o[cc] += p[r] * FA_NAME(st_get)(st, xr, cc);
     }
 }
 
@@ -752,51 +615,112 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_run)(const int parts, const fa_store
  * at 66 -> 75 % of the read bandwidth at 1 thread, 67 -> 87 % at 2
  * (medians), float16 and int8 at 1 thread 17-20 % faster; a C loop of the
  * two ways alone over 128 MB, 48-58 % -> 77-93 % with runs of 2-4 KB.  Each
- * element still sums its rows in order: the same bits. */
+ * o[c] still sums its rows in order: the same bits. */
 #define FA_GEMV_RUN_BYTES 4096
-
-/* The sums of gemv_t_body for the nq rows of weights p + t * ldp (the query
- * heads of grouped-query decoding sharing x) into o + t * ldo and
- * q + t * ldo, in its parts of FA_VPART rows from row -rb.  Where each
- * head's rows fit the registers, the parts close in them; else (rows in
- * runs, or the heads sharing each vector of x) the sums go through q a run
- * or a part at a time and each part closes between them.  Zen 4, 1 thread,
- * rows of 128 from memory: closing in registers what the runs carry made
- * AVX2 float32 decoding 7-9 % slower, and the shared heads' loop float16
- * 5-6 %; a call per part, float16 decoding of one head 7-12 %.  Each
- * element sums the same products in the same parts and order whatever nq
- * and however the caller splits the rows. */
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_any)(const fa_store st, fa_idx nq, fa_idx nk,
-                                                      fa_idx n, const T *p, fa_idx ldp,
-                                                      const void *x, fa_idx rs, T *o, T *q,
-                                                      fa_idx ldo, fa_idx rb)
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, fa_idx n,
+                                                 const T *p, const void *x, fa_idx rs, T *o)
 {
-    const fa_idx row_bytes = FA_NAME(st_row_bytes)(st, n);
-    const fa_idx run = n > 8 * VLEN ? (row_bytes >= FA_GEMV_RUN_BYTES / 2 ? 2
-                                       : FA_GEMV_RUN_BYTES / row_bytes)
-                       : nq > 1 && FA_NAME(rows_shared)(st) ? FA_VPART : 0;
-    if (run == 0) {
-        FA_NAME(gemv_t_run)(1, st, nq, nk, n, p, ldp, x, rs, o, q, ldo, rb);
+    if (n <= 8 * VLEN) {
+        FA_NAME(gemv_t_cols)(st, nk, n, p, x, rs, o);
         return;
     }
-    for (fa_idx r = 0; r < nk;) {
-        int closes;
-        const fa_idx r1 = FA_NAME(part_end)(rb, r, nk, &closes);
-        for (fa_idx t = 0; closes && t < nq; ++t)
-            FA_NAME(gemv_t_close)(n, o + t * ldo, q + t * ldo);
-        for (fa_idx r0 = r; r0 < r1; r0 += run)
-            FA_NAME(gemv_t_run)(0, st, nq, r1 - r0 < run ? r1 - r0 : run, n, p + r0, ldp,
-                                FA_NAME(st_at)(st, x, r0 * rs), rs, o, q, ldo, 0);
-        r = r1;
-    }
+    const fa_idx row_bytes = FA_NAME(st_row_bytes)(st, n);
+    const fa_idx run = row_bytes >= FA_GEMV_RUN_BYTES / 2 ? 2 : FA_GEMV_RUN_BYTES / row_bytes;
+    for (fa_idx r0 = 0; r0 < nk; r0 += run)
+        FA_NAME(gemv_t_cols)(st, nk - r0 < run ? nk - r0 : run, n, p + r0,
+                             FA_NAME(st_at)(st, x, r0 * rs), rs, o);
 }
 
-/* gemv_t_rows_any of one row of weights */
-static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, fa_idx n,
-                                                 const T *p, const void *x, fa_idx rs, T *o,
-                                                 T *q, fa_idx rb)
+/* gemv_t_cols for the nq <= 4 rows of weights p + t * ldp into the rows
+ * o + t * ldo, none of the weights 0: each vector of x is loaded (and
+ * converted) once for all of them, nv vectors of a row at a time.  Each o
+ * element sums the products of gemv_t_cols in the same order: the same
+ * bits. */
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_body)(const int nq, const int nv,
+                                                       const fa_store st, fa_idx nk,
+                                                       const T *p, fa_idx ldp, const void *x,
+                                                       fa_idx rs, fa_idx c, T *o, fa_idx ldo)
 {
-    FA_NAME(gemv_t_rows_any)(st, 1, nk, n, p, 0, x, rs, o, q, 0, rb);
+    V acc[4][8];
+    for (int t = 0; t < nq; ++t)
+        for (int u = 0; u < nv; ++u) acc[t][u] = VLOAD(o + t * ldo + c + u * VLEN);
+    for (fa_idx r = 0; r < nk; ++r) {
+        const void *xr = FA_NAME(st_at)(st, x, r * rs);
+        V b[4];
+        for (int t = 0; t < nq; ++t) b[t] = VSET1(p[t * ldp + r]);
+        for (int u = 0; u < nv; ++u) {
+            const V xv = FA_NAME(vload_st)(st, xr, c + u * VLEN);
+            for (int t = 0; t < nq; ++t) acc[t][u] = VFMA(b[t], xv, acc[t][u]);
+        }
+    }
+    for (int t = 0; t < nq; ++t)
+        for (int u = 0; u < nv; ++u) VSTORE(o + t * ldo + c + u * VLEN, acc[t][u]);
+}
+
+/* Vectors per tile of gemv_t_rows_nq: nq x nv accumulators, nq broadcast
+ * weights and a vector of x within AVX-512's 32 registers (the one path
+ * rows_shared lets share). */
+#define FA_GEMV_NV(nq) ((nq) <= 2 ? 8 : 4)
+
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_nq)(const int nq, const fa_store st, fa_idx nk,
+                                                     fa_idx n, const T *p, fa_idx ldp,
+                                                     const void *x, fa_idx rs, T *o, fa_idx ldo)
+{
+    const int nv = FA_GEMV_NV(nq);
+    fa_idx c = 0;
+    for (; c + nv * VLEN <= n; c += nv * VLEN)
+        FA_NAME(gemv_t_rows_body)(nq, nv, st, nk, p, ldp, x, rs, c, o, ldo);
+    switch ((n - c) / VLEN) {
+    case 7: FA_NAME(gemv_t_rows_body)(nq, 7, st, nk, p, ldp, x, rs, c, o, ldo); break;
+    case 6: FA_NAME(gemv_t_rows_body)(nq, 6, st, nk, p, ldp, x, rs, c, o, ldo); break;
+    case 5: FA_NAME(gemv_t_rows_body)(nq, 5, st, nk, p, ldp, x, rs, c, o, ldo); break;
+    case 4: FA_NAME(gemv_t_rows_body)(nq, 4, st, nk, p, ldp, x, rs, c, o, ldo); break;
+    case 3: FA_NAME(gemv_t_rows_body)(nq, 3, st, nk, p, ldp, x, rs, c, o, ldo); break;
+    case 2: FA_NAME(gemv_t_rows_body)(nq, 2, st, nk, p, ldp, x, rs, c, o, ldo); break;
+    case 1: FA_NAME(gemv_t_rows_body)(nq, 1, st, nk, p, ldp, x, rs, c, o, ldo); break;
+    default: break;
+    }
+    c += (n - c) / VLEN * VLEN;
+    for (int t = 0; t < nq; ++t) /* gemv_t_cols' scalar columns */
+        for (fa_idx r = 0; c < n && r < nk; ++r) {
+            const void *xr = FA_NAME(st_at)(st, x, r * rs);
+            for (fa_idx cc = c; cc < n; ++cc)
+                o[t * ldo + cc] += p[t * ldp + r] * FA_NAME(st_get)(st, xr, cc);
+        }
+}
+
+/* gemv_t_any for nq rows of weights and of o (the query heads of
+ * grouped-query decoding), in gemv_t_any's runs of rows.  Rows stored in
+ * fewer bits are read and converted once for all the heads where no weight
+ * of the run is 0 and rows_shared says so, else gemv_t_cols runs per head,
+ * leaving zero weights' rows out. */
+static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_any)(const fa_store st, fa_idx nq, fa_idx nk,
+                                                      fa_idx n, const T *p, fa_idx ldp,
+                                                      const void *x, fa_idx rs, T *o, fa_idx ldo)
+{
+    const fa_idx row_bytes = FA_NAME(st_row_bytes)(st, n);
+    const fa_idx run = n <= 8 * VLEN ? nk
+                       : row_bytes >= FA_GEMV_RUN_BYTES / 2 ? 2 : FA_GEMV_RUN_BYTES / row_bytes;
+    for (fa_idx r0 = 0; r0 < nk; r0 += run) {
+        const fa_idx m = nk - r0 < run ? nk - r0 : run;
+        const void *xr = FA_NAME(st_at)(st, x, r0 * rs);
+        int shared = nq > 1 && FA_NAME(rows_shared)(st);
+        for (fa_idx t = 0; shared && t < nq; ++t)
+            for (fa_idx r = 0; r < m; ++r) shared &= p[t * ldp + r0 + r] != 0;
+        for (fa_idx t0 = 0; t0 < nq; t0 += 4) {
+            const T *pt = p + t0 * ldp + r0;
+            T *ot = o + t0 * ldo;
+            switch (!shared ? 1 : nq - t0 < 4 ? nq - t0 : 4) {
+            case 4: FA_NAME(gemv_t_rows_nq)(4, st, m, n, pt, ldp, xr, rs, ot, ldo); break;
+            case 3: FA_NAME(gemv_t_rows_nq)(3, st, m, n, pt, ldp, xr, rs, ot, ldo); break;
+            case 2: FA_NAME(gemv_t_rows_nq)(2, st, m, n, pt, ldp, xr, rs, ot, ldo); break;
+            default:
+                for (fa_idx t = t0; t < nq && t < t0 + 4; ++t)
+                    FA_NAME(gemv_t_cols)(st, m, n, p + t * ldp + r0, xr, rs, o + t * ldo);
+                break;
+            }
+        }
+    }
 }
 #undef FA_GEMV_NV
 #undef FA_GEMV_RUN_BYTES

@@ -48,7 +48,7 @@
 /* Scratch of the row kernel, from a 64-byte aligned start. */
 static size_t FA_NAME(rows_work)(const fa_attn_args *a)
 {
-    return sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + 3 * FA_EVP(a)) + FA_ROWS_SCALARS +
+    return sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + 2 * FA_EVP(a)) + FA_ROWS_SCALARS +
                                 FA_GATHER(a));
 }
 
@@ -57,8 +57,7 @@ typedef struct {
     T *qs;     /* FA_ROWS_MAX x E: the query rows */
     T *s;      /* FA_ROWS_MAX x FA_RB: logits, then weights */
     T *o;      /* FA_ROWS_MAX x Ev: unnormalised output */
-    T *ob;     /* FA_ROWS_MAX x Ev: a block's part of it (rows_accumulate), */
-    T *oq;     /* and its open part of FA_VPART keys (gemv_t_any) */
+    T *ob;     /* FA_ROWS_MAX x Ev: a block's part of it (rows_accumulate) */
     T *m, *l;  /* running maximum and sum */
     T *gather; /* a key row or a value tile copied contiguous */
 } FA_NAME(rows_scratch);
@@ -70,8 +69,7 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     w.s = w.qs + FA_ROWS_MAX * FA_EP(a);
     w.o = w.s + FA_ROWS_MAX * FA_RB;
     w.ob = w.o + FA_ROWS_MAX * FA_EVP(a);
-    w.oq = w.ob + FA_ROWS_MAX * FA_EVP(a);
-    w.m = w.oq + FA_ROWS_MAX * FA_EVP(a);
+    w.m = w.ob + FA_ROWS_MAX * FA_EVP(a);
     w.l = w.m + FA_ROWS_MAX;
     w.gather = w.m + FA_ROWS_SCALARS;
     return w;
@@ -103,14 +101,12 @@ static fa_attn_args FA_NAME(head_args)(const fa_attn_args *a, fa_idx g)
  * every layout of the same numbers goes through the same vector arithmetic:
  * results are bitwise the same whatever the strides. */
 
-/* p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB), in parts
- * of FA_VPART keys from s0: the closed parts added to o[t], the last in
- * q[t] (gemv_t_any), a run of rows in one block at a time (fa_kv_run): each
- * output element sums its keys in the same parts and order whatever the
- * placement; a scaled row's scale (fa_store_scaled) is folded into its
- * weights (s is changed then). */
+/* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB),
+ * a run of rows in one block at a time (fa_kv_run): each output element
+ * sums its keys in order whatever the placement; a scaled row's scale
+ * (fa_store_scaled) is folded into its weights (s is changed then). */
 static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq, fa_idx s0,
-                                 fa_idx nk, T *s, T *o, T *q, T *buf)
+                                 fa_idx nk, T *s, T *o, T *buf)
 {
     const fa_idx Ev = a->Ev;
     const fa_store st = a->kv_store;
@@ -125,8 +121,8 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq
         for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
             n = fa_kv_run(a, s0 + r0, nk - r0);
             FA_NAME(gemv_t_st)(st, nq, n, Ev, s + r0, FA_RB,
-                               FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0)), a->v_ss, o, q,
-                               FA_EVP(a), r0);
+                               FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0)), a->v_ss, o,
+                               FA_EVP(a));
         }
         return;
     }
@@ -141,8 +137,7 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq
                                   FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0 + r) + c0 * a->v_es),
                                   a->v_es, buf + r * FA_VT_COLS);
             for (fa_idx t = 0; t < nq; ++t)
-                FA_NAME(gemv_t)(nr, nc, s + t * FA_RB + r0, buf, FA_VT_COLS, o + t * FA_EVP(a) + c0,
-                                q + t * FA_EVP(a) + c0, r0);
+                FA_NAME(gemv_t)(nr, nc, s + t * FA_RB + r0, buf, FA_VT_COLS, o + t * FA_EVP(a) + c0);
         }
     }
 }
@@ -314,18 +309,14 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
                     for (fa_idx r = 0; r < nk; ++r) st[r] /= l[t];
             }
             if (!values) continue;
-            /* the block's weighted values summed apart, FA_VPART keys at a
-             * time, then added: one running sum over all the keys stops
-             * growing once it is 2^24 times each term (float32: 2^29 keys
-             * of weight 1 and value 1 gave 0.5), and over a block of 1024
-             * it rounded away the small weights after a large one */
-            for (fa_idx i = 0; i < nq * FA_EVP(a); ++i) w->ob[i] = w->oq[i] = 0;
-            FA_NAME(rows_values)(a, v, nq, s0, nk, s, w->ob, w->oq, w->gather);
+            /* the block's weighted values summed apart, then added: one
+             * running sum over all the keys stops growing once it is 2^24
+             * times each term (float32: 2^29 keys of weight 1 and value 1
+             * gave 0.5); a block's part is at most 1024 terms */
+            for (fa_idx i = 0; i < nq * FA_EVP(a); ++i) w->ob[i] = 0;
+            FA_NAME(rows_values)(a, v, nq, s0, nk, s, w->ob, w->gather);
             for (fa_idx t = 0; t < nq; ++t)
-                for (fa_idx c = 0; c < Ev; ++c) {
-                    const fa_idx i = t * FA_EVP(a) + c;
-                    o[i] += w->ob[i] + w->oq[i];
-                }
+                for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] += w->ob[t * FA_EVP(a) + c];
         }
 }
 

@@ -571,30 +571,6 @@ def test_decoding_keeps_small_weights_after_a_large_one(simd, S):
     assert abs(float(out[0, 0, 0, 0]) - 1) <= 4 * np.finfo(np.float32).eps
 
 
-@pytest.mark.parametrize("S, big", [(1024, 0), (3000, 1024), (5000, 0), (5000, 2048),
-                                    (16385, 1025)])
-@pytest.mark.parametrize("L", [1, 8])
-def test_small_weights_after_a_large_one_in_the_same_key_block(simd, S, big, L):
-    """One key of weight 1 and value 1 at the start of a key block, every
-    other key of weight 2^-25 and value -1.  Against the float64 reference
-    the error is what the 127 keys after the large one in its part of 128
-    lose, in the weighted values' sum and in the weights' (2 x 127 x 2^-25:
-    127 ulps of the output), and the merge of decoding's pieces of keys
-    (S >= 2048) a few more (143 at S = 16385); a running sum over the
-    decoding kernel's block of 1024 keys lost up to 1023 of them in each
-    (575 ulps at S = 1024), so decoding (L = 1) now sums 128 keys at a
-    time, as the block kernel (L = 8: 79-80 ulps) does."""
-    q = np.ones((1, 1, L, 1), np.float32)
-    k = np.full((1, 1, S, 1), -25 * np.log(2), np.float32)
-    k[0, 0, big] = 0
-    v = -np.ones((1, 1, S, 1), np.float32)
-    v[0, 0, big] = 1
-    out = fastattn.scaled_dot_product_attention(q, k, v)
-    want = ref.scaled_dot_product_attention(*f64(q, k, v))
-    ulps = np.abs(out - want) / np.spacing(want.astype(np.float32))
-    assert ulps.max() <= 160
-
-
 @pytest.mark.parametrize("step", [0.5, 5.0, 6.0, 40.0])
 def test_running_maximum_rises_block_by_block(simd, dtype, rng, step):
     """Scores that rise by `step` from one key block of 128 to the next, and
