@@ -331,6 +331,11 @@ def test_decoding_pct_peak_from_its_paired_read_passes():
                   _case("decode-4096", "fastattn", t, simd="avx2",
                         paired_read={"rounds": 9, "pct_read": 93.0, "read_gbps": 43.0})]
     assert [c["pct_peak"] for c in report.derive(r)["cases"]] == [pytest.approx(80), 93.0]
+    # a disturbed read pass before the cases is noted only where %peak used it
+    r["peaks"]["1"]["read:decode-4096"]["other_cores"] = 0.5
+    assert "during the read bandwidth on decode-4096" in report.format_table(r)
+    r["cases"] = r["cases"][1:]
+    assert "during the read bandwidth on decode-4096" not in report.format_table(r)
 
 
 def test_report_notes_a_disturbed_run():

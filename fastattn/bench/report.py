@@ -103,10 +103,14 @@ def format_peaks(report):
 def format_disturbance(report):
     """Notes on what other processes took from this run, or none."""
     lines = []
+    # a decoding case's %peak comes from its paired read passes where it has them
+    unpaired = {(c["shape"], str(c["threads"])) for c in report["cases"]
+                if "paired_read" not in c}
     for n, p in report["peaks"].items():
         measured = [(f"the {isa} FMA peak", v) for isa, v in p.get("fma", {}).items()]
         measured += [(f"the read bandwidth{' on ' + k[5:] if k != 'read' else ''}", v)
-                     for k, v in p.items() if k.startswith("read")]
+                     for k, v in p.items()
+                     if k == "read" or k.startswith("read:") and (k[5:], n) in unpaired]
         busy = [(what, v["other_cores"]) for what, v in measured
                 if (v.get("other_cores") or 0) > BUSY]
         if busy:
