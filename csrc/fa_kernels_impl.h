@@ -107,6 +107,7 @@ void FA_NAME(exp_array)(fa_idx n, const T *x, T *y, int mode)
 }
 
 #undef FA_NAME
+#undef FA_DOT_GROUP
 #undef FA_QB
 #undef FA_KB
 #undef FA_RB

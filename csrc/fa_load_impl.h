@@ -11,7 +11,7 @@
  * element is its block's scale times its code, exactly, as loaded.
  *
  * Needs T, FA_NAME, prefetch_bytes and the primitives cvt_body, dot_body,
- * gemv_t_any. */
+ * dot_lanes where FA_DOT_GROUP is defined, gemv_t_any. */
 
 #ifndef FA_PLACEMENT
 #define FA_PLACEMENT
@@ -83,12 +83,24 @@ typedef struct {
 } fa_ahead_rows;
 #endif
 
+/* With row r of a sweep: the rows of l1 asked for into L1, those of l2[0]
+ * and l2[1] into L2. */
+static FA_ALWAYS_INLINE void FA_NAME(fetch_rows)(fa_idx r, const fa_ahead_rows *l1,
+                                                 const fa_ahead_rows *l2)
+{
+    if (r < l1->count) FA_NAME(prefetch_bytes)(l1->p + r * l1->rb, l1->bytes);
+    for (int u = 0; u < 2; ++u)
+        if (r < l2[u].count)
+            for (fa_idx e = 0; e < l2[u].bytes; e += 64) FA_PREFETCH_L2(l2[u].p + r * l2[u].rb + e);
+}
+
 /* s[t * ld + r] = sum over c < n of x[t * ldx + c] * y_r[c], for the nq
  * rows of x and the nr rows y_r = y + r * rs (each contiguous, stored as
  * st): each row of y is read once for all the rows of x (float8_e4m3fn's
- * converted once: dot_rows_body).  With row r, the
- * rows of l1 are asked for into L1 and those of l2[0] and l2[1] into L2.
- * One loop for all the rows, so that its bounds and strides stay in
+ * converted once: dot_rows_body), FA_DOT_GROUP rows at a time where the
+ * path sums their lanes together (dot_lanes), the same bits as one at a
+ * time.  The rows of l1 and l2 are asked for with row r (fetch_rows).  One
+ * loop for all the rows, so that its bounds and strides stay in
  * registers. */
 static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_idx nr, fa_idx n,
                                                const T *x, fa_idx ldx, const void *y,
@@ -96,16 +108,30 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
                                                const fa_ahead_rows *l1, const fa_ahead_rows *l2)
 {
     const fa_idx rb = rs * FA_NAME(st_bytes)(st);
-    for (fa_idx r = 0; r < nr; ++r) {
+    /* float8_e4m3fn's conversion takes 7 vector operations: each vector of
+     * a row converted once for all the rows of x.  For the others (1-2)
+     * that loop was slower (rows_shared's figures). */
+    const int shared = nq > 1 && st == FA_STORE_F8E4M3 && FA_NAME(rows_shared)(st);
+    fa_idx r = 0;
+#ifdef FA_DOT_GROUP
+    /* not rows stored as T, whose sweep waits for memory rather than for
+     * arithmetic: float32 decoding, keys in L3, was 1-5 % slower so */
+    for (; !shared && st != FA_STORE_NATIVE && r + FA_DOT_GROUP <= nr; r += FA_DOT_GROUP)
+        for (fa_idx t = 0; t < nq; ++t) {
+            T lanes[FA_DOT_GROUP * FA_DOT_GROUP];
+            const char *rows = (const char *)y + r * rb;
+            fa_idx c = 0;
+            for (fa_idx i = 0; i < FA_DOT_GROUP; ++i) {
+                if (t == 0) FA_NAME(fetch_rows)(r + i, l1, l2);
+                c = FA_NAME(dot_lanes)(st, n, x + t * ldx, rows + i * rb, lanes + i * FA_DOT_GROUP);
+            }
+            FA_NAME(dot_lanes_sum)(st, c, n, x + t * ldx, rows, rb, lanes, s + t * ld + r);
+        }
+#endif
+    for (; r < nr; ++r) {
         const char *row = (const char *)y + r * rb;
-        if (r < l1->count) FA_NAME(prefetch_bytes)(l1->p + r * l1->rb, l1->bytes);
-        for (int u = 0; u < 2; ++u)
-            if (r < l2[u].count)
-                for (fa_idx e = 0; e < l2[u].bytes; e += 64) FA_PREFETCH_L2(l2[u].p + r * l2[u].rb + e);
-        /* float8_e4m3fn's conversion takes 7 vector operations: each
-         * vector of the row converted once for all the rows of x.  For the
-         * others (1-2) that loop was slower (rows_shared's figures). */
-        if (nq > 1 && st == FA_STORE_F8E4M3 && FA_NAME(rows_shared)(st))
+        FA_NAME(fetch_rows)(r, l1, l2);
+        if (shared)
             for (fa_idx t0 = 0; t0 < nq; t0 += 4) {
                 const T *xt = x + t0 * ldx;
                 T *st0 = s + t0 * ld + r;

@@ -498,13 +498,14 @@ static FA_ALWAYS_INLINE void FA_NAME(cvt_body)(const fa_store st, fa_idx n, cons
     for (; j < n; ++j) dst[j] = FA_NAME(st_get)(st, src, j);
 }
 
-/* s[t * ld] = sum over c of x[t * ldx + c] * y[c], for t < nq <= 4, both
- * contiguous, y stored as st: the same operations in the same order
- * whatever st, so that converting y first gives the same bits, and
- * whatever nq (each vector of y loaded and converted once for them all). */
-static FA_ALWAYS_INLINE void FA_NAME(dot_rows_body)(const int nq, const fa_store st, fa_idx n,
-                                                    const T *x, fa_idx ldx, const void *y, T *s,
-                                                    fa_idx ld)
+/* The vector part of s[t * ld] = sum over c of x[t * ldx + c] * y[c], for
+ * t < nq <= 4, both contiguous, y stored as st: u[t] holds the lanes whose
+ * sum (VREDUCE), plus the products from the returned column on (dot_tail),
+ * is the dot product.  The same operations in the same order whatever st,
+ * so that converting y first gives the same bits, and whatever nq (each
+ * vector of y loaded and converted once for them all). */
+static FA_ALWAYS_INLINE fa_idx FA_NAME(dot_rows_vec)(const int nq, const fa_store st, fa_idx n,
+                                                     const T *x, fa_idx ldx, const void *y, V *u)
 {
     fa_idx c = 0;
     V s0[4], s1[4], s2[4], s3[4];
@@ -534,11 +535,91 @@ static FA_ALWAYS_INLINE void FA_NAME(dot_rows_body)(const int nq, const fa_store
         const V yv = FA_NAME(vload_st)(st, y, c);
         for (int t = 0; t < nq; ++t) s0[t] = VFMA(VLOAD(x + t * ldx + c), yv, s0[t]);
     }
-    for (int t = 0; t < nq; ++t) {
-        T r = VREDUCE(VADD(VADD(s0[t], s1[t]), VADD(s2[t], s3[t])));
-        for (fa_idx cc = c; cc < n; ++cc) r += x[t * ldx + cc] * FA_NAME(st_get)(st, y, cc);
-        s[t * ld] = r;
+    for (int t = 0; t < nq; ++t) u[t] = VADD(VADD(s0[t], s1[t]), VADD(s2[t], s3[t]));
+    return c;
+}
+
+/* r plus the products x[cc] * y[cc] of the columns c..n-1, in order */
+static FA_ALWAYS_INLINE T FA_NAME(dot_tail)(const fa_store st, fa_idx c, fa_idx n, const T *x,
+                                            const void *y, T r)
+{
+    for (fa_idx cc = c; cc < n; ++cc) r += x[cc] * FA_NAME(st_get)(st, y, cc);
+    return r;
+}
+
+/* s[t * ld] = sum over c of x[t * ldx + c] * y[c], for t < nq <= 4
+ * (dot_rows_vec, its lanes summed, then dot_tail) */
+static FA_ALWAYS_INLINE void FA_NAME(dot_rows_body)(const int nq, const fa_store st, fa_idx n,
+                                                    const T *x, fa_idx ldx, const void *y, T *s,
+                                                    fa_idx ld)
+{
+    V u[4];
+    const fa_idx c = FA_NAME(dot_rows_vec)(nq, st, n, x, ldx, y, u);
+    for (int t = 0; t < nq; ++t)
+        s[t * ld] = FA_NAME(dot_tail)(st, c, n, x + t * ldx, y, VREDUCE(u[t]));
+}
+
+#ifdef FA_DOT_GROUP
+/* Decoding's key rows, FA_DOT_GROUP (VLEN) at a time: the lanes of a sum
+ * per row (dot_lanes, into `lanes`), then summed together (dot_lanes_sum),
+ * with VREDUCE's pairs of lanes in a third of its operations a row: the
+ * bits of dot_body.  Per row, the shuffles of VREDUCE took a tenth of the
+ * time where conversions from 8 bits bound decoding (Zen 4, AVX-512, int8,
+ * keys in L3). */
+
+/* lanes[0..VLEN) = the vector part of x . y (dot_rows_vec); returns the
+ * column where dot_tail starts */
+static FA_ALWAYS_INLINE fa_idx FA_NAME(dot_lanes)(const fa_store st, fa_idx n, const T *x,
+                                                  const void *y, T *lanes)
+{
+    V u;
+    const fa_idx c = FA_NAME(dot_rows_vec)(1, st, n, x, 0, y, &u);
+    VSTORE(lanes, u);
+    return c;
+}
+
+/* s[r] = x . y_r for the FA_DOT_GROUP rows y_r = y + r * rb bytes, whose
+ * dot_lanes are lanes + r * VLEN, columns c..n-1 still to add */
+static FA_ALWAYS_INLINE void FA_NAME(dot_lanes_sum)(const fa_store st, fa_idx c, fa_idx n,
+                                                    const T *x, const char *y, fa_idx rb,
+                                                    const T *lanes, T *s)
+{
+    V u[VLEN];
+    for (int r = 0; r < VLEN; ++r) u[r] = VLOAD(lanes + r * VLEN);
+    if (c == n) {
+        VSTORE(s, VREDUCE_ROWS(u));
+        return;
     }
+    T sums[VLEN];
+    VSTORE(sums, VREDUCE_ROWS(u));
+    for (int r = 0; r < VLEN; ++r) s[r] = FA_NAME(dot_tail)(st, c, n, x, y + r * rb, sums[r]);
+}
+#endif
+
+/* s[r] = x . y_r (dot_body's bits) for the dot_group_rows() rows y_r = y
+ * + r * rb bytes, stored as st.  VREDUCE_ROWS sums the lanes of the rows
+ * together, with the same pairs of lanes as VREDUCE and a third of its
+ * operations a row: decoding's key rows, where the shuffles of a sum per
+ * row took a tenth of the time when conversions from 8 bits bound it (Zen
+ * 4, AVX-512, int8, keys in L3). */
+static FA_ALWAYS_INLINE void FA_NAME(dot_group)(const fa_store st, fa_idx n, const T *x,
+                                                const char *y, fa_idx rb, T *s)
+{
+#ifdef VREDUCE_ROWS
+    V u[VLEN];
+    fa_idx c = 0;
+    for (int r = 0; r < VLEN; ++r) c = FA_NAME(dot_rows_vec)(1, st, n, x, 0, y + r * rb, u + r);
+    if (c == n) {
+        VSTORE(s, VREDUCE_ROWS(u));
+        return;
+    }
+    T sums[VLEN];
+    VSTORE(sums, VREDUCE_ROWS(u));
+    for (int r = 0; r < VLEN; ++r) s[r] = FA_NAME(dot_tail)(st, c, n, x, y + r * rb, sums[r]);
+#else
+    (void)rb;
+    FA_NAME(dot_rows_body)(1, st, n, x, 0, y, s, 0);
+#endif
 }
 
 /* dot_rows_body of one row of x */
@@ -756,6 +837,7 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_rows_any)(const fa_store st, fa_idx 
 #undef VI_AS
 #undef VAS_I
 #undef VREDUCE
+#undef VREDUCE_ROWS
 #undef VLOAD_F16
 #undef VLOAD_BF16
 #undef VLOAD_I8

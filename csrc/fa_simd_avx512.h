@@ -34,7 +34,41 @@
 #define VI_SLLI(x, k) _mm512_slli_epi32(x, k)
 #define VI_AS(x) _mm512_castsi512_ps(x)
 #define VAS_I(x) _mm512_castps_si512(x)
-#define VREDUCE(x) _mm512_reduce_add_ps(x) /* a tree of shuffles and adds */
+/* Sums of lanes as trees of pairs, written out (not the compiler's
+ * _mm512_reduce_add_ps, whose tree it may choose): lanes i and i + 8, then
+ * i and i + 4, i and i + 2, i and i + 1. */
+static FA_ALWAYS_INLINE float fa_avx512_reduce_add_ps(__m512 x)
+{
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(x),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+/* Lane j of the result: fa_avx512_reduce_add_ps(v[j]) for j < 16, with the
+ * same pairs, the 16 vectors summed together in 45 operations rather than
+ * 16 x 9.  Each step adds the two halves of pairs of vectors (keys a, b),
+ * leaving each key half as many lanes; the order of the pairs puts key j
+ * in lane j at the end. */
+static FA_ALWAYS_INLINE __m512 fa_avx512_reduce_rows_ps(const __m512 *v)
+{
+    static const int first[8] = {0, 8, 1, 9, 2, 10, 3, 11}; /* with v[first + 4] */
+    __m512 h[8], q[4], e[2];
+    for (int u = 0; u < 8; ++u) { /* lanes i and i + 8 */
+        const __m512 a = v[first[u]], b = v[first[u] + 4];
+        h[u] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    }
+    for (int u = 0; u < 4; ++u) /* i and i + 4 */
+        q[u] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * u], h[2 * u + 1], 0x88),
+                             _mm512_shuffle_f32x4(h[2 * u], h[2 * u + 1], 0xdd));
+    for (int u = 0; u < 2; ++u) /* i and i + 2 */
+        e[u] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * u], q[2 * u + 1], 0x44),
+                             _mm512_shuffle_ps(q[2 * u], q[2 * u + 1], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xdd));
+}
+#define VREDUCE(x) fa_avx512_reduce_add_ps(x)
+#define VREDUCE_ROWS(v) fa_avx512_reduce_rows_ps(v)
+#define FA_DOT_GROUP 16 /* VLEN: the rows VREDUCE_ROWS sums */
 #define VSCALEF(x, n) _mm512_scalef_ps(x, n) /* x * 2^n, one rounding, subnormals too */
 /* VLEN elements stored in fewer bits, as floats: exact conversions */
 #define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))

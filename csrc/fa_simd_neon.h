@@ -44,7 +44,11 @@
 #define VI_SLLI(x, k) vshlq_n_s32(x, k)
 #define VI_AS(x) vreinterpretq_f32_s32(x)
 #define VAS_I(x) vreinterpretq_s32_f32(x)
-#define VREDUCE(x) vaddvq_f32(x) /* pairwise: (x0 + x1) + (x2 + x3) */
+/* pairwise, written out: (x0 + x1) + (x2 + x3) */
+#define VREDUCE(x) vpadds_f32(vget_low_f32(vpaddq_f32(x, x)))
+/* lane j: VREDUCE(v[j]) for j < 4, with the same pairs */
+#define VREDUCE_ROWS(v) vpaddq_f32(vpaddq_f32((v)[0], (v)[1]), vpaddq_f32((v)[2], (v)[3]))
+#define FA_DOT_GROUP 4 /* VLEN: the rows VREDUCE_ROWS sums */
 #define VTILE_T(r) fa_neon_transpose_f32(r)
 /* VLEN elements stored in fewer bits, as floats: exact conversions (FCVTL
  * is ARMv8.0; bfloat16 is the upper half of a float) */

@@ -25,7 +25,8 @@ class Pool:
         Hkv, E, Ev = keys[0].shape[0], keys[0].shape[2], values[0].shape[2]
         need = [-(-k.shape[1] // block_size) for k in keys]
         n = sum(need) + spare
-        junk = 127 if np.dtype(dtype) == np.int8 else np.nan
+        # (uint8: NaN as float8 codes, and as an int4 block's scale)
+        junk = np.iinfo(dtype).max if np.dtype(dtype).kind in "iu" else np.nan
         self.key_cache = np.full((n, Hkv, block_size, E), junk, dtype)
         self.value_cache = np.full((n, Hkv, block_size, Ev), junk, dtype)
         order = rng.permutation(n)
@@ -147,37 +148,50 @@ def test_other_sequences_and_threads_change_no_bit(threads):
         np.testing.assert_array_equal(out_r[cu_r[B - 1 - b]:cu_r[B - b]], one)
 
 
-@pytest.mark.parametrize("storage", ["float16", "bfloat16", "int8"])
-def test_cache_storages_read_as_kvcache_reads_them(simd, storage):
+STORAGES = ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"]
+
+
+# (E, Ev): a tail of 4 elements after AVX2's vectors (AVX-512 runs the AVX2
+# kernels there), and whole AVX-512 vectors
+@pytest.mark.parametrize("E,Ev", [(44, 12), (48, 16)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("storage", STORAGES)
+def test_cache_storages_read_as_kvcache_reads_them(simd, storage, block_size, E, Ev):
     """A pool holding a KVCache's stored keys and values (its 16-bit
-    elements, its int8 codes and row scales) gives, per sequence, the bits
-    of KVCache.attend."""
+    elements, its codes and row scales) gives, per sequence, the bits of
+    KVCache.attend.  Blocks of one key have the row kernel take its key
+    rows one at a time; the dense cache and blocks of 16 have it take them
+    a vector's width at a time, their dot products' lanes summed together."""
     if storage == "bfloat16":
         pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(4)
-    Hq, Hkv, E, Ev = 4, 2, 16, 12
+    Hq, Hkv = 4, 2
     q_lens, k_lens = [5, 1, 1], [37, 2100, 1]
     caches, queries = [], []
     for L, S in zip(q_lens, k_lens):
         cache = fastattn.KVCache(1, Hkv, S, E, value_dim=Ev, storage=storage)
-        cache.append(rng.standard_normal((1, Hkv, S, E)).astype(np.float32),
+        cache.append(3 * rng.standard_normal((1, Hkv, S, E)).astype(np.float32),
                      rng.standard_normal((1, Hkv, S, Ev)).astype(np.float32))
         caches.append(cache)
         queries.append(rng.standard_normal((Hq, L, E)).astype(np.float32))
     stored = [(c._key[0], c._value[0]) for c in caches]
-    pool = Pool(rng, [k for k, _ in stored], [v for _, v in stored], 16,
+    pool = Pool(rng, [k for k, _ in stored], [v for _, v in stored], block_size,
                 dtype=stored[0][0].dtype)
-    scales = {}
-    if storage == "int8":  # the scales in the blocks of their rows
+    options = {}
+    if caches[0]._key_scale is not None:  # the scales in the blocks of their rows
         for name, src in (("k_scale", "_key_scale"), ("v_scale", "_value_scale")):
             s = np.full(pool.key_cache.shape[:3], np.nan, np.float32)
             for b, c in enumerate(caches):
                 j = np.arange(k_lens[b])
-                s[pool.table[b, j // 16], :, j % 16] = getattr(c, src)[0].T
-            scales[name] = s
+                s[pool.table[b, j // block_size], :, j % block_size] = getattr(c, src)[0].T
+            options[name] = s
+    if pool.key_cache.dtype == np.uint8:  # codes: vLLM's kv_cache_dtype names them
+        options["kv_cache_dtype"] = storage
+    if storage == "int4":  # rows of Ev values fill part of a block
+        options["value_dim"] = Ev
     query, cu = packed(queries)
     out = fastattn.paged_attention(query, pool.key_cache, pool.value_cache, pool.table,
-                                   pool.seq_lens, cu, **scales)
+                                   pool.seq_lens, cu, **options)
     for b, (c, q) in enumerate(zip(caches, queries)):
         np.testing.assert_array_equal(per_sequence(out, cu, b), c.attend(q[None])[0])
 
