@@ -596,32 +596,6 @@ static FA_ALWAYS_INLINE void FA_NAME(dot_lanes_sum)(const fa_store st, fa_idx c,
 }
 #endif
 
-/* s[r] = x . y_r (dot_body's bits) for the dot_group_rows() rows y_r = y
- * + r * rb bytes, stored as st.  VREDUCE_ROWS sums the lanes of the rows
- * together, with the same pairs of lanes as VREDUCE and a third of its
- * operations a row: decoding's key rows, where the shuffles of a sum per
- * row took a tenth of the time when conversions from 8 bits bound it (Zen
- * 4, AVX-512, int8, keys in L3). */
-static FA_ALWAYS_INLINE void FA_NAME(dot_group)(const fa_store st, fa_idx n, const T *x,
-                                                const char *y, fa_idx rb, T *s)
-{
-#ifdef VREDUCE_ROWS
-    V u[VLEN];
-    fa_idx c = 0;
-    for (int r = 0; r < VLEN; ++r) c = FA_NAME(dot_rows_vec)(1, st, n, x, 0, y + r * rb, u + r);
-    if (c == n) {
-        VSTORE(s, VREDUCE_ROWS(u));
-        return;
-    }
-    T sums[VLEN];
-    VSTORE(sums, VREDUCE_ROWS(u));
-    for (int r = 0; r < VLEN; ++r) s[r] = FA_NAME(dot_tail)(st, c, n, x, y + r * rb, sums[r]);
-#else
-    (void)rb;
-    FA_NAME(dot_rows_body)(1, st, n, x, 0, y, s, 0);
-#endif
-}
-
 /* dot_rows_body of one row of x */
 static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T *x, const void *y)
 {
