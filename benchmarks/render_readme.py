@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RECORDS_DIR = os.path.join(HERE, "records")
 README = os.path.join(HERE, "..", "README.md")
 # the records README's table is drawn from, in order
-RECORDS = ["zen4-2026-12-04-eleven-shapes-paired-read.json",
+RECORDS = ["zen4-2026-12-04-eleven-shapes-grouped-lanes.json",
            "zen3-2026-12-03-readme-after-l2-prefetch.json"]
 BEGIN = ("<!-- speed table: benchmarks/render_readme.py --write renders it from "
          "benchmarks/records -->")
