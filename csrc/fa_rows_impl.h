@@ -235,10 +235,9 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     for (fa_idx r0 = 0, n; fa_store_scaled(st) && r0 < nk; r0 += n) { /* times the row's scale */
         n = fa_kv_run(a, s0 + r0, nk - r0);
         const float *sc = a->k_scale + fa_kv_row(a, s0 + r0, a->ksc_s, a->ksc_bs);
-        for (fa_idx r = r0; r < r0 + n; ++r) {
-            const T f = (T)sc[(r - r0) * a->ksc_s];
-            for (fa_idx t = 0; t < nq; ++t) s[t * FA_RB + r] = scale * (f * s[t * FA_RB + r]);
-        }
+        for (fa_idx t = 0; t < nq; ++t) /* along each row of s, as the values' scales */
+            for (fa_idx r = 0; r < n; ++r)
+                s[t * FA_RB + r0 + r] = scale * ((T)sc[r * a->ksc_s] * s[t * FA_RB + r0 + r]);
     }
     for (fa_idx t = 0; t < nq; ++t) { /* a score inf or NaN: perhaps a sum beyond T's range */
         T *z = s + t * FA_RB, sum = FA_NAME(sum)(nk, z);
