@@ -37,21 +37,21 @@ static FA_ALWAYS_INLINE T FA_NAME(st_get)(const fa_store st, const void *p, fa_i
 #include FA_PRIMS
 
 /* sum of x[0..n) in eight interleaved partial sums: vectorises without
- * reassociation and keeps the rounding error of long rows small (written
- * with vectors where the path has FA_SUM8: compilers keep the parts in
+ * reassociation and keeps the rounding error of long rows small (the parts
+ * in vectors where the path has FA_PARTS_SUM: compilers kept them in
  * scalar registers) */
 static T FA_NAME(sum)(fa_idx n, const T *x)
 {
-#if defined(FA_SUM8) && FA_IS_F32
-    return FA_SUM8(n, x);
-#else
     T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     fa_idx j = 0;
+#if defined(FA_PARTS_SUM) && FA_IS_F32
+    j = FA_PARTS_SUM(n, x, part);
+#else
     for (; j + 8 <= n; j += 8)
         for (int t = 0; t < 8; ++t) part[t] += x[j + t];
+#endif
     for (; j < n; ++j) part[0] += x[j];
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-#endif
 }
 
 /* The largest of x[0..n), NaN ignored (-inf when there is none), in eight
@@ -59,19 +59,19 @@ static T FA_NAME(sum)(fa_idx n, const T *x)
  * one running maximum waited for each comparison before the next. */
 static T FA_NAME(max)(fa_idx n, const T *x)
 {
-#if defined(FA_MAX8) && FA_IS_F32
-    return FA_MAX8(n, x);
-#else
     const T ninf = -(T)INFINITY;
     T part[8] = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf};
     fa_idx j = 0;
+#if defined(FA_PARTS_MAX) && FA_IS_F32
+    j = FA_PARTS_MAX(n, x, part);
+#else
     for (; j + 8 <= n; j += 8)
         for (int t = 0; t < 8; ++t) part[t] = x[j + t] > part[t] ? x[j + t] : part[t];
+#endif
     for (; j < n; ++j) part[0] = x[j] > part[0] ? x[j] : part[0];
     T m = part[0];
     for (int t = 1; t < 8; ++t) m = part[t] > m ? part[t] : m;
     return m;
-#endif
 }
 
 /* Ask the cache for n bytes from x ahead of their use; a prefetch never
@@ -118,8 +118,8 @@ void FA_NAME(exp_array)(fa_idx n, const T *x, T *y, int mode)
 
 #undef FA_NAME
 #undef FA_DOT_GROUP
-#undef FA_SUM8
-#undef FA_MAX8
+#undef FA_PARTS_SUM
+#undef FA_PARTS_MAX
 #undef FA_QB
 #undef FA_KB
 #undef FA_RB

@@ -1,36 +1,31 @@
-/* The sum and the maximum of a float row in eight interleaved parts
- * (fa_kernels_impl.h's sum and max, the same operations in the same order)
- * as one 256-bit vector of the eight parts, for the AVX2 and AVX-512 paths:
- * gcc compiled the C loops to eight scalar chains (a tenth of the row
- * kernel's time outside its products in int8 decoding on a Zen 4). */
+/* The eight interleaved parts of fa_kernels_impl.h's sum and max of a float
+ * row, over its whole groups of eight, as one 256-bit vector, for the AVX2
+ * and AVX-512 paths: the same operations in the same order as the C loops,
+ * which gcc compiled to eight scalar chains (a tenth of the row kernel's
+ * time outside its products in int8 decoding on a Zen 4).  Each starts from
+ * the parts given and returns where the groups end; the caller adds the
+ * rest and combines the parts. */
 #ifndef FA_PARTS_X86_H
 #define FA_PARTS_X86_H
 #include <immintrin.h>
-#include <math.h>
 
-static FA_ALWAYS_INLINE float fa_sum8_ps256(fa_idx n, const float *x)
+static FA_ALWAYS_INLINE fa_idx fa_parts_sum_ps256(fa_idx n, const float *x, float *part)
 {
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = _mm256_loadu_ps(part);
     fa_idx j = 0;
     for (; j + 8 <= n; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + j));
-    float part[8];
     _mm256_storeu_ps(part, acc);
-    for (; j < n; ++j) part[0] += x[j];
-    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    return j;
 }
 
 /* NaN ignored: MAXPS returns its second operand, the part, unless the
  * element is greater */
-static FA_ALWAYS_INLINE float fa_max8_ps256(fa_idx n, const float *x)
+static FA_ALWAYS_INLINE fa_idx fa_parts_max_ps256(fa_idx n, const float *x, float *part)
 {
-    __m256 acc = _mm256_set1_ps(-INFINITY);
+    __m256 acc = _mm256_loadu_ps(part);
     fa_idx j = 0;
     for (; j + 8 <= n; j += 8) acc = _mm256_max_ps(_mm256_loadu_ps(x + j), acc);
-    float part[8];
     _mm256_storeu_ps(part, acc);
-    for (; j < n; ++j) part[0] = x[j] > part[0] ? x[j] : part[0];
-    float m = part[0];
-    for (int t = 1; t < 8; ++t) m = part[t] > m ? part[t] : m;
-    return m;
+    return j;
 }
 #endif

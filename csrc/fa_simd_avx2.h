@@ -60,8 +60,8 @@ static FA_ALWAYS_INLINE __m256 fa_reduce_rows_ps256(const __m256 *v)
 }
 #define VREDUCE_ROWS(v) fa_reduce_rows_ps256(v)
 #define FA_DOT_GROUP 8 /* VLEN: the rows VREDUCE_ROWS sums */
-#define FA_SUM8(n, x) fa_sum8_ps256(n, x) /* sum and max in eight parts */
-#define FA_MAX8(n, x) fa_max8_ps256(n, x)
+#define FA_PARTS_SUM(n, x, part) fa_parts_sum_ps256(n, x, part) /* sum and max's parts */
+#define FA_PARTS_MAX(n, x, part) fa_parts_max_ps256(n, x, part)
 /* VLEN elements stored in fewer bits, as floats (F16C, and AVX2 integer
  * widening): exact conversions, one or two instructions each */
 #define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))

@@ -70,8 +70,8 @@ static FA_ALWAYS_INLINE __m512 fa_avx512_reduce_rows_ps(const __m512 *v)
 #define VREDUCE(x) fa_avx512_reduce_add_ps(x)
 #define VREDUCE_ROWS(v) fa_avx512_reduce_rows_ps(v)
 #define FA_DOT_GROUP 16 /* VLEN: the rows VREDUCE_ROWS sums */
-#define FA_SUM8(n, x) fa_sum8_ps256(n, x) /* sum and max in eight parts */
-#define FA_MAX8(n, x) fa_max8_ps256(n, x)
+#define FA_PARTS_SUM(n, x, part) fa_parts_sum_ps256(n, x, part) /* sum and max's parts */
+#define FA_PARTS_MAX(n, x, part) fa_parts_max_ps256(n, x, part)
 #define VSCALEF(x, n) _mm512_scalef_ps(x, n) /* x * 2^n, one rounding, subnormals too */
 /* VLEN elements stored in fewer bits, as floats: exact conversions */
 #define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))

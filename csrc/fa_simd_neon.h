@@ -49,8 +49,8 @@
 /* lane j: VREDUCE(v[j]) for j < 4, with the same pairs */
 #define VREDUCE_ROWS(v) vpaddq_f32(vpaddq_f32((v)[0], (v)[1]), vpaddq_f32((v)[2], (v)[3]))
 #define FA_DOT_GROUP 4 /* VLEN: the rows VREDUCE_ROWS sums */
-#define FA_SUM8(n, x) fa_neon_sum8(n, x) /* sum and max in eight parts */
-#define FA_MAX8(n, x) fa_neon_max8(n, x)
+#define FA_PARTS_SUM(n, x, part) fa_neon_parts_sum(n, x, part) /* sum and max's parts */
+#define FA_PARTS_MAX(n, x, part) fa_neon_parts_max(n, x, part)
 #define VTILE_T(r) fa_neon_transpose_f32(r)
 /* VLEN elements stored in fewer bits, as floats: exact conversions (FCVTL
  * is ARMv8.0; bfloat16 is the upper half of a float) */
@@ -86,41 +86,34 @@ static FA_ALWAYS_INLINE uint8x8_t fa_neon_load_4u8(const uint8_t *p)
     return vreinterpret_u8_u32(vdup_n_u32(w));
 }
 
-/* fa_kernels_impl.h's sum and max of a float row in eight interleaved
- * parts, the parts as two vectors (the same operations in the same order;
- * fa_parts_x86.h says why) */
-static FA_ALWAYS_INLINE float fa_neon_sum8(fa_idx n, const float *x)
+/* The eight parts of fa_kernels_impl.h's sum and max as two vectors
+ * (fa_parts_x86.h says why and how) */
+static FA_ALWAYS_INLINE fa_idx fa_neon_parts_sum(fa_idx n, const float *x, float *part)
 {
-    float32x4_t lo = vdupq_n_f32(0), hi = lo;
+    float32x4_t lo = vld1q_f32(part), hi = vld1q_f32(part + 4);
     fa_idx j = 0;
     for (; j + 8 <= n; j += 8) {
         lo = vaddq_f32(lo, vld1q_f32(x + j));
         hi = vaddq_f32(hi, vld1q_f32(x + j + 4));
     }
-    float part[8];
     vst1q_f32(part, lo);
     vst1q_f32(part + 4, hi);
-    for (; j < n; ++j) part[0] += x[j];
-    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    return j;
 }
 
 /* NaN ignored: a part changes only where the element is greater */
-static FA_ALWAYS_INLINE float fa_neon_max8(fa_idx n, const float *x)
+static FA_ALWAYS_INLINE fa_idx fa_neon_parts_max(fa_idx n, const float *x, float *part)
 {
-    float32x4_t lo = vdupq_n_f32(-INFINITY), hi = lo;
+    float32x4_t lo = vld1q_f32(part), hi = vld1q_f32(part + 4);
     fa_idx j = 0;
     for (; j + 8 <= n; j += 8) {
         const float32x4_t a = vld1q_f32(x + j), b = vld1q_f32(x + j + 4);
         lo = vbslq_f32(vcgtq_f32(a, lo), a, lo);
         hi = vbslq_f32(vcgtq_f32(b, hi), b, hi);
     }
-    float part[8];
     vst1q_f32(part, lo);
     vst1q_f32(part + 4, hi);
-    for (; j < n; ++j) part[0] = x[j] > part[0] ? x[j] : part[0];
-    float m = part[0];
-    for (int t = 1; t < 8; ++t) m = part[t] > m ? part[t] : m;
-    return m;
+    return j;
 }
 #endif
 #ifndef FA_NEON_TRANSPOSE_F32
