@@ -10,7 +10,7 @@ import numpy as np
 from . import _checks as C
 from . import _masks, _runtime, _storage
 from ._typing import DTypeLike, Float, MaskArray, NDArray
-from .attention import Result, StoredKV, _attention, scaled_dot_product_attention
+from .attention import Result, StoredKV, _route
 
 
 def _count(n: int, noun: str) -> str:
@@ -415,15 +415,11 @@ class KVCache:
             # the kernel's call sees the mask combined with the padding, not the caller's
             raise ValueError("out overlaps attn_mask; pass a separate output array")
         key, value, stored = self._rows(0, self._length)
-        if key.dtype == query.dtype:  # a decoding step may take the functional API's short route
-            return scaled_dot_product_attention(
-                query, key, value, mask, 0.0, is_causal, scale, True,
-                causal_alignment="lower_right", need_weights=need_weights,
-                return_lse=return_lse, window_size=window_size, alibi_slopes=alibi_slopes,
-                softcap=softcap, sinks=sinks, out=out, num_threads=num_threads)
-        return cast("Result[Float]", _attention(
+        # the functional API's call, through its short route when it takes it
+        return cast("Result[Float]", _route(
             query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
-            return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads, stored))
+            return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads,
+            None if key.dtype == query.dtype else stored))
 
     def _rows(self, start: int, stop: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:
         """Views of the keys and values held at positions start..stop-1, as

@@ -11,7 +11,7 @@ from test_errors import HOSTILE, misaligned, self_overlapping
 
 import fastattn
 from fastattn import _checks as C
-from fastattn import _runtime, attention
+from fastattn import _runtime, _storage, attention
 from fastattn import reference as ref
 
 sdpa = fastattn.scaled_dot_product_attention
@@ -249,22 +249,33 @@ def test_errors_are_the_general_paths(args, kwargs, monkeypatch):
     assert general_path(monkeypatch, lambda: raised(lambda: sdpa(*args, **kwargs))) == with_route
 
 
+@pytest.mark.parametrize("storage", _storage.FLOAT32_STORAGES)
 @pytest.mark.parametrize("padding", [False, True])
-def test_a_cache_step_takes_it(padding, monkeypatch):
-    """KVCache.attend on a cache in the query's dtype: the short route,
-    with the general path's bits."""
+def test_a_cache_step_takes_it(padding, storage, monkeypatch):
+    """KVCache.attend on a float32 cache in any storage, queries of its
+    dtype, grouped-query heads, Ev != E: the short route, with the general
+    path's bits (the kernel reads every storage itself)."""
     rng = np.random.default_rng(3)
-    cache = fastattn.KVCache(2, 2, 40, 16)
+    cache = fastattn.KVCache(2, 2, 40, 16, value_dim=32, storage=storage)
     pad = np.arange(30) >= np.array([[30], [25]]) if padding else None  # True = padding
-    cache.append(data(rng, (2, 2, 30, 16)), data(rng, (2, 2, 30, 16)), key_padding_mask=pad)
-    q, out = data(rng, (2, 6, 1, 16)), np.empty((2, 6, 1, 16), np.float32)
+    cache.append(data(rng, (2, 2, 30, 16)), data(rng, (2, 2, 30, 32)), key_padding_mask=pad)
+    q, out = data(rng, (2, 6, 1, 16)), np.empty((2, 6, 1, 32), np.float32)
     seen = []
     taken = attention._common_call
-    monkeypatch.setattr(attention, "_common_call", lambda *a: seen.append(1) or taken(*a))
+    monkeypatch.setattr(attention, "_common_call",
+                        lambda *a: seen.append(a[-1] is None) or taken(*a))
     mine = cache.attend(q, out=out)
-    assert mine is out and seen == [1]
+    # the cache's own buffers are passed as stored (their storage) unless float32
+    assert mine is out and seen == [storage == "float32"]
     general = general_path(monkeypatch, lambda: cache.attend(q))
     np.testing.assert_array_equal(mine, general)
+    # a float16 query on the same cache: left to the general path (which
+    # rounds the float32 result once), the same result as before
+    seen.clear()
+    q16 = q.astype(np.float16)
+    half = cache.attend(q16)
+    assert len(seen) == 1 and half.dtype == np.float16
+    np.testing.assert_array_equal(half, cache.attend(q16.astype(np.float32)).astype(np.float16))
 
 
 def test_num_threads_is_resolved_once(monkeypatch):
