@@ -57,11 +57,26 @@ def require_ndim(x: NDArray[Any], name: str, min_ndim: int, layout: str) -> None
                          f"got shape {shape_str(x.shape)}")
 
 
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    """dtype.name, remembered for the dtypes seen (up to 64 of them):
+    NumPy's property builds the string in Python at every access, 1.8 us
+    against 0.03 for the lookup, and a small paged_attention call made six
+    of them."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = dtype.name
+        if len(_DTYPE_NAMES) < 64:
+            _DTYPE_NAMES[dtype] = name
+    return name
+
+
 def is_half(dtype: np.dtype[Any]) -> bool:
     """float16, or bfloat16 (ml_dtypes' dtype, the one JAX and PyTorch's
     converters use): stored in 16 bits, computed in float32."""
-    # itemsize first: dtype.name is a Python property, about 1.5 us a call
-    return dtype.itemsize == 2 and (dtype == np.float16 or dtype.name == "bfloat16")
+    return dtype.itemsize == 2 and (dtype == np.float16 or dtype_name(dtype) == "bfloat16")
 
 
 def bfloat16(what: str) -> np.dtype[Any]:

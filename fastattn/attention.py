@@ -507,7 +507,8 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
     k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, key.shape[-1] if packed else E))
     v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, value.shape[-1]))
-    store = _STORE.get(dtype.name, _core.STORE_NATIVE) if compute != dtype else _core.STORE_NATIVE
+    store = (_STORE.get(C.dtype_name(dtype), _core.STORE_NATIVE) if compute != dtype
+             else _core.STORE_NATIVE)
     kv_store, k_scale, v_scale = store, None, None
     if stored is not None:
         kv_store = stored.store
@@ -573,7 +574,7 @@ def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,
     bits aside), on the threads."""
     x = np.ascontiguousarray(x)
     y = out if out is not None and out.flags.c_contiguous else np.empty(x.shape, dtype)
-    _core.narrow(_runtime.isa(), _STORE[dtype.name], x, y, nthreads)
+    _core.narrow(_runtime.isa(), _STORE[C.dtype_name(dtype)], x, y, nthreads)
     if out is not None and y is not out:
         np.copyto(out, y)
         return out

@@ -36,13 +36,13 @@ def _byte_caches(key_cache: NDArray[Any], value_cache: NDArray[Any], kv_cache_dt
     "auto" (their dtype's), or one of _storage.CODES held in uint8 (float8
     also in ml_dtypes' dtypes of that name, read as their bytes)."""
     if kv_cache_dtype == "auto":
-        return key_cache, value_cache, key_cache.dtype.name
+        return key_cache, value_cache, C.dtype_name(key_cache.dtype)
     if kv_cache_dtype not in _storage.CODES:  # (also what is not a str)
         raise ValueError(f"kv_cache_dtype must be 'auto' or one of "
                          f"{', '.join(map(repr, _storage.CODES))}, got {kv_cache_dtype!r}")
     views = []
     for name, a in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if a.dtype != np.uint8 and a.dtype.name != kv_cache_dtype:
+        if a.dtype != np.uint8 and C.dtype_name(a.dtype) != kv_cache_dtype:
             raise TypeError(f"{name} has dtype {a.dtype}; kv_cache_dtype={kv_cache_dtype!r} "
                             f"reads uint8 codes{'' if kv_cache_dtype == 'int4' else ' or ' + kv_cache_dtype}")
         views.append(a.view(np.uint8))
@@ -63,14 +63,15 @@ def _cache_dtypes(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDA
             raise TypeError(f"key_cache has dtype {kd}; a float64 query reads float64 caches")
         q_store = kv_store = _core.STORE_NATIVE
     else:
-        if qd.name not in _QUERY_STORES or not qd.isnative:
+        if C.dtype_name(qd) not in _QUERY_STORES or not qd.isnative:
             raise TypeError(f"query has dtype {qd}; expected float32, float64, float16 or "
                             "bfloat16 (native byte order)")
-        if held not in _storage.CODES and (kd.name not in _CACHE_STORES or not kd.isnative):
+        if held not in _storage.CODES and (C.dtype_name(kd) not in _CACHE_STORES
+                                          or not kd.isnative):
             raise TypeError(f"key_cache has dtype {kd}; expected float32, float16, bfloat16 "
                             f"or int8 (with k_scale and v_scale) for a {qd} query, or codes "
                             f"named by kv_cache_dtype")
-        q_store, kv_store = _QUERY_STORES[qd.name], _storage.kind(held)
+        q_store, kv_store = _QUERY_STORES[C.dtype_name(qd)], _storage.kind(held)
     scaled = held in _storage.SCALED
     if scaled and (k_scale is None or v_scale is None):
         raise TypeError(f"{held} caches need k_scale and v_scale, the float32 scale of every "
@@ -295,7 +296,7 @@ def paged_attention(
     table, lens = _block_table(block_table, seq_lens, B, num_blocks, block_size)
     causal = C.check_bool(is_causal, "is_causal")
     lse_wanted = C.check_bool(return_lse, "return_lse")
-    q_lens = np.diff(cu_q)
+    q_lens = cu_q[1:] - cu_q[:-1]  # (np.diff's checks cost 1.3 us more)
     if causal and (q_lens > lens).any():
         b = int(np.flatnonzero(q_lens > lens)[0])
         raise ValueError(f"sequence {b} has {q_lens[b]} queries but seq_lens[{b}] = {lens[b]} "

@@ -332,7 +332,7 @@ class PagedKVCache:
             raise ValueError(f"key and value must hold the same number of tokens, got {n} and "
                              f"{value.shape[0]}")
         cu = self._cu(cu_seqlens, "cu_seqlens", len(ids), n)
-        counts = np.diff(cu)
+        counts = cu[1:] - cu[:-1]
         nthreads = _runtime.resolve_threads(num_threads)
         interleaved = C.check_bool(rotary_interleaved, "rotary_interleaved")
         starts = np.array([self._lens[s] for s in ids], np.int64)
@@ -468,7 +468,7 @@ class PagedKVCache:
                              f"head_dim) = (total_q, Hq, {self.head_dim})")
         cu = self._cu(cu_seqlens_q, "cu_seqlens_q", len(ids), query.shape[0])
         lens = np.array([self._lens[s] for s in ids], np.int64)
-        counts = np.diff(cu)
+        counts = cu[1:] - cu[:-1]
         if C.check_bool(options.get("is_causal", True), "is_causal") and (counts > lens).any():
             b = int(np.flatnonzero(counts > lens)[0])
             raise ValueError(f"sequence {ids[b]} has {counts[b]} quer{'y' if counts[b] == 1 else 'ies'} "

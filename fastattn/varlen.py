@@ -17,8 +17,8 @@ def _cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
     if a.ndim != 1 or a.shape[0] < 1:
         raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected (B + 1,)")
     c = np.ascontiguousarray(a, dtype=np.int64)
-    down = np.flatnonzero(np.diff(c) < 0)
-    if c[0] != 0 or c[-1] != total or down.size:
+    if c[0] != 0 or c[-1] != total or (c[1:] < c[:-1]).any():
+        down = np.flatnonzero(c[1:] < c[:-1])  # (a second pass only on the way to the error)
         where = (f"{name}[0] = {c[0]}" if c[0] != 0 else
                  f"{name}[{down[0] + 1}] = {c[down[0] + 1]} < {name}[{down[0]}] = {c[down[0]]}"
                  if down.size else f"{name}[-1] = {c[-1]}")
