@@ -66,7 +66,7 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
     if stored is None:
         if bounds is None or key.dtype != dtype or value.dtype != dtype:
             return None
-    elif dtype != np.float32:  # a 16-bit query: rounded at the end (_attention)
+    elif bounds is None or dtype != np.float32:  # 16-bit: rounded at the end (_attention)
         return None
     limit, largest = bounds
     qs, ks, vs = query.shape, key.shape, value.shape

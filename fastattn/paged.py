@@ -2,7 +2,7 @@
 keys and values lie in blocks of a shared pool (a paged cache)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
@@ -255,8 +255,6 @@ def paged_attention(
             raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {layout}")
     key_cache, value_cache, held = _byte_caches(key_cache, value_cache, kv_cache_dtype)
     q_store, kv_store = _cache_dtypes(query, key_cache, value_cache, k_scale, v_scale, held)
-    dtype = query.dtype
-    compute = C.compute_dtype(dtype)
     total_q, Hq, E = query.shape
     num_blocks, Hkv, block_size, Ek = key_cache.shape
     Ev = value_cache.shape[3]
@@ -302,6 +300,36 @@ def paged_attention(
         raise ValueError(f"sequence {b} has {q_lens[b]} queries but seq_lens[{b}] = {lens[b]} "
                          "keys: with is_causal the queries are a sequence's last positions, "
                          "whose keys and values must be in the cache first")
+    inputs = {"query": query, "key_cache": key_cache, "value_cache": value_cache,
+              "block_table": block_table, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q,
+              "k_scale": k_scale, "v_scale": v_scale}
+    return _paged(query, key_cache, value_cache, table, lens, cu_q, q_lens, scales, q_store,
+                  kv_store, Ev, causal, scale, window_size, alibi_slopes, softcap, sinks,
+                  lse_wanted, out, num_threads, inputs)
+
+
+def _paged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
+           table: NDArray[np.int32], lens: NDArray[np.int64], cu_q: NDArray[np.int64],
+           q_lens: NDArray[np.int64],
+           scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]],
+           q_store: int, kv_store: int, Ev: int, causal: bool, scale: Optional[float],
+           window_size: Optional[tuple[int, int]], alibi_slopes: Optional[NDArray[Any]],
+           softcap: Optional[float], sinks: Optional[NDArray[Any]], return_lse: bool,
+           out: Optional[NDArray[Any]], num_threads: Optional[int],
+           inputs: Mapping[str, Optional[NDArray[Any]]]
+           ) -> Union[NDArray[Any], tuple[NDArray[Any], NDArray[Any]]]:
+    """paged_attention's call once its caches, table, lengths and offsets are
+    known good (the table int32 and the lengths and offsets int64, all
+    contiguous; q_lens the queries of each sequence; causal checked): the
+    options' checks and the kernel.  PagedKVCache.attend comes here with
+    its own arrays, which it keeps good.  inputs: what out must not
+    overlap."""
+    total_q, Hq, E = query.shape
+    Hkv = key_cache.shape[1]
+    B = lens.shape[0]
+    dtype = query.dtype
+    compute = C.compute_dtype(dtype)
+    lse_wanted = C.check_bool(return_lse, "return_lse")
     scale = C.check_scale(scale, E, compute)
     nthreads = _runtime.resolve_threads(num_threads)
     lengths = int(max(q_lens.max(initial=0), 1)), int(max(lens.max(initial=0), 1))
@@ -313,10 +341,7 @@ def paged_attention(
 
     out_shape = (total_q, Hq, Ev)
     if out is not None:
-        C.check_out(out, out_shape, dtype, {"query": query, "key_cache": key_cache,
-                                            "value_cache": value_cache, "block_table": block_table,
-                                            "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q,
-                                            "k_scale": k_scale, "v_scale": v_scale})
+        C.check_out(out, out_shape, dtype, inputs)
     # the kernels write float32 for 16-bit queries, rounded to them at the end
     result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
     lse = np.empty((Hq, total_q), compute) if lse_wanted else None

@@ -274,6 +274,12 @@ def test_views_are_read_only_and_sizes():
     (lambda c: c.append([0], *kv(1), rotary=np.zeros((4, 8))), TypeError, "pair (cos, sin)"),
     (lambda c: c.attend([0], np.zeros((1, Hq, D), np.float32)), ValueError,
      "sequence 0 has 1 query but holds 0 positions"),
+    (lambda c: c.attend([0], np.zeros((1, 3, D), np.float32)), ValueError,
+     "query heads (3) must be a multiple of key/value heads (2)"),
+    (lambda c: c.attend([0], np.zeros((1, Hq, D), np.float32), is_causal=False, dropout=0.1),
+     TypeError, "unexpected option(s) 'dropout'"),
+    (lambda c: c.attend([0], np.zeros((1, Hq, D), np.float32), kv_cache_dtype="int4"),
+     TypeError, "unexpected option(s) 'kv_cache_dtype'"),
     (lambda c: c.fork(5), ValueError, "seq_id = 5 is not a live sequence"),
     (lambda c: fastattn.PagedKVCache(0, 4, 1, 8), ValueError, "num_blocks must be >= 1"),
     (lambda c: fastattn.PagedKVCache(1, 4, 1, 8, storage="int2"), ValueError, "storage must be"),
@@ -284,6 +290,51 @@ def test_bad_input(call, error, words):
     with pytest.raises(error) as e:
         call(cache)
     assert words in str(e.value)
+
+
+STORAGES = ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"]
+OPTIONS = [{}, {"is_causal": False}, {"return_lse": True, "num_threads": 2},
+           {"window_size": (5, 0), "softcap": 3.0, "alibi_slopes": np.linspace(0.1, 0.4, Hq),
+            "sinks": np.linspace(-1, 1, Hq), "scale": 0.3}]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("options", range(len(OPTIONS)))
+def test_attend_is_paged_attention_on_its_own_arrays(storage, options):
+    """attend skips paged_attention's checks of the pool, table, lengths
+    and scales it keeps: the same call otherwise, bit for bit, float16
+    queries and out= included."""
+    if storage == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    options = OPTIONS[options]
+    rng = np.random.default_rng(len(storage))
+    cache = fastattn.PagedKVCache(40, 8, Hkv, 64, value_dim=40, storage=storage)
+    ids = [cache.add_sequence() for _ in range(3)]
+    counts = np.array([30, 1, 17])
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    cache.append(ids, rng.standard_normal((cu[-1], Hkv, 64)).astype(np.float32),
+                 rng.standard_normal((cu[-1], Hkv, 40)).astype(np.float32), cu)
+    qcu = np.array([0, 2, 3, 7], np.int32)
+    lens = np.array([cache.seq_lens[s] for s in ids])
+    for dtype in (np.float32, np.float16):
+        q = rng.standard_normal((7, Hq, 64)).astype(dtype)
+        got = cache.attend(ids, q, qcu, **options)
+        want = fastattn.paged_attention(
+            q, cache.key_cache, cache.value_cache, cache.block_table(ids), lens, qcu,
+            k_scale=cache.k_scale, v_scale=cache.v_scale,
+            kv_cache_dtype=storage if storage in ("float8_e4m3fn", "float8_e5m2", "int4")
+            else "auto", value_dim=40 if storage == "int4" else None, **options)
+        for a, b in zip(got if isinstance(got, tuple) else (got,),
+                        want if isinstance(want, tuple) else (want,)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+    out = np.full((7, Hq, 40), np.nan, np.float32)
+    q = rng.standard_normal((7, Hq, 64)).astype(np.float32)
+    res = cache.attend(ids, q, qcu, out=out, **options)
+    np.testing.assert_array_equal(res[0] if isinstance(res, tuple) else res,
+                                  cache.attend(ids, q, qcu, **options)[0]
+                                  if isinstance(res, tuple) else cache.attend(ids, q, qcu, **options))
+    assert (res[0] if isinstance(res, tuple) else res) is out
 
 
 def kv(n, dtype=np.float32):
