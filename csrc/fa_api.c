@@ -188,8 +188,10 @@ static int store_ok(const fa_attn_args *a, int elsize)
            (a->kv_store == FA_STORE_NATIVE || a->kv_store == FA_STORE_F16 ||
             a->kv_store == FA_STORE_BF16 || a->kv_store == FA_STORE_F8E5M2 ||
             (fa_store_scaled(a->kv_store) && a->k_scale != NULL && a->v_scale != NULL) ||
-            (a->kv_store == FA_STORE_Q4 && (a->E == 0 || a->k_es == 1) &&
-             (a->Ev == 0 || a->v_es == 1)));
+            /* int4 rows are contiguous bytes; no row (S = 0: an empty
+             * cache, whose strides NumPy may give as 0) is read at all */
+            (a->kv_store == FA_STORE_Q4 &&
+             (a->S == 0 || ((a->E == 0 || a->k_es == 1) && (a->Ev == 0 || a->v_es == 1)))));
 }
 
 /* The arguments, storage aside (the merge reads no key nor value). */

@@ -20,6 +20,7 @@ from test_properties import FEATURES, KEYS, LENGTHS, SEEDS
 from test_variants import variants
 
 import fastattn
+from fastattn import _storage
 from fastattn import reference as ref
 
 try:  # an optional dependency: the formats' definitions below are tested without it
@@ -86,6 +87,22 @@ def test_an_empty_pool_gives_an_empty_or_zero_result(storage, pool):
                                    np.array([0 if pool == "no blocks" else 3]), np.array([0, L]),
                                    kv_cache_dtype=storage, is_causal=False, **scales)
     assert out.shape == (L, 2 * Hkv, E) and not np.any(out)
+
+
+@pytest.mark.parametrize("L", [1, 8])
+@pytest.mark.parametrize("storage", _storage.FLOAT32_STORAGES)
+def test_an_empty_cache_gives_zero_rows(storage, L):
+    """A KVCache holding no position (new, or after reset), attended without
+    is_causal: zero rows in every storage (int4's check of contiguous rows
+    refused the zero strides NumPy gives an empty view)."""
+    if storage == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    cache = fastattn.KVCache(1, 2, 8, 64, value_dim=32, storage=storage)
+    for _ in range(2):
+        out = cache.attend(np.ones((1, 4, L, 64), np.float32), is_causal=False)
+        assert out.shape == (1, 4, L, 32) and not np.any(out)
+        cache.append(np.ones((1, 2, 3, 64), np.float32), np.ones((1, 2, 3, 32), np.float32))
+        cache.reset()
 
 
 @pytest.mark.parametrize("L", [1, 8])  # the row kernel and the block kernel's tiles
