@@ -130,25 +130,27 @@ def _common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Floa
     nthreads = _runtime.resolve_threads(num_threads)
     if out.size:
         isa, q, k, v = _runtime.isa(), C.kernel_view(query), C.kernel_view(key), C.kernel_view(value)
-        kv_store = _core.STORE_NATIVE if stored is None else stored.store
+        # a cache's storage: _attention's call, the scales as the cache holds them
+        kv_store, k_scale, v_scale = ((_core.STORE_NATIVE, None, None) if stored is None else
+                                      (stored.store, stored.key_scale, stored.value_scale))
         # nbytes: at least the bytes read (broadcast axes counted once)
         tkey, nbytes = (isa, nthreads, kv_store, False), key.nbytes + value.nbytes
-        if stored is not None:  # _attention's call, the scales as the cache holds them
-            _tuning.run(tkey, nbytes, L <= _tuning.DECODE_ROWS,
-                        lambda prefetch: _core.attention(
-                            isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
-                            nthreads, prefetch, kv_store=kv_store, k_scale=stored.key_scale,
-                            v_scale=stored.value_scale))
         # a tiny call straight to the kernel, its arguments positional: the
         # closure and a keyword cost it 0.7 us of 4.5
-        elif L > _tuning.DECODE_ROWS or nbytes < _tuning.MIN_BYTES:
-            _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
-                            nthreads, _tuning.current(tkey))
+        if L > _tuning.DECODE_ROWS or nbytes < _tuning.MIN_BYTES:
+            if stored is None:
+                _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset,
+                                scale, nthreads, _tuning.current(tkey))
+            else:
+                _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset,
+                                scale, nthreads, _tuning.current(tkey), kv_store=kv_store,
+                                k_scale=k_scale, v_scale=v_scale)
         else:
             _tuning.run(tkey, _tuning.distinct_bytes(key, value), True,
-                        lambda prefetch: _core.attention(isa, q, k, v, mask, kind, out, None,
-                                                         group, is_causal, offset, scale,
-                                                         nthreads, prefetch))
+                        lambda prefetch: _core.attention(
+                            isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
+                            nthreads, prefetch, kv_store=kv_store, k_scale=k_scale,
+                            v_scale=v_scale))
     return out
 
 
