@@ -126,6 +126,7 @@ void FA_NAME(exp_array)(fa_idx n, const T *x, T *y, int mode)
 #undef FA_EC
 #undef FA_PREFETCH_BYTES
 #undef FA_BLOCK_AHEAD_BYTES
+#undef FA_VALUE_AHEAD_ROWS
 #undef FA_EP
 #undef FA_EVP
 #undef FA_ROWS_SCALARS
