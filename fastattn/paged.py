@@ -96,6 +96,13 @@ def _scales(k_scale: object, v_scale: object, shape: C.Shape
     return out[0], out[1]
 
 
+def check_features(E: int, Ev: int) -> None:
+    """ValueError for heads wider than the kernels take (fastattn.h)."""
+    if E > _core.ATTN_MAX_FEATURES or Ev > _core.ATTN_MAX_FEATURES:
+        raise ValueError(f"E = {E} and Ev = {Ev}: at most {_core.ATTN_MAX_FEATURES} features "
+                         "are supported")
+
+
 def _block_table(block_table: object, seq_lens: object, B: int, num_blocks: int,
                  block_size: int) -> tuple[NDArray[np.int32], NDArray[np.int64]]:
     """The table as the kernels read it (C-contiguous int32) and seq_lens as
@@ -283,9 +290,7 @@ def paged_attention(
         raise ValueError("key_cache has block_size 0; expected blocks of at least one position")
     if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):  # no heads at all: empty
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    if E > _core.ATTN_MAX_FEATURES or Ev > _core.ATTN_MAX_FEATURES:
-        raise ValueError(f"E = {E} and Ev = {Ev}: at most {_core.ATTN_MAX_FEATURES} features "
-                         "are supported")
+    check_features(E, Ev)
     scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]] = (None, None)
     if held in _storage.SCALED:
         scales = _scales(k_scale, v_scale, key_cache.shape[:3])

@@ -11,7 +11,7 @@ from . import _checks as C
 from . import _core, _runtime, _storage
 from ._typing import DTypeLike, Float, NDArray
 from .attention import narrow
-from .paged import _QUERY_STORES, _paged
+from .paged import _QUERY_STORES, _paged, check_features
 from .rotary import rotate
 from .varlen import _cu_seqlens
 
@@ -479,6 +479,8 @@ class PagedKVCache:
         if query.shape[1] % self.num_kv_heads:
             raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value "
                              f"heads ({self.num_kv_heads})")
+        check_features(self.head_dim, self._value_dim)
+        caller_query = query  # out must not overlap it, rotated or not
         cu = self._cu(cu_seqlens_q, "cu_seqlens_q", len(ids), query.shape[0])
         lens = np.array([self._lens[s] for s in ids], np.int64)
         counts = cu[1:] - cu[:-1]
@@ -500,7 +502,7 @@ class PagedKVCache:
         # paged_attention's call without its checks of what the cache keeps
         # good (its pool, table, lengths and scales): 60.6 -> 26 us for one
         # sequence of 16 positions (one head of 128, Zen 4)
-        inputs = {"query": query, "key_cache": self._key, "value_cache": self._value,
+        inputs = {"query": caller_query, "key_cache": self._key, "value_cache": self._value,
                   "k_scale": self._k_scale, "v_scale": self._v_scale}
         table = self.block_table(ids)
         if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read

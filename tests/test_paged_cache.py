@@ -337,6 +337,28 @@ def test_attend_is_paged_attention_on_its_own_arrays(storage, options):
     assert (res[0] if isinstance(res, tuple) else res) is out
 
 
+def test_attend_checks_what_paged_attention_checked():
+    """attend leaves the cache's arrays unchecked, not the call: heads wider
+    than the kernels take are a ValueError (not the kernel's internal
+    error), and out may not be the query even when rotary rotates a copy."""
+    wide = fastattn._core.ATTN_MAX_FEATURES + 1
+    for E, Ev in ((wide, 4), (4, wide)):
+        cache = fastattn.PagedKVCache(1, 1, 1, E, value_dim=Ev)
+        s = cache.add_sequence()
+        cache.append([s], np.ones((1, 1, E), np.float32), np.ones((1, 1, Ev), np.float32))
+        with pytest.raises(ValueError, match=f"at most {wide - 1} features"):
+            cache.attend([s], np.ones((1, 1, E), np.float32))
+    cache = fastattn.PagedKVCache(4, 4, 1, 8)
+    s = cache.add_sequence()
+    cache.append([s], np.ones((2, 1, 8), np.float32), np.ones((2, 1, 8), np.float32),
+                 np.array([0, 2], np.int32))
+    q = np.ones((1, 1, 8), np.float32)
+    rotary = (np.ones((8, 4), np.float32), np.zeros((8, 4), np.float32))
+    with pytest.raises(ValueError, match="overlap"):
+        cache.attend([s], q, rotary=rotary, out=q)
+    assert np.all(q == 1)
+
+
 def kv(n, dtype=np.float32):
     return np.zeros((n, Hkv, D), dtype), np.zeros((n, Hkv, Dv), dtype)
 
