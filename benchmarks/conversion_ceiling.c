@@ -10,7 +10,8 @@
  *       benchmarks/conversion_ceiling.c -o /tmp/ceiling && /tmp/ceiling
  *
  * (x86 with AVX-512 only: a loop whose instructions the CPU lacks would
- * fault.)  The clock is measured with a chain of dependent integer adds,
+ * fault.  The accumulators stay in registers only with the loops over them
+ * unrolled, hence the pragmas.)  The clock is measured with a chain of dependent integer adds,
  * one a cycle.  Also timed: two exact conversions that avoid
  * vcvtdq2ps (the float bits of 1.5 * 2^23 + k, less 1.5 * 2^23), in case
  * a CPU runs them on ports the FMAs leave free. */
@@ -48,7 +49,7 @@ static double now(void)
         for (long k = 0; k < iters; ++k)                                        \
             for (int r = 0; r < ROWS; ++r) {                                    \
                 const __m512 p = _mm512_set1_ps(w[r]);                          \
-                for (int u = 0; u < 8; ++u) {                                   \
+                _Pragma("GCC unroll 8") for (int u = 0; u < 8; ++u) {           \
                     const int e = r * N + 16 * u;                               \
                     acc[u] = _mm512_fmadd_ps(p, CONVERT, acc[u]);               \
                 }                                                               \
@@ -80,7 +81,7 @@ LOOP512(i8_mixed_512, I8_HALF)
         for (long k = 0; k < iters; ++k)                                        \
             for (int r = 0; r < ROWS; ++r) {                                    \
                 const __m256 p = _mm256_set1_ps(w[r]);                          \
-                for (int u = 0; u < 16; ++u) {                                  \
+                _Pragma("GCC unroll 16") for (int u = 0; u < 16; ++u) {         \
                     const int e = r * N + 8 * u;                                \
                     acc[u] = _mm256_fmadd_ps(p, CONVERT, acc[u]);               \
                 }                                                               \
