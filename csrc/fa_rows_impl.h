@@ -132,14 +132,17 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq
         }
     if (a->v_es == 1) {
         const fa_idx vrb = FA_NAME(st_row_bytes)(st, Ev), eb = FA_NAME(st_bytes)(st);
+        const fa_ahead_rows none = {NULL, 0, 0, 0};
         for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
             n = fa_kv_run(a, s0 + r0, nk - r0);
             const fa_idx j = s0 + r0 + n; /* the next run */
             if (a->block_table != NULL && vrb > 0 && j < a->S && j % a->block_size == 0) {
                 const fa_idx m = fa_kv_run(a, j, a->S - j);
-                const char *next = (const char *)v + fa_value_at(a, j) * eb;
-                for (fa_idx r = 0; r < m && r < FA_VALUE_AHEAD_ROWS; ++r)
-                    for (fa_idx e = 0; e < vrb; e += 64) FA_PREFETCH_L2(next + r * a->v_ss * eb + e);
+                const fa_ahead_rows next[2] = {
+                    {(const char *)v + fa_value_at(a, j) * eb, a->v_ss * eb, vrb,
+                     m < FA_VALUE_AHEAD_ROWS ? m : FA_VALUE_AHEAD_ROWS},
+                    none};
+                for (fa_idx r = 0; r < next[0].count; ++r) FA_NAME(fetch_rows)(r, &none, next);
             }
             FA_NAME(gemv_t_st)(st, nq, n, Ev, s + r0, FA_RB,
                                FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0)), a->v_ss, o,
@@ -235,9 +238,8 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
              * hardware prefetcher streams within them (blocks of 8192
              * float32 rows were 9 % slower with every row's; blocks of 128
              * float16 rows, 32 KB, 14 % faster) */
-            const fa_idx edge = block_ahead > 0 && long_blocks
-                                    ? (j / a->block_size + 1) * a->block_size : 0;
-            if (block_ahead > 0 && jb < edge) {
+            const fa_idx edge = long_blocks ? (j / a->block_size + 1) * a->block_size : 0;
+            if (jb < edge) {
                 n = n < edge - jb ? n : edge - jb; /* up to the rows whose jb crosses */
             } else if (block_ahead > 0 && jb < a->S) {
                 const fa_idx nb = fa_kv_run(a, jb, a->S - jb);

@@ -71,7 +71,7 @@ def _cache_dtypes(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDA
             raise TypeError(f"key_cache has dtype {kd}; expected float32, float16, bfloat16 "
                             f"or int8 (with k_scale and v_scale) for a {qd} query, or codes "
                             f"named by kv_cache_dtype")
-        q_store, kv_store = _QUERY_STORES[C.dtype_name(qd)], _storage.kind(held)
+        q_store, kv_store = query_store(qd), _storage.kind(held)
     scaled = held in _storage.SCALED
     if scaled and (k_scale is None or v_scale is None):
         raise TypeError(f"{held} caches need k_scale and v_scale, the float32 scale of every "
@@ -94,6 +94,11 @@ def _scales(k_scale: object, v_scale: object, shape: C.Shape
                              f"num_kv_heads, block_size) = {C.shape_str(shape)}")
         out.append(C.kernel_view(a))
     return out[0], out[1]
+
+
+def query_store(dtype: np.dtype[Any]) -> int:
+    """How the kernels read queries of dtype, one _cache_dtypes accepts."""
+    return _QUERY_STORES.get(C.dtype_name(dtype), _core.STORE_NATIVE)  # float64: native
 
 
 def check_features(E: int, Ev: int) -> None:

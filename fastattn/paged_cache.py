@@ -8,10 +8,10 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _storage
+from . import _runtime, _storage
 from ._typing import DTypeLike, Float, NDArray
 from .attention import narrow
-from .paged import _QUERY_STORES, _paged, check_features
+from .paged import _paged, check_features, query_store
 from .rotary import rotate
 from .varlen import _cu_seqlens
 
@@ -507,9 +507,8 @@ class PagedKVCache:
         table = self.block_table(ids)
         if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read
             table = np.zeros((len(ids), 1), np.int32)
-        q_store = _QUERY_STORES.get(C.dtype_name(query.dtype), _core.STORE_NATIVE)  # float64's
         result = _paged(query, self._key, self._value, table, lens, cu, counts,
-                        (self._k_scale, self._v_scale), q_store,
+                        (self._k_scale, self._v_scale), query_store(query.dtype),
                         _storage.kind(self._storage), self._value_dim, causal,
                         options.get("scale"), options.get("window_size"),
                         options.get("alibi_slopes"), options.get("softcap"),
