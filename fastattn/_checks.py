@@ -170,6 +170,13 @@ def kernel_view(a: NDArray[Any]) -> NDArray[Any]:
     return np.array(a, order="C")  # a fresh array; ascontiguousarray keeps a misaligned one
 
 
+def contiguous(a: NDArray[Any], dtype: DTypeLike = None) -> NDArray[Any]:
+    """a as a C-contiguous, aligned array of dtype, copied only when it is not
+    one: np.ascontiguousarray keeps a misaligned array, which C may not read."""
+    c = np.ascontiguousarray(a, dtype)
+    return c if c.flags.aligned else np.array(c, order="C")
+
+
 def broadcast_view(a: NDArray[Any], shape: Shape) -> NDArray[Any]:
     """a seen with shape (stride 0 on broadcast axes), without a copy."""
     if a.shape == shape:

@@ -574,8 +574,9 @@ def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,
     """x (float32) rounded to nearest-even dtype (float16 or bfloat16), into
     out when given: what NumPy's and ml_dtypes' astype give (NaN's payload
     bits aside), on the threads."""
-    x = np.ascontiguousarray(x)
-    y = out if out is not None and out.flags.c_contiguous else np.empty(x.shape, dtype)
+    x = C.contiguous(x)
+    y = out if out is not None and out.flags.c_contiguous and out.flags.aligned else \
+        np.empty(x.shape, dtype)
     _core.narrow(_runtime.isa(), _STORE[C.dtype_name(dtype)], x, y, nthreads)
     if out is not None and y is not out:
         np.copyto(out, y)

@@ -12,6 +12,8 @@ from ._typing import Float, NDArray
 from .attention import narrow
 from .varlen import _cu_seqlens
 
+_INT32_MAX = int(np.iinfo(np.int32).max)  # the largest block id of the kernels' tables
+
 # a cache's dtype -> how the kernels read it (its elements converted exactly
 # to float32 as they are loaded; int8 rows times their float32 scale); the
 # caches of bytes say what they hold with kv_cache_dtype (_storage.CODES)
@@ -133,13 +135,19 @@ def _block_table(block_table: object, seq_lens: object, B: int, num_blocks: int,
         raise ValueError(f"block_table[{b}, {i}] = {table[b, i]} is not a block of the caches "
                          f"(0 to num_blocks - 1 = {num_blocks - 1}): sequence {b} holds "
                          f"{lens64[b]} keys in its first {-(-lens64[b] // block_size)} blocks")
+    # the kernels read int32 ids (as vLLM's): a larger id would wrap to another block
+    if num_blocks > _INT32_MAX and (used & (table > _INT32_MAX)).any():
+        b, i = (int(x) for x in np.argwhere(used & (table > _INT32_MAX))[0])
+        raise ValueError(f"block_table[{b}, {i}] = {table[b, i]}: block ids above 2**31 - 1 = "
+                         f"{_INT32_MAX} are not supported (the kernels read int32 block "
+                         "tables); keep the pool's blocks in use below that")
     # the entries past a sequence's blocks are never read: any value, even one
     # an int32 cannot hold
     if table.dtype != np.int32:
         table = np.where(used, table, 0)
     if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read
         table = np.zeros((B, 1), np.int32)
-    return np.ascontiguousarray(table, dtype=np.int32), np.ascontiguousarray(lens64)
+    return C.contiguous(table, np.int32), C.contiguous(lens64)
 
 
 def paged_attention(
@@ -345,8 +353,8 @@ def _paged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
     lengths = int(max(q_lens.max(initial=0), 1)), int(max(lens.max(initial=0), 1))
     variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths,
                                compute)
-    slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
-    sink = None if sinks is None else np.ascontiguousarray(
+    slopes = None if variants.slopes is None else C.contiguous(variants.slopes)
+    sink = None if sinks is None else C.contiguous(
         _variants.per_head(sinks, "sinks", (Hq,), finite=False))
 
     out_shape = (total_q, Hq, Ev)

@@ -11,7 +11,7 @@ from . import _checks as C
 from . import _runtime, _storage
 from ._typing import DTypeLike, Float, NDArray
 from .attention import narrow
-from .paged import _paged, check_features, query_store
+from .paged import _INT32_MAX, _paged, check_features, query_store
 from .rotary import rotate
 from .varlen import _cu_seqlens
 
@@ -73,6 +73,9 @@ class PagedKVCache:
                  value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
                  storage: Optional[str] = None) -> None:
         num_blocks = C.check_index(num_blocks, "num_blocks", 1)
+        if num_blocks > _INT32_MAX + 1:  # block tables are int32, as vLLM's
+            raise ValueError(f"num_blocks = {num_blocks}; at most 2**31 = {_INT32_MAX + 1} "
+                             "blocks (block tables hold int32 ids)")
         block_size = C.check_index(block_size, "block_size", 1)
         num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
         head_dim = C.check_index(head_dim, "head_dim", 0)

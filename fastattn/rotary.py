@@ -38,7 +38,7 @@ def positions_of(positions: object, n: int, max_pos: int) -> NDArray[np.int64]:
     if bad.size:
         raise ValueError(f"positions[{bad[0]}] = {p[bad[0]]} is outside the tables' 0 to "
                          f"max_pos - 1 = {max_pos - 1}")
-    return np.ascontiguousarray(p, dtype=np.int64)
+    return C.contiguous(p, np.int64)
 
 
 def rotary(x: NDArray[Float], positions: NDArray[np.integer[Any]], cos: NDArray[Any],
@@ -101,7 +101,7 @@ def rotate(x: NDArray[Float], positions: object, cos: object, sin: object, inter
     p = positions_of(positions, x.shape[0], c.shape[0])
     # only the rows of these positions, in x's dtype: a table of 128k
     # positions in float64 is not converted whole on every call
-    rows = [np.ascontiguousarray(t[p], dtype=x.dtype) for t in (c, s)]
+    rows = [C.contiguous(t[p], x.dtype) for t in (c, s)]
     out = np.empty(x.shape, x.dtype)
     _core.rotary(C.kernel_view(x), np.arange(x.shape[0], dtype=np.int64), rows[0], rows[1],
                  interleaved, out, nthreads)

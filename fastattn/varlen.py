@@ -16,7 +16,7 @@ def _cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
         raise TypeError(f"{name} has dtype {a.dtype}; expected int32 or int64")
     if a.ndim != 1 or a.shape[0] < 1:
         raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected (B + 1,)")
-    c = np.ascontiguousarray(a, dtype=np.int64)
+    c = C.contiguous(a, np.int64)
     if c[0] != 0 or c[-1] != total or (c[1:] < c[:-1]).any():
         down = np.flatnonzero(c[1:] < c[:-1])  # (a second pass only on the way to the error)
         where = (f"{name}[0] = {c[0]}" if c[0] != 0 else
@@ -114,8 +114,8 @@ def varlen_attention(
     nthreads = _runtime.resolve_threads(num_threads)
     lengths = int(max(np.diff(cu_q).max(initial=0), 1)), int(max(np.diff(cu_k).max(initial=0), 1))
     variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths, dtype)
-    slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
-    sink = None if sinks is None else np.ascontiguousarray(
+    slopes = None if variants.slopes is None else C.contiguous(variants.slopes)
+    sink = None if sinks is None else C.contiguous(
         _variants.per_head(sinks, "sinks", (Hq,), finite=False))
 
     out_shape = (total_q, Hq, Ev)

@@ -93,3 +93,25 @@ def test_empty_operands_with_absurd_strides(simd, dtype, rng):
     _, w = fastattn.scaled_dot_product_attention(q, k, v0, need_weights=True, out=o0)
     assert_close(w, ref.scaled_dot_product_attention(*f64(q, k, v0), need_weights=True)[1],
                  dtype, 7)
+
+
+@pytest.mark.parametrize("num_blocks,block", [(2**31 + 8, 2**31 + 1), (2**32 + 8, 2**32 + 1)])
+def test_block_ids_past_int32_are_refused(num_blocks, block):
+    """The kernels read int32 block tables: an id past 2**31 - 1 of a pool
+    that large would wrap, to another block (2**32 + 1 to 1) or before the
+    pool.  The pool is one block seen num_blocks times (stride 0)."""
+    one = np.arange(4, dtype=np.float32)
+    pool = as_strided(one, (num_blocks, 1, 1, 4), (0, 0, 0, 4))
+    q = np.ones((1, 1, 4), np.float32)
+    fine = fastattn.paged_attention(q, pool, pool, np.array([[0, 2**31 - 1]]), np.array([2]),
+                                    np.array([0, 1]))
+    np.testing.assert_array_equal(fine, one[None, None])  # two equal rows: their mean
+    with pytest.raises(ValueError, match=rf"block_table\[0, 1\] = {block}: block ids above "
+                                         r"2\*\*31 - 1"):
+        fastattn.paged_attention(q, pool, pool, np.array([[0, block]]), np.array([2]),
+                                 np.array([0, 1]))
+
+
+def test_a_paged_cache_holds_int32_block_ids():
+    with pytest.raises(ValueError, match=r"num_blocks = 2147483649; at most 2\*\*31"):
+        fastattn.PagedKVCache(2**31 + 1, 1, 1, 0)
