@@ -99,8 +99,9 @@ def unsupported_float_hint(dtype: np.dtype[Any], name: str) -> str:
     """The fix for a half-precision array where only float32 and float64 are
     taken, to end a dtype error ('' otherwise)."""
     if is_half(dtype):
-        return (f"; {dtype.name} is taken by scaled_dot_product_attention and "
-                f"MultiHeadAttention only: pass {name}.astype(np.float32)")
+        return (f"; {dtype.name} is taken by scaled_dot_product_attention, paged_attention, "
+                f"MultiHeadAttention and the caches' attend, not here: pass "
+                f"{name}.astype(np.float32)")
     return ""
 
 

@@ -106,10 +106,11 @@ HOSTILE = [
     row("dtype", fastattn.merge_heads, (f32.astype(np.int16),), {}, TypeError, "x has dtype int16"),
     row("dtype", fastattn.merge_heads, (f32.astype(np.float16),), {}, TypeError,
         "x has dtype float16; expected float32 or float64 (native byte order); float16 is taken "
-        "by scaled_dot_product_attention and MultiHeadAttention only: pass x.astype(np.float32)"),
+        "by scaled_dot_product_attention, paged_attention, MultiHeadAttention and the caches' "
+        "attend, not here: pass x.astype(np.float32)"),
     row("dtype", fastattn.matmul, (z(3, 4), z(4, 5, dtype=np.float16)), {}, TypeError,
-        "float16 is taken by scaled_dot_product_attention and MultiHeadAttention only: pass "
-        "b.astype(np.float32)"),
+        "float16 is taken by scaled_dot_product_attention, paged_attention, "
+        "MultiHeadAttention and the caches' attend, not here: pass b.astype(np.float32)"),
     row("dtype", mha, (z(2, 3, 8, dtype=np.float16),), {}, TypeError,
         "query has dtype float16; this MultiHeadAttention has float32 weights; for float16 "
         "inputs make the layer float16 (dtype= of MultiHeadAttention) or pass "
