@@ -3,6 +3,7 @@ pool, for serving requests that arrive and finish at different times."""
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -46,6 +47,16 @@ class PagedKVCache:
     block_size, head_dim) and ``value_cache`` (..., value_dim): vLLM's and
     FlashAttention's layout, which ``paged_attention`` takes directly with
     ``block_table(seq_ids)`` and the lengths in ``seq_lens``.
+
+    Threads: the bookkeeping (``add_sequence``, ``fork``, ``free``,
+    ``append``, the block table of ``attend``) is guarded by a lock, so that
+    several threads may serve different sequences of one cache; the
+    conversions and the attention run outside it.  An ``attend`` reads the
+    blocks its sequences held when it started: free none of them from
+    another thread meanwhile (their blocks could be taken and overwritten).
+    One sequence's tokens come from one thread at a time: an append that
+    finds its sequence grown by another thread since it began raises a
+    RuntimeError and writes nothing.
 
     Parameters
     ----------
@@ -105,6 +116,7 @@ class PagedKVCache:
         self._blocks: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
         self._next_id = 0
+        self._lock = threading.Lock()  # around the bookkeeping above, never a kernel
 
     # ---- sizes -------------------------------------------------------------
     @property
@@ -189,6 +201,10 @@ class PagedKVCache:
     def add_sequence(self) -> int:
         """A new, empty sequence: its id (never reused).  It takes no block
         until tokens are appended."""
+        with self._lock:
+            return self._add()
+
+    def _add(self) -> int:
         seq_id = self._next_id
         self._next_id += 1
         self._blocks[seq_id], self._lens[seq_id] = [], 0
@@ -198,22 +214,28 @@ class PagedKVCache:
         """A new sequence holding every position of seq_id, sharing its
         blocks (nothing is copied now); the last block, when partly filled,
         is copied by the first of the two that appends to it."""
-        seq_id = self._one(seq_id)
-        child = self.add_sequence()
-        self._blocks[child] = list(self._blocks[seq_id])
-        self._lens[child] = self._lens[seq_id]
-        self._refs[self._blocks[child]] += 1
-        return child
+        with self._lock:
+            seq_id = self._one(seq_id)
+            child = self._add()
+            self._blocks[child] = list(self._blocks[seq_id])
+            self._lens[child] = self._lens[seq_id]
+            self._refs[self._blocks[child]] += 1
+            return child
 
     def free(self, seq_id: int) -> None:
         """Forget seq_id: the blocks no other sequence shares go back to the
         pool at once."""
-        seq_id = self._one(seq_id)
-        for block in self._blocks.pop(seq_id):
+        with self._lock:
+            seq_id = self._one(seq_id)
+            self._give_back(self._blocks.pop(seq_id))
+            del self._lens[seq_id]
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """Drop one holder of each block; those no sequence holds are free."""
+        for block in blocks:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free.append(block)
-        del self._lens[seq_id]
 
     def _one(self, seq_id: object) -> int:
         """seq_id, one live sequence."""
@@ -240,14 +262,17 @@ class PagedKVCache:
                 raise ValueError(f"{what} = {s} is not a live sequence of this cache "
                                  "(add_sequence() makes one; a freed one is gone)")
         if distinct and len(set(ids)) != len(ids):
-            raise ValueError(f"{name} names a sequence twice ({ids}); give each sequence's new "
-                             "tokens once, consecutively")
+            raise ValueError(f"{name} names a sequence twice ({ids}); give each sequence once, "
+                             "with all its new tokens")
         return ids
 
     def block_table(self, seq_ids: SeqIds) -> NDArray[np.int32]:
         """(len(seq_ids), max_blocks) int32: row b lists the blocks of
         seq_ids[b] in order, -1 past them (``paged_attention``'s block_table)."""
-        ids = self._ids(seq_ids)
+        with self._lock:
+            return self._table(self._ids(seq_ids))
+
+    def _table(self, ids: list[int]) -> NDArray[np.int32]:
         blocks = [self._blocks[s] for s in ids]
         table = np.full((len(ids), max((len(b) for b in blocks), default=0)), -1, np.int32)
         for row, b in zip(table, blocks):
@@ -258,12 +283,13 @@ class PagedKVCache:
         """Free blocks an append of num_new_tokens[b] positions to each
         seq_ids[b] would take (copies of shared blocks included): what a
         scheduler compares with num_free_blocks before admitting work."""
-        ids = self._ids(seq_ids, distinct=True)
         counts = [C.check_index(c, f"num_new_tokens[{i}]", 0) for i, c in enumerate(num_new_tokens)]
-        if len(counts) != len(ids):
-            raise ValueError(f"num_new_tokens has {len(counts)} entries; expected one per "
-                             f"sequence ({len(ids)})")
-        return sum(take for take, _ in self._plan(ids, counts))
+        with self._lock:
+            ids = self._ids(seq_ids, distinct=True)
+            if len(counts) != len(ids):
+                raise ValueError(f"num_new_tokens has {len(counts)} entries; expected one per "
+                                 f"sequence ({len(ids)})")
+            return sum(take for take, _ in self._plan(ids, counts))
 
     def _plan(self, seq_ids: list[int], counts: Sequence[int]) -> list[tuple[int, bool]]:
         """For each sequence and its count of new positions: (blocks to take,
@@ -322,7 +348,9 @@ class PagedKVCache:
         shapes, values the storage cannot hold, positions past the rotary
         tables).  Nothing is written then.
         """
-        ids = self._ids(seq_ids, distinct=True)
+        with self._lock:
+            ids = self._ids(seq_ids, distinct=True)
+            before = [self._lens[s] for s in ids]
         Hkv, D, Dv = self.num_kv_heads, self.head_dim, self.value_dim
         for name, a, last, last_name in (("key", key, D, "head_dim"),
                                          ("value", value, Dv, "value_dim")):
@@ -339,59 +367,72 @@ class PagedKVCache:
             raise ValueError(f"key and value must hold the same number of tokens, got {n} and "
                              f"{value.shape[0]}")
         cu = self._cu(cu_seqlens, "cu_seqlens", len(ids), n)
-        counts = cu[1:] - cu[:-1]
+        counts = [int(c) for c in cu[1:] - cu[:-1]]
         nthreads = _runtime.resolve_threads(num_threads)
         interleaved = C.check_bool(rotary_interleaved, "rotary_interleaved")
-        starts = np.array([self._lens[s] for s in ids], np.int64)
+        with self._lock:  # the pool first: an append that cannot fit does no work
+            self._room(ids, counts)
         seq = np.repeat(np.arange(len(ids)), counts)
-        positions = starts[seq] + np.arange(n) - cu[:-1][seq]
+        positions = np.array(before, np.int64)[seq] + np.arange(n) - cu[:-1][seq]
         if rotary is not None:
             key = self._rotate(key, positions, rotary, interleaved, nthreads)
         keys, key_scale = _storage.encode(key, self._storage, "key", nthreads)
         values, value_scale = _storage.encode(value, self._storage, "value", nthreads)
-        plans = self._plan(ids, [int(c) for c in counts])
+        with self._lock:
+            self._ids(ids)  # none freed meanwhile
+            grown = [s for s, n0 in zip(ids, before) if self._lens[s] != n0]
+            if grown:
+                raise RuntimeError(f"sequence {grown[0]} grew from {before[ids.index(grown[0])]} "
+                                   f"to {self._lens[grown[0]]} positions while this append ran: "
+                                   "append to one sequence from one thread at a time; nothing "
+                                   "was written")
+            plans = self._room(ids, counts)
+            # from here on nothing can fail: blocks taken, shared ones copied, rows written
+            for s, (take, copy) in zip(ids, plans):
+                blocks = self._blocks[s]
+                if copy:  # the shared, partly filled last block: this sequence's own copy
+                    old, new = blocks[-1], self._take()
+                    for buf in (self._key, self._value, self._k_scale, self._v_scale):
+                        if buf is not None:
+                            buf[new] = buf[old]
+                    self._refs[old] -= 1
+                    blocks[-1] = new
+                    take -= 1
+                blocks.extend(self._take() for _ in range(take))
+            table = self._table(ids)
+            where = table[seq, positions // self.block_size], positions % self.block_size
+            self._key[where[0], :, where[1]] = keys
+            self._value[where[0], :, where[1]] = values
+            if self._k_scale is not None and self._v_scale is not None:
+                self._k_scale[where[0], :, where[1]] = key_scale
+                self._v_scale[where[0], :, where[1]] = value_scale
+            for s, c in zip(ids, counts):
+                self._lens[s] += c
+
+    def _room(self, ids: list[int], counts: list[int]) -> list[tuple[int, bool]]:
+        """The plan of an append (_plan), or OutOfBlocksError when the pool
+        lacks its blocks."""
+        plans = self._plan(ids, counts)
         need = sum(p[0] for p in plans)
         if need > len(self._free):
             raise OutOfBlocksError(
                 f"this append needs {need} free blocks of {self.block_size} positions and the "
                 f"pool has {len(self._free)} of {self.num_blocks}; free finished sequences "
                 "(free(seq_id)) or create the cache with more blocks")
-        # from here on nothing can fail: blocks taken, shared ones copied, rows written
-        for s, (take, copy) in zip(ids, plans):
-            blocks = self._blocks[s]
-            if copy:  # the shared, partly filled last block: this sequence's own copy
-                old, new = blocks[-1], self._take()
-                for buf in (self._key, self._value, self._k_scale, self._v_scale):
-                    if buf is not None:
-                        buf[new] = buf[old]
-                self._refs[old] -= 1
-                blocks[-1] = new
-                take -= 1
-            blocks.extend(self._take() for _ in range(take))
-        table = self.block_table(ids)
-        where = table[seq, positions // self.block_size], positions % self.block_size
-        self._key[where[0], :, where[1]] = keys
-        self._value[where[0], :, where[1]] = values
-        if self._k_scale is not None and self._v_scale is not None:
-            self._k_scale[where[0], :, where[1]] = key_scale
-            self._v_scale[where[0], :, where[1]] = value_scale
-        for s, c in zip(ids, counts):
-            self._lens[s] += int(c)
+        return plans
 
     def _truncate(self, seq_ids: list[int], lengths: list[int]) -> None:
         """seq_ids back to these lengths, their blocks past them returned: a
         step that failed after its append (Ctrl-C during the attention)
         leaves the sequences as before it (a copied shared block stays
         copied, which changes nothing read)."""
-        for s, n in zip(seq_ids, lengths):
-            blocks = self._blocks[s]
-            keep = -(-n // self.block_size)
-            for block in blocks[keep:]:
-                self._refs[block] -= 1
-                if self._refs[block] == 0:
-                    self._free.append(block)
-            del blocks[keep:]
-            self._lens[s] = n
+        with self._lock:
+            for s, n in zip(seq_ids, lengths):
+                blocks = self._blocks[s]
+                keep = -(-n // self.block_size)
+                self._give_back(blocks[keep:])
+                del blocks[keep:]
+                self._lens[s] = n
 
     def _take(self) -> int:
         block = self._free.pop()
@@ -457,11 +498,14 @@ class PagedKVCache:
             alibi_slopes, softcap, sinks, return_lse, out, num_threads.
 
         Returns and raises as ``paged_attention``; ValueError for a sequence
-        that is not live, or, with is_causal, that holds fewer positions
+        that is not live or named twice, or, with is_causal, that holds fewer positions
         than its queries; TypeError for an option not listed above (the
         cache passes its own scales, storage and value_dim).
         """
-        ids = self._ids(seq_ids)
+        with self._lock:  # the sequences as they are now: their lengths and blocks
+            ids = self._ids(seq_ids, distinct=True)
+            lens = np.array([self._lens[s] for s in ids], np.int64)
+            table = self._table(ids)
         given = {"k_scale", "v_scale"} & options.keys()
         if given:
             raise TypeError(f"{', '.join(sorted(given))}: the cache passes its own scales")
@@ -485,7 +529,6 @@ class PagedKVCache:
         check_features(self.head_dim, self._value_dim)
         caller_query = query  # out must not overlap it, rotated or not
         cu = self._cu(cu_seqlens_q, "cu_seqlens_q", len(ids), query.shape[0])
-        lens = np.array([self._lens[s] for s in ids], np.int64)
         counts = cu[1:] - cu[:-1]
         causal = C.check_bool(options.get("is_causal", True), "is_causal")
         if causal and (counts > lens).any():
@@ -507,7 +550,6 @@ class PagedKVCache:
         # sequence of 16 positions (one head of 128, Zen 4)
         inputs = {"query": caller_query, "key_cache": self._key, "value_cache": self._value,
                   "k_scale": self._k_scale, "v_scale": self._v_scale}
-        table = self.block_table(ids)
         if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read
             table = np.zeros((len(ids), 1), np.int32)
         result = _paged(query, self._key, self._value, table, lens, cu, counts,

@@ -274,6 +274,8 @@ def test_views_are_read_only_and_sizes():
     (lambda c: c.append([0], *kv(1), rotary=np.zeros((4, 8))), TypeError, "pair (cos, sin)"),
     (lambda c: c.attend([0], np.zeros((1, Hq, D), np.float32)), ValueError,
      "sequence 0 has 1 query but holds 0 positions"),
+    (lambda c: c.attend([0, 0], np.zeros((2, Hq, D), np.float32), is_causal=False), ValueError,
+     "names a sequence twice"),
     (lambda c: c.attend([0], np.zeros((1, 3, D), np.float32)), ValueError,
      "query heads (3) must be a multiple of key/value heads (2)"),
     (lambda c: c.attend([0], np.zeros((1, Hq, D), np.float32), is_causal=False, dropout=0.1),
@@ -449,3 +451,24 @@ def test_rotary_past_the_tables_names_the_position():
         cache.append([s], *(np.ones((6, 1, 8), np.float32),) * 2, np.array([0, 6]),
                      rotary=(cos, sin))
     assert cache.seq_lens[s] == 0
+
+
+def test_an_append_that_cannot_fit_fails_before_any_work():
+    """The pool is checked before the rows are converted or placed: 2**26
+    broadcast tokens into 8 blocks fail at once, without allocating for
+    them, and 2**33 ones with OutOfBlocksError, not NumPy's MemoryError."""
+    import tracemalloc
+    cache = fastattn.PagedKVCache(8, 4, Hkv, D, value_dim=Dv, storage="int8")
+    s = cache.add_sequence()
+    for n in (2**26, 2**33):
+        key = np.broadcast_to(np.ones((1, Hkv, D), np.float32), (n, Hkv, D))
+        value = np.broadcast_to(np.ones((1, Hkv, Dv), np.float32), (n, Hkv, Dv))
+        tracemalloc.start()
+        try:
+            with pytest.raises(fastattn.OutOfBlocksError, match=f"needs {n // 4} free blocks"):
+                cache.append([s], key, value, np.array([0, n]))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 2**20, f"{peak} bytes allocated for an append of {n} tokens that fails"
+    assert cache.seq_lens == {s: 0} and cache.num_free_blocks == 8

@@ -265,3 +265,65 @@ def test_forked_children_run_on_one_thread():
                            timeout=120, cwd=cwd)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[0] == "[1, 1, 1, 1]"
+
+
+def test_a_paged_cache_from_eight_threads():
+    """Eight threads add, append to, fork, attend and free their own
+    sequences of one PagedKVCache at once, in a pool small enough that
+    appends run out of blocks: the bookkeeping's lock leaves no error but
+    OutOfBlocksError, every block accounted for, and every sequence holding
+    the rows its thread appended."""
+    Hkv, D, bs = 1, 4, 2
+    cache = fastattn.PagedKVCache(24, bs, Hkv, D)
+    errors = []
+
+    def rows_of(cache, s):
+        n, table = cache.seq_lens[s], cache.block_table([s])[0]
+        return cache.key_cache[table, 0].reshape(-1, D)[:n, 0]
+
+    def work(t):
+        rng = np.random.default_rng(t)
+        held = {}  # sequence -> the first feature of each row appended
+        try:
+            for i in range(4000):
+                what = rng.integers(6)
+                if what == 0 or not held:
+                    held[cache.add_sequence()] = []
+                elif what == 1:
+                    s = list(held)[rng.integers(len(held))]
+                    held[cache.fork(s)] = list(held[s])
+                elif what == 2 or (what == 3 and len(held) > 1):
+                    s = list(held)[rng.integers(len(held))]
+                    cache.free(s)
+                    del held[s]
+                else:
+                    s = list(held)[rng.integers(len(held))]
+                    n = int(rng.integers(1, 6))
+                    key = np.full((n, Hkv, D), t * 1000 + i, np.float32)
+                    key[:, 0, 0] += np.arange(n) / 4
+                    try:
+                        cache.append([s], key, key, np.array([0, n]))
+                        held[s] += list(key[:, 0, 0])
+                    except fastattn.OutOfBlocksError:
+                        pass
+                    out = cache.attend([s], np.zeros((1, 1, D), np.float32), is_causal=False)
+                    assert np.isfinite(out).all()
+                if i % 500 == 499:
+                    for s, rows in held.items():
+                        assert rows_of(cache, s).tolist() == rows
+        except BaseException as e:  # noqa: B902 - reported below, with its thread
+            errors.append((t, repr(e)))
+        return held
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads change places often
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            held = [h for h in pool.map(work, range(8))]
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    live = [s for h in held for s in h]
+    assert sorted(live) == sorted(cache.seq_ids)
+    blocks = set(cache.block_table(live)[cache.block_table(live) >= 0].tolist()) if live else set()
+    assert len(blocks) + cache.num_free_blocks == cache.num_blocks
