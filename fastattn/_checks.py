@@ -295,8 +295,10 @@ def check_bool(x: object, name: str) -> bool:
 
 
 def check_real(x: object, name: str) -> float:
-    """A finite real number (not a bool)."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+    """A finite real number (not a bool); a NumPy or ml_dtypes scalar of a
+    16-bit float too (ml_dtypes' are not registered as numbers.Real)."""
+    half = isinstance(x, np.generic) and is_half(x.dtype)
+    if isinstance(x, (bool, np.bool_)) or not (isinstance(x, numbers.Real) or half):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
     try:
         y = float(x)

@@ -491,7 +491,8 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
                                offset)
 
     out_shape = batch + (L, Ev)
-    inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
+    inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
+              "alibi_slopes": alibi_slopes, "sinks": sinks}
     if out is not None:
         C.check_out(out, out_shape, dtype, inputs)
     # the kernels write float32 for 16-bit inputs, rounded to them at the end

@@ -359,7 +359,8 @@ def _paged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
 
     out_shape = (total_q, Hq, Ev)
     if out is not None:
-        C.check_out(out, out_shape, dtype, inputs)
+        C.check_out(out, out_shape, dtype,
+                    {**inputs, "alibi_slopes": alibi_slopes, "sinks": sinks})
     # the kernels write float32 for 16-bit queries, rounded to them at the end
     result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
     lse = np.empty((Hq, total_q), compute) if lse_wanted else None

@@ -122,7 +122,8 @@ def varlen_attention(
     if out is None:
         out = np.empty(out_shape, dtype)
     else:
-        C.check_out(out, out_shape, dtype, {"query": query, "key": key, "value": value})
+        C.check_out(out, out_shape, dtype, {"query": query, "key": key, "value": value,
+                                            "alibi_slopes": alibi_slopes, "sinks": sinks})
     lse = np.empty((Hq, total_q), dtype) if lse_wanted else None
     if B > 0 and total_q > 0 and Hq > 0:
         isa = _runtime.isa()

@@ -63,6 +63,7 @@ HUGE = 2**40  # a broadcast batch axis: stride 0, no memory behind it
 mha = fastattn.MultiHeadAttention(8, 2, rng=0)
 cache = fastattn.KVCache(2, 2, 8, 4)
 kv16 = z(2, 2, 3, 4, dtype=np.float16)
+shared, flat = z(2, 3, 4, 8), z(96)  # outputs whose memory an option's array shares
 
 
 def row(category, fn, args, kwargs, exc, msg):
@@ -242,6 +243,17 @@ HOSTILE = [
         "out has elements that share memory"),
     row("out", fastattn.softmax, (f32,), {"out": f32[..., ::-1]}, ValueError, "out overlaps x"),
     row("out", fastattn.softmax, (f32.copy(),), {"mask": f32, "out": f32}, ValueError, "out overlaps mask"),
+    row("out", sdpa, (f32, f32, f32), {"out": shared, "alibi_slopes": shared.reshape(-1)[:3]},
+        ValueError, "out overlaps alibi_slopes"),
+    row("out", sdpa, (f32, f32, f32), {"out": shared, "sinks": shared.reshape(-1)[-3:]},
+        ValueError, "out overlaps sinks"),
+    row("out", fastattn.varlen_attention, (z(5, 2, 8), z(6, 2, 8), z(6, 2, 8), np.array([0, 5]),
+                                           np.array([0, 6])),
+        {"out": flat[:80].reshape(5, 2, 8), "sinks": flat[78:80]}, ValueError, "out overlaps sinks"),
+    row("out", fastattn.paged_attention, (z(1, 2, 8), z(1, 1, 4, 8), z(1, 1, 4, 8), np.array([[0]]),
+                                          np.array([1]), np.array([0, 1])),
+        {"out": flat[:16].reshape(1, 2, 8), "alibi_slopes": flat[:2]}, ValueError,
+        "out overlaps alibi_slopes"),
     # -- sizes past what an index addresses (broadcast views: no memory behind them) ------
     row("size", sdpa, (bcast(z(1, 1, 8), (HUGE, 4096, 8)), z(4096, 8), z(4096, 4)), {}, ValueError,
         "the attention scores (..., Hq, L, S) (1099511627776, 4096, 4096) would have"),

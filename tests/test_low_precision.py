@@ -489,3 +489,12 @@ def test_half_layer_decodes_with_its_cache(dtype, storage):
     # the cache's own rounding (16 bits) or quantisation (int8) of k and v
     tol = 0.02 if storage == "int8" else 2 * UNIT_ROUNDOFF[dtype.name] * 4
     np.testing.assert_allclose(steps.astype(np.float32), full.astype(np.float32), atol=tol)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name)
+def test_a_half_precision_scale(dtype):
+    """scale may be a 16-bit scalar, bfloat16 (ml_dtypes') as float16."""
+    q = np.random.default_rng(3).standard_normal((2, 4, 8)).astype(np.float32)
+    np.testing.assert_array_equal(
+        fastattn.scaled_dot_product_attention(q, q, q, scale=dtype.type(0.5)),
+        fastattn.scaled_dot_product_attention(q, q, q, scale=0.5))
