@@ -176,8 +176,10 @@ class BuildExt(build_ext):
             objects = [obj for objs in compiled for obj in objs]
         if self.parallel is None:  # _core and _peak at once too
             self.parallel = workers
-        for ext in self.extensions:
-            ext.extra_objects = objects + list(ext.extra_objects or [])
+        for ext in self.extensions:  # each module links only its own objects
+            own = [obj for obj in objects
+                   if ("fa_peak" in os.path.basename(obj)) == (ext.name == "fastattn._peak")]
+            ext.extra_objects = own + list(ext.extra_objects or [])
             ext.extra_compile_args = common + list(ext.extra_compile_args or [])
             ext.extra_link_args = link + list(ext.extra_link_args or [])
             if unix:

@@ -3,7 +3,7 @@
  * fa_peak_neon.c), by the kernels' fa_isa.  Timing is the caller's: these functions only do a known
  * amount of work.  Reading uses the AVX2 loop on both x86 paths: memory, not
  * the vector width, limits it. */
-#include "fa_peak.h"
+#include "fa_peak_isa.h"
 
 #define PORTABLE_CHAINS 32 /* independent multiply-add chains; the compiler may vectorise them */
 #define PORTABLE_READ_ACC 16

@@ -1,26 +1,25 @@
-/* Per-instruction-set loops behind the fa_peak_* entry points of fastattn.h. */
+/* Machine peaks for the benchmarks (fastattn/_peak.pyx): loops that do a
+ * known amount of work, for the caller to time.  Kept out of fastattn.h: the
+ * kernels' module does not link them. */
 #ifndef FA_PEAK_H
 #define FA_PEAK_H
 
-#include "fa_internal.h"
+#include "fastattn.h"
 
-/* Every chain computes x <- x * MUL + ADD, which converges to ADD / (1 - MUL)
- * = 1: the values stay normal (no denormal slow-down, no overflow) for any
- * number of iterations. */
-#define FA_PEAK_MUL 0.999f
-#define FA_PEAK_ADD 0.001f
+/* Each loop runs with the instruction set of a kernel path; as for the
+ * kernels, the caller checks that the CPU has it. */
 
-#if FA_HAVE_X86_SIMD
-fa_idx fa_peak_fma_flops_avx2(void);
-float fa_peak_fma_f32_avx2(fa_idx iters);
-float fa_peak_read_f32_avx2(fa_idx n, const float *x);
-fa_idx fa_peak_fma_flops_avx512(void);
-float fa_peak_fma_f32_avx512(fa_idx iters);
-#endif
-#if FA_HAVE_NEON
-fa_idx fa_peak_fma_flops_neon(void);
-float fa_peak_fma_f32_neon(fa_idx iters);
-float fa_peak_read_f32_neon(fa_idx n, const float *x);
-#endif
+/* Floating-point operations per iteration of fa_peak_fma_f32 (an FMA is 2). */
+fa_idx fa_peak_fma_flops(fa_isa isa);
+/* iters iterations of independent float32 multiply-add chains, on the
+ * calling thread, with enough chains to keep every FMA unit busy; returns a
+ * value that depends on all of them so that no work can be optimised away.
+ * Time it to get the thread's FMA throughput.  iters < 0 counts as 0. */
+float fa_peak_fma_f32(fa_isa isa, fa_idx iters);
+/* Sum of x[0..n-1] (contiguous), each element read once with several
+ * independent vector accumulators: time it over a buffer much larger than
+ * the last-level cache to get the thread's memory read bandwidth.
+ * Returns 0 when n <= 0 or x is NULL. */
+float fa_peak_read_f32(fa_isa isa, fa_idx n, const float *x);
 
 #endif

@@ -1,6 +1,6 @@
 /* AVX2 + FMA peak loops, compiled with -mavx2 -mfma and called only when
  * fa_cpu_has_avx2_fma() says the CPU has both. */
-#include "fa_peak.h"
+#include "fa_peak_isa.h"
 #if FA_HAVE_X86_SIMD
 #include <immintrin.h>
 

@@ -1,6 +1,6 @@
 /* AVX-512 FMA peak loop, compiled with -mavx512f and called only when
  * fa_cpu_has_avx512() says the CPU has it. */
-#include "fa_peak.h"
+#include "fa_peak_isa.h"
 #if FA_HAVE_X86_SIMD
 #include <immintrin.h>
 

@@ -1,6 +1,6 @@
 /* NEON peak loops, called only when fa_cpu_has_neon() says the CPU has
  * Advanced SIMD. */
-#include "fa_peak.h"
+#include "fa_peak_isa.h"
 #if FA_HAVE_NEON
 #include <arm_neon.h>
 

@@ -22,7 +22,7 @@ cdef extern from *:
     """
     int fa_thread_num() nogil
 
-cdef extern from "fastattn.h" nogil:
+cdef extern from "fa_peak.h" nogil:
     ctypedef Py_ssize_t fa_idx
     ctypedef enum fa_isa:
         pass
