@@ -1,33 +1,48 @@
-"""How a key/value cache holds its elements (KVCache and PagedKVCache): the
-storages, their NumPy dtypes and kernel kinds, and the rounding or
-quantisation of the rows written."""
+"""How keys, values and queries are held: the one table of storages (the
+user's word, ``storage``) with their NumPy dtypes and the kernels' enum
+(``store``), and the rounding or quantisation of the rows written."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from . import _checks as C
-from . import _core
+from . import _core, _runtime
 from ._typing import DTypeLike, NDArray, Scalar
-from .attention import narrow
 
-# storage -> (its NumPy dtype's name, the kernels' kind); the float8 and int4
-# storages hold their codes as bytes
-STORAGES = {"float32": ("float32", _core.STORE_NATIVE), "float64": ("float64", _core.STORE_NATIVE),
-            "float16": ("float16", _core.STORE_F16), "bfloat16": ("bfloat16", _core.STORE_BF16),
-            "int8": ("int8", _core.STORE_I8),
-            "float8_e4m3fn": ("uint8", _core.STORE_F8E4M3),
-            "float8_e5m2": ("uint8", _core.STORE_F8E5M2), "int4": ("uint8", _core.STORE_Q4)}
-# the storages of a float32 cache, and those with a float32 scale per row
-FLOAT32_STORAGES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2",
-                    "int4")
-SCALED = ("int8", "float8_e4m3fn")
-# the storages held as uint8 codes that only their name tells apart
-CODES = ("float8_e4m3fn", "float8_e5m2", "int4")
 
-LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
-           "float8_e5m2": 57344.0}  # their largest finite values
+class Storage(NamedTuple):
+    """One way of holding elements: the NumPy dtype of the arrays that hold
+    them, how the kernels read them (converted exactly to float32), whether
+    each row has a float32 scale, whether they are uint8 codes that only the
+    storage's name tells apart, and the largest finite value a rounded
+    storage holds (None where rows are scaled into range or exact)."""
+    dtype: str
+    store: int
+    scaled: bool = False
+    codes: bool = False
+    largest: Optional[float] = None
+
+
+TABLE = {
+    "float32": Storage("float32", _core.STORE_NATIVE),
+    "float64": Storage("float64", _core.STORE_NATIVE),
+    "float16": Storage("float16", _core.STORE_F16, largest=65504.0),
+    "bfloat16": Storage("bfloat16", _core.STORE_BF16, largest=3.3895313892515355e38),
+    "int8": Storage("int8", _core.STORE_I8, scaled=True),
+    "float8_e4m3fn": Storage("uint8", _core.STORE_F8E4M3, scaled=True, codes=True),
+    "float8_e5m2": Storage("uint8", _core.STORE_F8E5M2, codes=True, largest=57344.0),
+    "int4": Storage("uint8", _core.STORE_Q4, codes=True),
+}
+FLOAT32_STORAGES = tuple(s for s in TABLE if s != "float64")  # what a float32 cache holds
+SCALED = tuple(s for s, t in TABLE.items() if t.scaled)
+CODES = tuple(s for s, t in TABLE.items() if t.codes)
+# the storages an array's own dtype names (paged_attention's "auto" caches)
+BY_DTYPE = tuple(s for s, t in TABLE.items() if t.dtype == s)
+LARGEST = {s: t.largest for s, t in TABLE.items() if t.largest is not None}
+# the dtypes of queries the kernels read for a float32 computation
+QUERY_DTYPES = ("float32", "float16", "bfloat16")
 
 # int4: llama.cpp's q4_0 blocks (csrc/fa_common.h): a float16 scale d and 16
 # bytes of codes per 32 elements of a row, nibble c standing for d * (c - 8)
@@ -144,12 +159,33 @@ def check(storage: object, dtype: np.dtype[Any], what: str) -> str:
 def storage_dtype(storage: str) -> np.dtype[Any]:
     if storage == "bfloat16":
         return C.bfloat16("storage='bfloat16'")
-    return np.dtype(STORAGES[storage][0])
+    return np.dtype(TABLE[storage].dtype)
 
 
-def kind(storage: str) -> int:
-    """The kernels' kind of a storage (_core.STORE_*)."""
-    return STORAGES[storage][1]
+def store(storage: str) -> int:
+    """The kernels' enum of a storage (_core.STORE_*)."""
+    return TABLE[storage].store
+
+
+def query_store(dtype: np.dtype[Any]) -> int:
+    """How the kernels read queries of dtype (float32, float64, float16 or
+    bfloat16)."""
+    return TABLE[C.dtype_name(dtype)].store
+
+
+def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,
+           out: Optional[NDArray[Any]] = None) -> NDArray[Any]:
+    """x (float32) rounded to nearest-even dtype (float16 or bfloat16), into
+    out when given: what NumPy's and ml_dtypes' astype give (NaN's payload
+    bits aside), on the threads."""
+    x = C.contiguous(x)
+    y = out if out is not None and out.flags.c_contiguous and out.flags.aligned else \
+        np.empty(x.shape, dtype)
+    _core.narrow(_runtime.isa(), store(C.dtype_name(dtype)), x, y, nthreads)
+    if out is not None and y is not out:
+        np.copyto(out, y)
+        return out
+    return y
 
 
 def read_only(a: NDArray[Scalar]) -> NDArray[Scalar]:

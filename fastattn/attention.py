@@ -9,6 +9,7 @@ import numpy as np
 
 from . import _checks as C
 from . import _core, _runtime, _tuning, _variants
+from ._storage import narrow, query_store
 from ._typing import Float, MaskArray, NDArray
 
 # where query i sits among the keys: a name, or the offset k of i' = i + k
@@ -18,8 +19,6 @@ Result = Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]],
                tuple[NDArray[Float], NDArray[Float], NDArray[Float]]]
 
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
-# how the kernels read 16-bit inputs (converted to float32 a tile at a time)
-_STORE = {"float16": _core.STORE_F16, "bfloat16": _core.STORE_BF16}
 # the short route's dtypes: their element bound, and the largest scale they hold
 _COMMON_DTYPES = {dt: (C.max_elements(dt), largest) for dt, largest in C.LARGEST.items()}
 _BOOL = np.dtype(np.bool_)
@@ -510,7 +509,7 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
     k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, key.shape[-1] if packed else E))
     v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, value.shape[-1]))
-    store = (_STORE.get(C.dtype_name(dtype), _core.STORE_NATIVE) if compute != dtype
+    store = (query_store(dtype) if compute != dtype
              else _core.STORE_NATIVE)
     kv_store, k_scale, v_scale = store, None, None
     if stored is not None:
@@ -568,21 +567,6 @@ def _alignment_offset(causal_alignment: object, L: int, S: int) -> int:
         return S - L
     raise ValueError(f"causal_alignment must be 'upper_left', 'lower_right' or an int offset, "
                      f"got {causal_alignment!r}")
-
-
-def narrow(x: NDArray[np.float32], dtype: np.dtype[Any], nthreads: int,
-           out: Optional[NDArray[Any]] = None) -> NDArray[Any]:
-    """x (float32) rounded to nearest-even dtype (float16 or bfloat16), into
-    out when given: what NumPy's and ml_dtypes' astype give (NaN's payload
-    bits aside), on the threads."""
-    x = C.contiguous(x)
-    y = out if out is not None and out.flags.c_contiguous and out.flags.aligned else \
-        np.empty(x.shape, dtype)
-    _core.narrow(_runtime.isa(), _STORE[C.dtype_name(dtype)], x, y, nthreads)
-    if out is not None and y is not out:
-        np.copyto(out, y)
-        return out
-    return y
 
 
 def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Float]]

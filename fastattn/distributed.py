@@ -858,7 +858,7 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
     if cpus > largest:
         raise ValueError(f"num_cpus_per_shard={cpus:g}: no node of the Ray cluster has that "
                          f"many CPUs (the largest has {largest:g}), so no task could start")
-    store = _storage.kind(dtype.name) if compute != dtype else None
+    store = _storage.store(dtype.name) if compute != dtype else None
     refs = [(c, d - c, ray.put(np.ascontiguousarray(key[..., c:d, :])),
              ray.put(np.ascontiguousarray(value[..., c:d, :]))) for c, d in _cuts(S, shards)]
     tasks = []

@@ -426,7 +426,7 @@ class KVCache:
         stored, and how the kernels read them (with the int8 scales)."""
         rows = slice(start, stop)
         return (self._key[:, :, rows], self._value[:, :, rows],
-                StoredKV(_storage.kind(self._storage),
+                StoredKV(_storage.store(self._storage),
                          None if self._key_scale is None else self._key_scale[:, :, rows],
                          None if self._value_scale is None else self._value_scale[:, :, rows],
                          self._value_dim))

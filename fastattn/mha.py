@@ -8,8 +8,9 @@ import numpy as np
 
 from . import _checks as C
 from . import _masks, _runtime
+from ._storage import narrow
 from ._typing import DTypeLike, MaskArray, NDArray
-from .attention import narrow, scaled_dot_product_attention
+from .attention import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .paged_cache import PagedKVCache
 from .ops import split_heads

@@ -9,18 +9,10 @@ import numpy as np
 from . import _checks as C
 from . import _core, _runtime, _storage, _tuning, _variants
 from ._typing import Float, NDArray
-from .attention import narrow
+from ._storage import narrow, query_store
 from .varlen import _cu_seqlens
 
 _INT32_MAX = int(np.iinfo(np.int32).max)  # the largest block id of the kernels' tables
-
-# a cache's dtype -> how the kernels read it (its elements converted exactly
-# to float32 as they are loaded; int8 rows times their float32 scale); the
-# caches of bytes say what they hold with kv_cache_dtype (_storage.CODES)
-_CACHE_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
-                 "bfloat16": _core.STORE_BF16, "int8": _core.STORE_I8}
-_QUERY_STORES = {"float32": _core.STORE_NATIVE, "float16": _core.STORE_F16,
-                 "bfloat16": _core.STORE_BF16}
 
 
 def _ints(x: object, name: str, ndim: int, layout: str) -> NDArray[np.integer[Any]]:
@@ -52,35 +44,35 @@ def _byte_caches(key_cache: NDArray[Any], value_cache: NDArray[Any], kv_cache_dt
 
 
 def _cache_dtypes(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
-                  k_scale: object, v_scale: object, held: str) -> tuple[int, int]:
-    """The kernels' storage kinds of query and of the caches (held: their
-    storage); TypeError for dtypes that do not go together, and for row
+                  k_scale: object, v_scale: object, storage: str) -> tuple[int, int]:
+    """The kernels' stores of query and of the caches (storage: what the
+    caches hold); TypeError for dtypes that do not go together, and for row
     scales that are missing or given to another cache."""
     qd, kd = query.dtype, key_cache.dtype
     if value_cache.dtype != kd:
         raise TypeError(f"key_cache has dtype {kd} and value_cache {value_cache.dtype}; "
                         "expected one dtype")
     if qd == np.float64:
-        if kd != np.float64 or held != "float64":
+        if kd != np.float64 or storage != "float64":
             raise TypeError(f"key_cache has dtype {kd}; a float64 query reads float64 caches")
         q_store = kv_store = _core.STORE_NATIVE
     else:
-        if C.dtype_name(qd) not in _QUERY_STORES or not qd.isnative:
+        if C.dtype_name(qd) not in _storage.QUERY_DTYPES or not qd.isnative:
             raise TypeError(f"query has dtype {qd}; expected float32, float64, float16 or "
                             "bfloat16 (native byte order)")
-        if held not in _storage.CODES and (C.dtype_name(kd) not in _CACHE_STORES
-                                          or not kd.isnative):
+        if storage not in _storage.CODES and (C.dtype_name(kd) not in _storage.BY_DTYPE
+                                              or C.dtype_name(kd) == "float64" or not kd.isnative):
             raise TypeError(f"key_cache has dtype {kd}; expected float32, float16, bfloat16 "
                             f"or int8 (with k_scale and v_scale) for a {qd} query, or codes "
                             f"named by kv_cache_dtype")
-        q_store, kv_store = query_store(qd), _storage.kind(held)
-    scaled = held in _storage.SCALED
+        q_store, kv_store = query_store(qd), _storage.store(storage)
+    scaled = storage in _storage.SCALED
     if scaled and (k_scale is None or v_scale is None):
-        raise TypeError(f"{held} caches need k_scale and v_scale, the float32 scale of every "
+        raise TypeError(f"{storage} caches need k_scale and v_scale, the float32 scale of every "
                         "row (num_blocks, num_kv_heads, block_size)")
     if not scaled and (k_scale is not None or v_scale is not None):
         raise TypeError(f"k_scale and v_scale are the scales of int8 and float8_e4m3fn caches; "
-                        f"key_cache holds {held}")
+                        f"key_cache holds {storage}")
     return q_store, kv_store
 
 
@@ -96,11 +88,6 @@ def _scales(k_scale: object, v_scale: object, shape: C.Shape
                              f"num_kv_heads, block_size) = {C.shape_str(shape)}")
         out.append(C.kernel_view(a))
     return out[0], out[1]
-
-
-def query_store(dtype: np.dtype[Any]) -> int:
-    """How the kernels read queries of dtype, one _cache_dtypes accepts."""
-    return _QUERY_STORES.get(C.dtype_name(dtype), _core.STORE_NATIVE)  # float64: native
 
 
 def check_features(E: int, Ev: int) -> None:
@@ -273,27 +260,27 @@ def paged_attention(
         C.require_array(a, name)
         if a.ndim != len(layout.split(",")):
             raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {layout}")
-    key_cache, value_cache, held = _byte_caches(key_cache, value_cache, kv_cache_dtype)
-    q_store, kv_store = _cache_dtypes(query, key_cache, value_cache, k_scale, v_scale, held)
+    key_cache, value_cache, storage = _byte_caches(key_cache, value_cache, kv_cache_dtype)
+    q_store, kv_store = _cache_dtypes(query, key_cache, value_cache, k_scale, v_scale, storage)
     total_q, Hq, E = query.shape
     num_blocks, Hkv, block_size, Ek = key_cache.shape
     Ev = value_cache.shape[3]
-    if held == "int4":  # rows of q4_0 blocks: E's bytes, and Ev's
+    if storage == "int4":  # rows of q4_0 blocks: E's bytes, and Ev's
         Ev = Ev // _storage.Q4_BLOCK_BYTES * _storage.Q4_BLOCK if value_dim is None else value_dim
         Ev = C.check_index(Ev, "value_dim", 0)
         # (an empty cache's strides may be 0: NumPy's for arrays of no element)
-        if _storage.width(held, Ev) != value_cache.shape[3] or (
+        if _storage.width(storage, Ev) != value_cache.shape[3] or (
                 value_cache.size > 1 and value_cache.strides[3] != 1):
             raise ValueError(f"value_cache has rows of {value_cache.shape[3]} bytes, strides "
                              f"{value_cache.strides}; int4 rows of value_dim = {Ev} elements "
-                             f"are {_storage.width(held, Ev)} contiguous bytes")
+                             f"are {_storage.width(storage, Ev)} contiguous bytes")
         if key_cache.size > 1 and key_cache.strides[3] != 1:
             raise ValueError(f"key_cache has strides {key_cache.strides}; int4 rows are "
                              "contiguous bytes")
     elif value_dim is not None:
         raise ValueError("value_dim is for int4 caches only (their rows count bytes)")
-    if (Ek != _storage.width(held, E) or value_cache.shape[:3] != key_cache.shape[:3]):
-        last = "E" if held != "int4" else f"ceil(E / 32) * 18 = {_storage.width(held, E)}"
+    if (Ek != _storage.width(storage, E) or value_cache.shape[:3] != key_cache.shape[:3]):
+        last = "E" if storage != "int4" else f"ceil(E / 32) * 18 = {_storage.width(storage, E)}"
         raise ValueError(f"query {C.shape_str(query.shape)}, key_cache "
                          f"{C.shape_str(key_cache.shape)} and value_cache "
                          f"{C.shape_str(value_cache.shape)} do not agree: expected (total_q, "
@@ -305,7 +292,7 @@ def paged_attention(
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     check_features(E, Ev)
     scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]] = (None, None)
-    if held in _storage.SCALED:
+    if storage in _storage.SCALED:
         scales = _scales(k_scale, v_scale, key_cache.shape[:3])
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
     B = cu_q.shape[0] - 1

@@ -11,8 +11,8 @@ import numpy as np
 from . import _checks as C
 from . import _runtime, _storage
 from ._typing import DTypeLike, Float, NDArray
-from .attention import narrow
-from .paged import _INT32_MAX, _paged, check_features, query_store
+from ._storage import narrow, query_store
+from .paged import _INT32_MAX, _paged, check_features
 from .rotary import rotate
 from .varlen import _cu_seqlens
 
@@ -554,7 +554,7 @@ class PagedKVCache:
             table = np.zeros((len(ids), 1), np.int32)
         result = _paged(query, self._key, self._value, table, lens, cu, counts,
                         (self._k_scale, self._v_scale), query_store(query.dtype),
-                        _storage.kind(self._storage), self._value_dim, causal,
+                        _storage.store(self._storage), self._value_dim, causal,
                         options.get("scale"), options.get("window_size"),
                         options.get("alibi_slopes"), options.get("softcap"),
                         options.get("sinks"), options.get("return_lse", False),
