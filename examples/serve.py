@@ -36,6 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see examples/gpt2.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fastattn  # noqa: E402
 import gpt2  # noqa: E402  (the model of examples/gpt2.py)
+from fastattn._extras import need  # noqa: E402
 
 
 def rotary_tables(max_pos, head_dim, base=10000.0):
@@ -195,11 +196,8 @@ def main(argv=None):
         parser.error(f"--rate must be above 0, got {args.rate}")
     if args.plot and not args.plot.endswith(".png"):
         parser.error(f"--plot takes a file name ending in .png, like serve.png; got {args.plot!r}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (checked before the run, not after it)
-        except ImportError:
-            parser.error("--plot needs matplotlib: pip install matplotlib")
+    if args.plot:  # checked before the run, not after it
+        need("plot", "examples/serve.py --plot")
     vocab, n_pos, embed, layers, heads = 101, 128, 64, 3, 4
     rng = np.random.default_rng(args.seed)
     model = PagedGPT2(gpt2.random_state_dict(vocab, n_pos, embed, layers, rng), heads, args.rope)

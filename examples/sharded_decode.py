@@ -21,10 +21,13 @@ import tempfile
 import time
 
 import numpy as np
-import ray
 
 import fastattn
-from fastattn.distributed import ShardedKVCache
+from fastattn._extras import need
+
+need("ray", "examples/sharded_decode.py")  # a one-line hint, not a traceback, without Ray
+import ray  # noqa: E402
+from fastattn.distributed import ShardedKVCache  # noqa: E402
 
 HQ, HKV, E = 32, 8, 128
 

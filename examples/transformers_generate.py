@@ -16,10 +16,13 @@ import argparse
 import statistics
 import time
 
-import torch
-import transformers
+from fastattn._extras import need
 
-from fastattn.integrations.transformers import register
+need("transformers", "examples/transformers_generate.py")  # a one-line hint, not a traceback
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from fastattn.integrations.transformers import register  # noqa: E402
 
 
 def random_llama():

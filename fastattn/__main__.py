@@ -44,6 +44,7 @@ def main(argv=None):
 
 def _run(argv):
     import fastattn
+    from fastattn._extras import require_extra
     from fastattn.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(
@@ -73,8 +74,7 @@ def _run(argv):
     if args.command == "bench":
         return bench_cli.main(args)
     # checked before the demo runs, not after it has printed everything
-    if args.plot and not bench_cli.require(["matplotlib"], "pip install 'fastattn[plot]'",
-                                           "fastattn demo --plot"):
+    if args.plot and not require_extra("plot", "fastattn demo --plot"):
         return 2
     return demo_mod.main(args.plot)
 

@@ -1,12 +1,12 @@
 """`fastattn bench`: fastattn against NumPy, PyTorch and ONNX Runtime on the same shapes: a
 table of times, speed-ups, % of this machine's peak, accuracy and memory per case."""
 import argparse
-import importlib
 import json
 import math
 import os
 import sys
 
+from .._extras import require, require_extra  # noqa: F401  (require: the tests' name)
 from .runners import RUNNERS
 from .shapes import LONG_16384, SHAPES, THREADS, TINY
 
@@ -148,33 +148,16 @@ def add_arguments(p):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def require(modules, command, who="fastattn bench"):
-    """True when every module imports; else False, after telling stderr
-    which do not and the command that installs them."""
-    absent = []
-    for m in modules:
-        try:
-            importlib.import_module(m)
-        except ImportError:
-            absent.append(m)
-    if absent:
-        sys.stderr.write(f"{who}: {', '.join(absent)} cannot be imported; "
-                         f"install with: {command}\n")
-        return False
-    return True
-
-
 def main(args):
     # missing packages before minutes of measuring (the output paths are
     # checked with the arguments)
     if args.sharded:  # Ray, and nothing of the extra "bench"
-        if not require(["ray"], "pip install 'fastattn[ray]'", "fastattn bench --sharded"):
+        if not require_extra("ray", "fastattn bench --sharded"):
             return 2
         return _sharded(args)
-    if not require(["tqdm", "threadpoolctl"], "pip install 'fastattn[bench]'"):
+    if not require_extra("bench", "fastattn bench"):
         return 2
-    if args.plot and not require(["matplotlib"], "pip install 'fastattn[plot]'",
-                                 "fastattn bench --plot"):
+    if args.plot and not require_extra("plot", "fastattn bench --plot"):
         return 2
     if args.serving:
         return _serving(args)
