@@ -25,14 +25,22 @@ _BOOL = np.dtype(np.bool_)
 
 
 def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
-    """For a (B, S) mask that fails to broadcast to target (B, ..., L, S):
-    the index that makes it a key padding mask, which is likely what was
-    meant ('' for other shapes)."""
-    if len(mask_shape) != 2 or len(target) < 3 or mask_shape != (target[0], target[-1]):
+    """For a (B, S) or (B, 1, S) mask that fails to broadcast to target
+    (B, ..., L, S): the index that makes it a key padding mask, which is
+    likely what was meant ('' for other shapes)."""
+    n = len(mask_shape)
+    if (not 2 <= n < len(target) or (mask_shape[0], mask_shape[-1]) != (target[0], target[-1])
+            or any(d != 1 for d in mask_shape[1:-1])):
         return ""
-    index = "[:, " + "None, " * (len(target) - 2) + ":]"
+    # the missing axes go after B, where a head axis of 1 broadcasts
+    new_axes = len(target) - n
+    if n == 2:
+        index = "[:, " + "None, " * new_axes + ":]"
+    else:
+        index = "[:, " + ", ".join(["None"] * new_axes) + "]"
     shape = C.shape_str((target[0],) + (1,) * (len(target) - 2) + (target[-1],))
-    return (f"; for a (B, S) key padding mask (True = may attend) pass attn_mask{index}, "
+    seen = "(B, " + "1, " * (n - 2) + "S)"
+    return (f"; for a {seen} key padding mask (True = may attend) pass attn_mask{index}, "
             f"of shape {shape}")
 
 

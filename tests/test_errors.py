@@ -177,6 +177,11 @@ HOSTILE = [
         "attn_mask[:, None, None, :], of shape (2, 1, 1, 3)"),
     row("mask", sdpa, (z(2, 4, 8), z(2, 3, 8), z(2, 3, 8)), {"attn_mask": np.ones((2, 3), bool)},
         ValueError, "pass attn_mask[:, None, :], of shape (2, 1, 3)"),
+    # (B, 1, S), as some libraries keep a padding mask: the same fix, one axis fewer
+    row("mask", sdpa, (f32, f32[:, :, :3], f32[:, :, :3]), {"attn_mask": np.ones((2, 1, 3), bool)},
+        ValueError, "attn_mask of shape (2, 1, 3) cannot be broadcast to (..., Hq, L, S) = "
+        "(2, 3, 4, 3); for a (B, 1, S) key padding mask (True = may attend) pass "
+        "attn_mask[:, None], of shape (2, 1, 1, 3)"),
     row("mask", sdpa, (f32, f32, f32), {"attn_mask": np.ones((2, 3, 4, 5), bool)}, ValueError,
         "attn_mask of shape (2, 3, 4, 5) cannot be broadcast"),
     row("mask", sdpa, (f32, f32, f32), {"attn_mask": np.ones((5, 2, 3, 4, 4), bool)}, ValueError,
@@ -403,6 +408,12 @@ def test_hostile_input(fn, args, kwargs, exc, msg):
     for a, (copy, writeable) in zip(arrays, before):
         np.testing.assert_array_equal(a, copy)
         assert a.flags.writeable == writeable
+
+
+def test_padding_mask_hint_only_for_padding_masks():
+    """(B, 2, S) is no padding mask: no hint that would make it one."""
+    with pytest.raises(ValueError, match=r"\(2, 3, 4, 3\)$"):
+        sdpa(f32, f32[:, :, :3], f32[:, :, :3], attn_mask=np.ones((2, 2, 3), bool))
 
 
 def test_hostile_table_covers_every_function():
