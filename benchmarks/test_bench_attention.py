@@ -1,9 +1,9 @@
 """pytest-benchmark suite of issue 3: fastattn, NumPy as a user writes it,
-PyTorch's scaled_dot_product_attention and ONNX Runtime's MultiHeadAttention
-(both key/value layouts) on the shapes of fastattn.bench.SHAPES, at 1 and 2
-threads.  One group per shape and thread count.  The runners are those of
-`fastattn bench` (fastattn/bench/runners.py); peers not installed are
-skipped.
+PyTorch's scaled_dot_product_attention, ONNX Runtime's MultiHeadAttention
+(both key/value layouts) and OpenVINO's ScaledDotProductAttention op on
+the shapes of fastattn.bench.SHAPES, at 1 and 2 threads.  One group per
+shape and thread count.  The runners are those of `fastattn bench`
+(fastattn/bench/runners.py); peers not installed are skipped.
 
     pip install -r requirements-bench.txt && pytest benchmarks/
 

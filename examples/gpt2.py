@@ -13,9 +13,9 @@ checks that each cached step equals the matching row of a full causal pass.
 
     python examples/gpt2.py --compare-storage --new-tokens 32
 
-decodes with the caches held in float32, float16, bfloat16 and int8
-(KVCache's storage; bfloat16 needs pip install 'fastattn[bfloat16]') and
-compares the tokens and the logits of every step.
+decodes with the caches held in each storage of a float32 KVCache (16-, 8-
+and 4-bit ones; bfloat16 needs pip install 'fastattn[bfloat16]') and
+compares the tokens and the logits of every step with the float32 cache's.
 """
 import argparse
 import math
@@ -30,6 +30,7 @@ import numpy as np
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import fastattn  # noqa: E402  (after the setting above, which OpenMP reads when it loads)
 from fastattn._extras import need  # noqa: E402
+from fastattn._storage import FLOAT32_STORAGES  # noqa: E402  (KVCache's storage table)
 
 
 def layer_norm(x, weight, bias, eps):
@@ -163,8 +164,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random weights and prompts (default 0)")
     parser.add_argument("--compare-storage", action="store_true",
-                        help="decode with float32, float16, bfloat16 and int8 caches and "
-                             "compare their tokens and logits")
+                        help=f"decode with caches in {', '.join(FLOAT32_STORAGES)} and "
+                             "compare their tokens and logits with the float32 cache's")
     args = parser.parse_args(argv)
     if args.compare_storage:  # bfloat16 storage: before the model is built, not after
         need("bfloat16", "examples/gpt2.py --compare-storage")
@@ -203,7 +204,7 @@ def compare_storage(model, prompt, mask, tokens, logits):
     print(f"greedy decoding of {tokens.shape[1]} tokens, {tokens.shape[0]} prompts, against a "
           f"float32 cache (logits up to {np.abs(logits).max():.1f}):")
     same16 = True
-    for storage in ("float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"):
+    for storage in [s for s in FLOAT32_STORAGES if s != "float32"]:  # float32: the reference
         t, lg = model.generate(prompt, tokens.shape[1], mask, storage=storage)
         agree = int((t == tokens).all(axis=1).sum())
         first = np.flatnonzero((t != tokens).any(axis=0))

@@ -62,8 +62,8 @@ def _run(argv):
     demo.add_argument("--plot", metavar="FILE.png", type=bench_cli.output_file(".png"),
                       help="also draw the weight matrices as heatmaps into FILE.png (a PNG "
                            "file, written under exactly that name; needs matplotlib)")
-    bench = sub.add_parser("bench", help="fastattn vs NumPy, PyTorch and ONNX Runtime: a table",
-                           description=bench_cli.__doc__)
+    bench = sub.add_parser("bench", help=f"fastattn vs {bench_cli.peer_names()}: a table",
+                           description=bench_cli.DESCRIPTION)
     bench_cli.add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command is None:  # a usage error, but the help says more than "required"

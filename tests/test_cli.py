@@ -89,6 +89,30 @@ def test_demo_help_says_what_it_shows():
         assert what in text, what
 
 
+def test_bench_help_names_every_peer():
+    """The library of every runner, OpenVINO's too, in both help texts."""
+    from fastattn.bench.runners import LIBRARY_NAMES, RUNNERS
+    for args in (["--help"], ["bench", "--help"]):
+        r = run(*args)
+        assert r.returncode == 0, r.stderr
+        text = " ".join(r.stdout.split())
+        for runner in RUNNERS.values():
+            assert LIBRARY_NAMES[runner.library] in text, (args, runner.library)
+
+
+def test_gpt2_help_names_every_storage():
+    """--compare-storage's help lists KVCache's storages from their table."""
+    from fastattn._storage import FLOAT32_STORAGES
+    script = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"
+    if not script.exists():
+        pytest.skip("examples/gpt2.py is not beside the tests")
+    r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert f"caches in {', '.join(FLOAT32_STORAGES)} and compare" in text
+
+
 def test_demo():
     r = run("demo")
     assert r.returncode == 0, r.stderr

@@ -1,6 +1,6 @@
 """Benchmarks: fastattn against NumPy, PyTorch's
-scaled_dot_product_attention and ONNX Runtime's MultiHeadAttention, with the
-machine's own peaks (FMA throughput, memory read bandwidth) measured in the
+scaled_dot_product_attention, ONNX Runtime's MultiHeadAttention and
+OpenVINO's ScaledDotProductAttention op, with the machine's own peaks (FMA throughput, memory read bandwidth) measured in the
 same run.
 
 * shapes: the shapes table and the work of each call

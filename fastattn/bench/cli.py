@@ -1,4 +1,4 @@
-"""`fastattn bench`: fastattn against NumPy, PyTorch and ONNX Runtime on the same shapes: a
+"""`fastattn bench`: fastattn against its peers (runners.RUNNERS) on the same shapes: a
 table of times, speed-ups, % of this machine's peak, accuracy and memory per case."""
 import argparse
 import json
@@ -7,11 +7,14 @@ import os
 import sys
 
 from .._extras import require, require_extra  # noqa: F401  (require: the tests' name)
-from .runners import RUNNERS
+from .runners import RUNNERS, peer_names
 from .shapes import LONG_16384, SHAPES, THREADS, TINY
 
 QUICK = {"repeat": 3, "min_time": 0.2, "peak_seconds": 0.05}
 DEFAULT = {"repeat": 5, "min_time": 1.0, "peak_seconds": 0.2}
+# `fastattn bench --help`'s description
+DESCRIPTION = (f"fastattn against {peer_names()} on the same shapes: a table of times, "
+               "speed-ups, % of this machine's peak, accuracy and memory per case.")
 
 
 def _names(text, known, what):

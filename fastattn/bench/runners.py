@@ -311,6 +311,20 @@ RUNNERS = {r.name: r for r in (
     Runner("openvino", "OpenVINO", "openvino", ("openvino",), "pip install openvino", _openvino,
            whole_cache_decode=True),
 )}
+# the libraries' names in prose (Runner.library -> name): the help texts
+# list the peers from here, so that a new runner's library is never left out
+LIBRARY_NAMES = {"fastattn": "fastattn", "numpy": "NumPy", "torch": "PyTorch",
+                 "onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+
+
+def peer_names():
+    """The libraries fastattn is compared with, in RUNNERS' order, as prose:
+    "NumPy, PyTorch, ONNX Runtime and OpenVINO"."""
+    names = list(dict.fromkeys(LIBRARY_NAMES[r.library] for r in RUNNERS.values()
+                               if r.library != "fastattn"))
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
+
+
 # What the speed-ups are relative to: per library, the faster of its runners
 # on each case.  PEERS: the libraries of the issue's "faster peer".
 BASELINES = {"numpy": ("numpy",), "torch": ("torch",),
