@@ -113,6 +113,20 @@ def test_gpt2_help_names_every_storage():
     assert f"caches in {', '.join(FLOAT32_STORAGES)} and compare" in text
 
 
+def test_bench_notes_of_storages_read_right():
+    """The note of a peer's row at a cache storage: no "a int8"."""
+    import dataclasses
+    import re
+
+    from fastattn.bench.runners import RUNNERS
+    from fastattn.bench.shapes import SHAPES
+    torch = dataclasses.replace(RUNNERS["torch"], requires=())  # installed or not
+    notes = [torch.missing(s) for s in SHAPES if s.storage != "float32"]
+    assert notes and all(notes)
+    assert not [n for n in notes if re.search(r"\ban? [a-z]", n)], notes
+    assert notes[0].startswith("float16 key/value caches are fastattn's")
+
+
 def test_demo():
     r = run("demo")
     assert r.returncode == 0, r.stderr

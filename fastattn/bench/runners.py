@@ -48,7 +48,8 @@ class Runner:
         if shape is not None and shape.mask() is not None and not self.masks:
             return "no sliding window, packed sequences or (L, S) mask in this runner"
         if shape is not None and shape.storage != "float32" and self.name != "fastattn":
-            return f"a {shape.storage} key/value cache is fastattn's (the others: float32)"
+            # no article before the name, which "a int8" got wrong
+            return f"{shape.storage} key/value caches are fastattn's (the others: float32)"
         if (shape is not None and shape.kind == "decode" and self.whole_cache_decode
                 and (shape.causal or shape.window >= 0 or shape.S < 2 * shape.L)):
             return "its key/value-cache graph here: not causal, no window, S >= 2 L"
