@@ -127,6 +127,25 @@ def test_bench_notes_of_storages_read_right():
     assert notes[0].startswith("float16 key/value caches are fastattn's")
 
 
+def test_bench_table_after_ctrl_c_has_no_empty_thread_block():
+    """Ctrl-C during the 1-thread cases: the table ends there, with no
+    header of the 2-thread block that never ran."""
+    from fastattn.bench import report
+    result = {
+        "machine": {"cpu": "a CPU", "logical_cpus": 2, "simd_paths": ["portable"],
+                    "fastattn": fastattn.__version__, "fastattn_simd": "portable",
+                    "openmp": True, "numpy": "2", "python": "3"},
+        "settings": {"shapes": ["tiny"], "runners": ["fastattn"], "simd": ["portable"],
+                     "threads": [1, 2], "repeat": 3, "min_time": 0.2, "warmup": 1, "busy": 0,
+                     "interrupted": True},
+        "peaks": {},
+        "cases": [{"runner": "fastattn", "simd": "portable", "shape": "tiny", "threads": 1,
+                   "status": "ok", "median": 4e-6, "us": 4.0}]}
+    table = report.format_table(result)
+    assert "== 1 thread ==" in table and "4.0 us" in table
+    assert "2 threads" not in table
+
+
 def test_demo():
     r = run("demo")
     assert r.returncode == 0, r.stderr

@@ -162,6 +162,8 @@ def format_table(report):
     head = (f"{'shape':<{sw}} {'runner':<{width}} {'time':>10} {'speed':>14} {'xNumPy':>7} "
             f"{'xPyTorch':>8} {'xORT':>6} {'xOV':>6} {'%peak':>6} {'+MB':>7} {'max err':>8} {'rms err':>8} {'other':>5}")
     for n in s["threads"]:
+        if not any(c["threads"] == n for c in report["cases"]):  # Ctrl-C came before them
+            continue
         lines += ["", f"== {n} thread{'s' if n > 1 else ''} ==", head]
         previous = None
         for shape, c in _case_rows(report, n):
