@@ -146,6 +146,25 @@ def test_bench_table_after_ctrl_c_has_no_empty_thread_block():
     assert "2 threads" not in table
 
 
+def test_bench_memory_column_is_never_negative(monkeypatch):
+    """A first call that adds nothing and frees what its set-up held
+    (OpenVINO's on window-8192 and packed-16) read -0.1 MB; it is 0."""
+    from fastattn.bench import worker
+
+    class Freed:  # PeakRSS as it read on those shapes
+        bytes, why = -64 << 10, None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(worker, "PeakRSS", Freed)
+    result = worker.run_case({"runner": "fastattn", "shape": "tiny", "threads": 1, "repeat": 0})
+    assert result["status"] == "ok" and result["peak_extra_bytes"] == 0
+
+
 def test_demo():
     r = run("demo")
     assert r.returncode == 0, r.stderr
