@@ -165,6 +165,37 @@ def test_bench_memory_column_is_never_negative(monkeypatch):
     assert result["status"] == "ok" and result["peak_extra_bytes"] == 0
 
 
+@pytest.mark.parametrize("args, shapes", [
+    (["--quick"], "QUICK_SHAPES"),
+    ([], "DEFAULT_SHAPES"),
+    (["--quick", "--shapes", "tiny,long-8192"], ("tiny", "long-8192")),  # as records ran it
+])
+def test_bench_quick_runs_a_few_shapes_unless_given(monkeypatch, args, shapes):
+    """--quick alone: a few minutes' shapes; with --shapes, those."""
+    pytest.importorskip("tqdm")
+    pytest.importorskip("threadpoolctl")
+    from fastattn.bench import cli as bench_cli
+    from fastattn.bench import suite
+
+    class Ran(Exception):
+        pass
+
+    def run_suite(shape_names, *rest, **settings):
+        raise Ran(shape_names, settings["repeat"])
+
+    monkeypatch.setattr(suite, "run_suite", run_suite)
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    with pytest.raises(Ran) as ran:
+        bench_cli.main(parser.parse_args(args))
+    want = getattr(bench_cli, shapes) if isinstance(shapes, str) else shapes
+    assert ran.value.args == (list(want), 3 if "--quick" in args else 5)
+    if "--quick" not in args:
+        assert "long-8192" in want and len(want) > len(bench_cli.QUICK_SHAPES)
+    elif not isinstance(shapes, tuple):
+        assert set(want) < set(bench_cli.DEFAULT_SHAPES) and "long-8192" not in want
+
+
 def test_demo():
     r = run("demo")
     assert r.returncode == 0, r.stderr

@@ -15,6 +15,13 @@ DEFAULT = {"repeat": 5, "min_time": 1.0, "peak_seconds": 0.2}
 # `fastattn bench --help`'s description
 DESCRIPTION = (f"fastattn against {peer_names()} on the same shapes: a table of times, "
                "speed-ups, % of this machine's peak, accuracy and memory per case.")
+# without --shapes: every shape of the table and tiny (LONG_16384 is --memory's)
+DEFAULT_SHAPES = tuple(s.name for s in SHAPES) + (TINY.name,)
+# --quick without --shapes: prefill, causal and decoding shapes, none whose
+# peers take seconds a call (the 8192-position ones, packed-16): a run of
+# minutes, where fewer calls per case left the process each case starts
+QUICK_SHAPES = ("bert-base", "encoder-512", "causal-2048", "head-128", "decode-4096",
+                "decode-8192", "tiny")
 
 
 def _names(text, known, what):
@@ -95,12 +102,12 @@ def output_file(suffix=None):
 
 
 def add_arguments(p):
-    shape_names = [s.name for s in SHAPES] + [TINY.name]
+    shape_names = list(DEFAULT_SHAPES)
     p.add_argument("--shapes", type=lambda t: _names(t, shape_names + [LONG_16384.name], "shape"),
-                   default=shape_names, metavar="LIST",
+                   metavar="LIST",
                    help=f"comma-separated, from: {', '.join(shape_names)}, "
                         f"{LONG_16384.name} (default: all but {LONG_16384.name}, the shape "
-                        "of --memory)")
+                        f"of --memory; with --quick: {', '.join(QUICK_SHAPES)})")
     p.add_argument("--runners", type=lambda t: _names(t, list(RUNNERS), "runner"),
                    default=list(RUNNERS), metavar="LIST",
                    help=f"comma-separated, from: {', '.join(RUNNERS)} (default: all; "
@@ -119,7 +126,10 @@ def add_arguments(p):
                         f"--quick {QUICK['min_time']})")
     p.add_argument("--warmup", type=_at_least(int, 0), default=1, metavar="N",
                    help="untimed calls before timing (default 1)")
-    p.add_argument("--quick", action="store_true", help="fewer calls and shorter peak loops")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer calls per case and shorter peak loops, and without --shapes "
+                        f"{len(QUICK_SHAPES)} shapes, not {len(shape_names)} (docs/guide/"
+                        "benchmarks.md gives the time each takes)")
     p.add_argument("--memory", action="store_true",
                    help=f"only measure peak memory, at {LONG_16384.name} ({LONG_16384.describe()}; "
                         "--shapes is ignored)")
@@ -172,7 +182,7 @@ def main(args):
         settings["repeat"] = args.repeat
     if args.min_time is not None:
         settings["min_time"] = args.min_time
-    shapes = args.shapes
+    shapes = args.shapes or list(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     if args.memory:  # one untimed call per runner: its peak memory and its error
         shapes, settings["repeat"], settings["min_time"] = [LONG_16384.name], 0, 0.0
     # at the memory shape the score matrix alone is 8 GiB: computed, not run
