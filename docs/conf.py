@@ -9,6 +9,7 @@ drawn then from the benchmark records (matplotlib's plot directive).  No
 page is fetched from the network: intersphinx reads the inventories of the
 NumPy and PyTorch names the docs cite from _inv/ (see _inv/README.md).
 """
+import importlib.util
 import os
 import sys
 from importlib.metadata import version as _version
@@ -18,6 +19,33 @@ from importlib.metadata import version as _version
 _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _root]
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ext"))
+
+
+def _import_transformers_backend():
+    """Import fastattn.integrations.transformers over Sphinx's mock modules
+    where torch or transformers is missing, so that autosummary documents it
+    from its docstrings.
+
+    docs/requirements.txt leaves both out: PyPI's torch is a CUDA build of
+    several GB on Linux x86-64.  The module checks transformers' version by
+    the parameters of masking_utils.sdpa_mask, given here as 5.24's.  The
+    mocks leave sys.modules afterwards: the guide's torch examples are then
+    skipped (_ext/run_examples.py), not run against them.
+    """
+    if all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers")):
+        return
+    from sphinx.ext.autodoc.mock import mock
+    with mock(["torch", "transformers"]):
+        import transformers.masking_utils
+
+        def sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **kwargs):
+            raise NotImplementedError
+
+        transformers.masking_utils.sdpa_mask = sdpa_mask
+        import fastattn.integrations.transformers  # noqa: F401  (kept in sys.modules)
+
+
+_import_transformers_backend()
 
 project = "fastattn"
 author = "the fastattn developers"
