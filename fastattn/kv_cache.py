@@ -58,7 +58,9 @@ class KVCache:
           "bfloat16" (ml_dtypes' dtype; needs the ml_dtypes package): each
           element rounded to nearest-even on ``append``.  Relative error
           at most 2**-11 and 2**-8 of each element; float16 holds
-          magnitudes up to 65504 (a larger finite value is a ValueError).
+          magnitudes up to 65504: a finite value that rounds past it
+          (magnitude 65520 or more; 65519 is held as 65504) is a
+          ValueError, inf and NaN are kept.
         - "int8": symmetric absmax quantisation of each row of head_dim
           (value_dim) features of one position and head, with a float32
           scale per row: ``scale = max|x| / 127``, ``code =
@@ -73,8 +75,9 @@ class KVCache:
           1.5e-36) keep an error below 127 * 2**-150 (about 9e-44) more.
         - "float8_e5m2" (binary16's top byte; vLLM's fp8_e5m2 cache): each
           element rounded to nearest-even, no scale: relative error at most
-          2**-3; magnitudes up to 57344 (beyond is a ValueError), inf and
-          NaN kept.
+          2**-3; magnitudes up to 57344: a finite value that rounds past
+          it (magnitude 61440 or more; 60000 is held as 57344) is a
+          ValueError; inf and NaN kept.
         - "float8_e4m3fn" (OCP FP8, ml_dtypes' name; vLLM's fp8_e4m3 cache,
           per row rather than per tensor): each row divided by a float32
           scale, the power of two that brings max|x| into (224, 448], and
@@ -88,8 +91,9 @@ class KVCache:
           the error of each element is at most about d / 2 = max|block| /
           14.  One scale per 32 elements of a token's row, keys and values
           alike (README's low-precision guide gives the measurements behind
-          that choice).  Finite values up to 458528 (7 times float16's
-          largest) only.
+          that choice).  Finite values only, up to 458528 (7 times
+          float16's largest): a magnitude of 458640 or more, whose scale
+          rounds past float16's range, is a ValueError.
 
         Every conversion the kernels make is exact, and for float8 and int4
         the scale multiplies exactly: attention over such a cache gives the
