@@ -308,8 +308,10 @@ def scaled_dot_product_attention(
     return_lse : bool
         Also return each row's log-sum-exp of its logits (the sink
         included), shape (..., Hq, L), query's dtype, float32 for the 16-bit
-        dtypes (as FlashAttention's ``softmax_lse``, which it is); -inf for a
-        row with no visible key.  With it, attention
+        dtypes (as FlashAttention's ``softmax_lse``, which it is).  A row
+        with no visible key has the sink's logit with sinks (its softmax
+        holds the sink alone, as in FlashAttention 4's reference), -inf
+        without.  With it, attention
         over disjoint key sets combines exactly: ``merge_attention``.
     window_size : (left, right) or None
         Sliding window (Mistral, Gemma; FlashAttention's ``window_size``):
@@ -329,7 +331,7 @@ def scaled_dot_product_attention(
         per head that joins every row's softmax denominator and contributes
         no value, so a row's weights sum to less than 1.  Real or -inf (no
         sink); NaN and +inf are refused.  A row whose keys are all hidden
-        still gives zeros.
+        still gives zeros (its lse is the sink's logit).
     out : ndarray or None, shape (..., Hq, L, Ev)
         Write the result here, through its strides; for example
         ``split_heads(merged, H)`` writes straight into a (B, L, H*Ev) buffer.
@@ -601,8 +603,9 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
     out : ndarray, shape (..., L, Ev)
         sum_p exp(lse_p - lse) * out_p: the attention over all the keys.
     lse : ndarray, shape (..., L)
-        log sum_p exp(lse_p); -inf for a row that saw no key in any part
-        (its output is zeros); +inf where a part's is (a sink of +inf: the
+        log sum_p exp(lse_p); for a row that saw no key in any part (its
+        output is zeros), the sink's logit where a part had sinks, else
+        -inf; +inf where a part's is (a sink of +inf: the
         output is that part's).  A NaN in a part gives NaN.
 
     With sinks, give them to one part only: each part's lse counts them.

@@ -519,7 +519,8 @@ class ShardedKVCache:
         Returns
         -------
         out (Hq, L, value_dim) in query's dtype, and with return_lse the
-        log-sum-exp (Hq, L) (float32 for 16-bit queries).
+        log-sum-exp (Hq, L) (float32 for 16-bit queries); for a query that
+        sees no position, the sink's logit with sinks, -inf without.
 
         Raises
         ------

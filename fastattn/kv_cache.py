@@ -385,7 +385,8 @@ class KVCache:
         out (batch_size, Hq, L, value_dim), and the weights
         (batch_size, Hq, L, length) with need_weights and the log-sum-exp
         (batch_size, Hq, L) with return_lse, in that order.  A query that
-        sees no real token gives zeros.
+        sees no real token gives zeros, and an lse of the sink's logit with
+        sinks, -inf without.
 
         Raises the errors of ``scaled_dot_product_attention``, TypeError for
         a query whose dtype is not the cache's (nor 16-bit for a float32

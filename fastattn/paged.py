@@ -204,7 +204,10 @@ def paged_attention(
         (default True: every query sees its own key and the earlier ones).
     return_lse : bool
         Also return each row's log-sum-exp, shape (Hq, total_q), as
-        ``varlen_attention`` (FlashAttention's varlen ``softmax_lse``).
+        ``varlen_attention`` (FlashAttention's varlen ``softmax_lse``); for
+        a row with no key (``seq_lens[b]`` 0, or none in its window), the
+        sink's logit with sinks (as in FlashAttention 4's reference), -inf
+        without.
     k_scale, v_scale : ndarray of float32, shape (num_blocks, Hkv, block_size), or None
         For int8 and float8_e4m3fn caches only: row j stands for its scale
         times its codes (``KVCache``'s storages of those names).  Per row,
@@ -231,7 +234,8 @@ def paged_attention(
     out : ndarray, shape (total_q, Hq, Ev), query's dtype
         (out, lse) with ``return_lse=True``; lse in float32 for 16-bit
         queries.  A query row that sees no key (seq_lens[b] = 0 without
-        is_causal, or a window that hides every key) gives zeros, lse -inf.
+        is_causal, or a window that hides every key) gives zeros, and an
+        lse of -inf, or of the sink's logit with sinks.
 
     Raises
     ------

@@ -63,7 +63,9 @@ def varlen_attention(
         sees keys 0..i + S - L; the same as "upper_left" where L = S).
     return_lse : bool
         Also return the log-sum-exp of each row, shape (Hq, total_q), as
-        FlashAttention's varlen ``softmax_lse``.
+        FlashAttention's varlen ``softmax_lse``; for a row with no key (a
+        sequence of none, or all outside its window), the sink's logit
+        with sinks (as in FlashAttention 4's reference), -inf without.
     out : ndarray or None, shape (total_q, Hq, Ev)
         Written through its strides; must not overlap the inputs.
     num_threads : int or None
