@@ -67,6 +67,8 @@ exclude_patterns = ["_build", "_inv/README.md", "requirements.txt"]
 myst_heading_anchors = 3
 
 autosummary_generate = True
+templates_path = ["_templates"]  # autosummary/class.rst: methods in full, linked
+autodoc_member_order = "bysource"
 autodoc_typehints = "none"   # the docstrings give shapes and dtypes, numpydoc style
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
