@@ -88,5 +88,14 @@ plot_formats = [("png", 100)]
 
 html_theme = "pydata_sphinx_theme"
 html_title = f"fastattn {release}"
-html_theme_options = {"navigation_with_keys": False, "show_toc_level": 2}
-html_static_path = []
+html_theme_options = {
+    "navigation_with_keys": False,
+    "show_toc_level": 2,
+    # the left sidebar only where a page has pages under it (the API
+    # reference): elsewhere it was an empty "Section Navigation"
+    "sidebar_includehidden": False,
+    # the API table needs the whole width; it has one section to jump to
+    "secondary_sidebar_items": {"**": ["page-toc", "sourcelink"], "guide/api": []},
+}
+html_static_path = ["_static"]
+html_css_files = ["fastattn.css"]  # a wider text column (see the file)
