@@ -79,8 +79,15 @@ def set_simd_path(name: str) -> None:
     """Switch the instruction-set path ('portable', 'avx2', 'avx512', 'neon' or
     'auto').
 
-    Raises ValueError for an unknown name and RuntimeError for a path this
-    CPU cannot run."""
+    Raises
+    ------
+    TypeError
+        A name that is not a str.
+    ValueError
+        An unknown name.
+    RuntimeError
+        A path this CPU cannot run.
+    """
     global _simd_path
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -125,8 +132,13 @@ def set_num_threads(n: Optional[int]) -> None:
     the build every call runs on one thread.  Calls already running keep the
     count they started with.
 
-    Raises TypeError for a non-int (bool and float included) and ValueError
-    for a count out of range."""
+    Raises
+    ------
+    TypeError
+        A count that is not an int (bool and float included).
+    ValueError
+        A count out of range.
+    """
     global _num_threads
     _num_threads = None if n is None else _check_threads(n, "n")
 

@@ -366,13 +366,15 @@ def scaled_dot_product_attention(
         E or Ev above 2**20, broadcast shapes with more elements than a
         64-bit index addresses, dropout_p != 0, a bad ``out`` (wrong
         shape, read-only, misaligned, overlapping an input or itself), an
-        unknown causal_alignment, num_threads outside 1 to max(1024, the CPU count), a
+        unknown causal_alignment, num_threads outside 1 to max(1024, the CPU count),
         a negative softcap, alibi_slopes or sinks of the
         wrong shape, sinks NaN or +inf; a scale or softcap that is not
         finite in the dtype computed in (float32 or float64: 1e300 is finite
         only in float64), a softcap that rounds to 0 there, an alibi slope
         whose bias at distance L + S is not finite there.
 
+    Notes
+    -----
     The caller's arrays are never modified.
     """
     return _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,

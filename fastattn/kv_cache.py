@@ -104,11 +104,18 @@ class KVCache:
 
     Raises
     ------
-    TypeError for non-int sizes or another dtype; ValueError for sizes < 1
-    (value_dim and head_dim may be 0), a storage not among those above (or
-    other than "float64" with float64), or buffers larger than any address
-    space; ImportError for "bfloat16" without ml_dtypes; MemoryError, with
-    the sizes and bytes, when they cannot be allocated.
+    TypeError
+        Sizes that are not ints, or a dtype other than float32 and float64
+        (for a 16-bit one the message says how to store in 16 bits).
+    ValueError
+        Sizes below 1 (head_dim and value_dim may be 0), a storage not
+        among those above (or other than "float64" with float64), or
+        buffers larger than any address space.
+    ImportError
+        storage="bfloat16" without the ml_dtypes package.
+    MemoryError
+        Buffers that cannot be allocated; the message gives the sizes and
+        the bytes.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int, *,
@@ -265,13 +272,20 @@ class KVCache:
 
         Raises
         ------
-        TypeError for non-arrays, a dtype other than the cache's or a
-        non-bool mask; ValueError for shapes that do not match the cache,
-        when the L positions do not fit in the remaining capacity, or for
-        values the storage cannot hold (a finite value beyond float16's or
-        float8_e5m2's range, a non-finite value in int8, float8_e4m3fn or
-        int4, a value beyond int8's, e4m3's or int4's range as their scales
-        allow).  Nothing is written then.
+        TypeError
+            Non-arrays, a dtype other than the cache's, or a mask that is
+            not bool.
+        ValueError
+            Shapes that do not match the cache, L positions that do not fit
+            in the remaining capacity, or values the storage cannot hold: a
+            finite value that rounds past float16's or float8_e5m2's
+            largest, a non-finite value in int8, float8_e4m3fn or int4, a
+            value beyond int8's, e4m3's or int4's range as their scales
+            allow (see the class).
+
+        Notes
+        -----
+        Nothing is written when an error is raised.
         """
         B, Hkv, D, Dv = self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim
         for name, a, last, last_name in (("key", key, D, "head_dim"),
@@ -388,14 +402,19 @@ class KVCache:
         sees no real token gives zeros, and an lse of the sink's logit with
         sinks, -inf without.
 
-        Raises the errors of ``scaled_dot_product_attention``, TypeError for
-        a query whose dtype is not the cache's (nor 16-bit for a float32
-        cache), and ValueError, with is_causal, for more queries than
-        positions held: the queries are the last positions, so that would
-        mean their keys were not appended (``scaled_dot_product_attention``
-        with ``causal_alignment="lower_right"`` and FlashAttention give
-        such queries zero rows instead; a cache refuses the call rather than
-        hide the missing append).
+        Raises
+        ------
+        TypeError
+            A query whose dtype is not the cache's (nor 16-bit for a
+            float32 cache); and those of ``scaled_dot_product_attention``.
+        ValueError
+            With is_causal, more queries than positions held: the queries
+            are the last positions, so that would mean their keys were not
+            appended (``scaled_dot_product_attention`` with
+            ``causal_alignment="lower_right"`` and FlashAttention give such
+            queries zero rows instead; a cache refuses the call rather than
+            hide the missing append); and those of
+            ``scaled_dot_product_attention``.
         """
         C.require_array(query, "query")
         half = C.is_half(query.dtype) and query.dtype.isnative and self.dtype == np.float32

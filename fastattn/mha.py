@@ -81,9 +81,12 @@ class MultiHeadAttention:
 
     Raises
     ------
-    TypeError for non-int sizes, a non-bool flag or another dtype;
-    ValueError for sizes < 1, embed_dim not a multiple of num_heads or
-    num_heads not a multiple of num_kv_heads.
+    TypeError
+        Sizes that are not ints, a flag that is not a bool, or a dtype
+        other than those above.
+    ValueError
+        Sizes below 1, embed_dim not a multiple of num_heads, or num_heads
+        not a multiple of num_kv_heads.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, kdim: Optional[int] = None,
@@ -214,10 +217,17 @@ class MultiHeadAttention:
 
         Raises
         ------
-        ValueError for missing or unexpected names (strict), for a shape
-        other than the expected one and, in a 16-bit layer, for a finite
-        value beyond its dtype's range; TypeError for a non-mapping or a
-        non-floating array.  Nothing is loaded when an error is raised.
+        ValueError
+            Missing or unexpected names (with strict), a shape other than
+            the expected one, or, in a 16-bit layer, a finite value beyond
+            its dtype's range.
+        TypeError
+            A state_dict that is not a mapping, or an array that is not
+            floating.
+
+        Notes
+        -----
+        Nothing is loaded when an error is raised.
         """
         if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
             raise TypeError(f"state_dict must be a mapping of names to arrays, got "
@@ -261,9 +271,16 @@ class MultiHeadAttention:
         bfloat16 (ml_dtypes' dtype; NumPy has none, so its weights are read
         through float32, exactly).
 
-        Raises ValueError for the options fastattn does not implement
-        (add_bias_kv, add_zero_attn), TypeError for another object, and
-        ImportError for a bfloat16 module without ml_dtypes installed."""
+        Raises
+        ------
+        ValueError
+            The options fastattn does not implement (add_bias_kv,
+            add_zero_attn).
+        TypeError
+            An object that is not a ``torch.nn.MultiheadAttention``.
+        ImportError
+            A bfloat16 module without ml_dtypes installed.
+        """
         needed = ("embed_dim", "num_heads", "kdim", "vdim", "batch_first", "in_proj_bias",
                   "out_proj", "state_dict")
         if not all(hasattr(module, a) for a in needed):
@@ -410,10 +427,16 @@ class MultiHeadAttention:
 
         Raises
         ------
-        TypeError for non-arrays, a dtype other than the module's, or a mask
-        neither bool nor floating; ValueError for shapes that disagree, only
-        one of key and value, or a cache that does not fit (its capacity
-        included).  The caller's arrays are never modified.
+        TypeError
+            Non-arrays, a dtype other than the module's, or a mask neither
+            bool nor floating.
+        ValueError
+            Shapes that disagree, only one of key and value, or a cache
+            that does not fit (its capacity included).
+
+        Notes
+        -----
+        The caller's arrays are never modified.
         """
         need_weights = C.check_bool(need_weights, "need_weights")
         average = C.check_bool(average_attn_weights, "average_attn_weights")

@@ -30,11 +30,18 @@ def matmul(a: NDArray[Float], b: NDArray[Float], *, out: Optional[NDArray[Float]
     -------
     ndarray, shape (..., M, N), the inputs' dtype.  K = 0 gives zeros.
 
-    Raises TypeError for non-arrays or dtypes other than one of float32 and
-    float64; ValueError for fewer than 2 dimensions, mismatched inner
-    sizes, batch axes that do not broadcast, broadcast shapes with more
-    elements than a 64-bit index addresses or a bad out.  Unlike
-    numpy.matmul, 1-D operands are not promoted.
+    Raises
+    ------
+    TypeError
+        Non-arrays, or dtypes other than one of float32 and float64.
+    ValueError
+        Fewer than 2 dimensions, mismatched inner sizes, batch axes that do
+        not broadcast, broadcast shapes with more elements than a 64-bit
+        index addresses, or a bad out.
+
+    Notes
+    -----
+    Unlike numpy.matmul, 1-D operands are not promoted.
 
     Packing and loop order follow Goto & van de Geijn, "Anatomy of
     high-performance matrix multiplication" (ACM TOMS 2008).
@@ -87,9 +94,14 @@ def softmax(x: NDArray[Float], axis: int = -1, *, mask: Optional[MaskArray] = No
     NaN of 0/0); a NaN in a visible entry gives a NaN row; +inf gives NaN
     (inf - inf), as in the IEEE arithmetic of the textbook formula.
 
-    Raises TypeError for a non-array, a dtype other than float32/float64 or
-    a mask neither bool nor floating; ValueError (numpy.exceptions.AxisError
-    for the axis) for a bad axis, mask shape or out.
+    Raises
+    ------
+    TypeError
+        A non-array, a dtype other than float32/float64, or a mask neither
+        bool nor floating.
+    ValueError
+        A bad axis (numpy.exceptions.AxisError, a ValueError), mask shape
+        or out.
     """
     C.require_array(x, "x")
     dtype = C.common_float_dtype(x=x)
@@ -126,10 +138,14 @@ def split_heads(x: NDArray[Scalar], num_heads: int) -> NDArray[Scalar]:
     as the ``out`` of scaled_dot_product_attention) fills the merged
     (..., L, H*D) layout directly.  Any dtype.
 
-    Raises TypeError for a non-array or a non-int num_heads; ValueError for
-    fewer than 2 dimensions, a feature size not divisible by num_heads, or
-    a num_heads so large that the view would have more elements than a
-    64-bit index addresses (x with 0 features).
+    Raises
+    ------
+    TypeError
+        A non-array, or a num_heads that is not an int.
+    ValueError
+        Fewer than 2 dimensions, a feature size not divisible by num_heads,
+        or a num_heads so large that the view would have more elements than
+        a 64-bit index addresses (x with 0 features).
     """
     C.require_array(x, "x")
     C.require_ndim(x, "x", 2, "(..., L, H*D)")
@@ -151,8 +167,12 @@ def merge_heads(x: NDArray[Float], *, num_threads: Optional[int] = None) -> NDAr
     copied by a parallel typed-memoryview loop.  To avoid the copy, let
     attention write into ``split_heads(buffer, H)`` instead.
 
-    Raises TypeError for a non-array or a dtype other than float32/float64;
-    ValueError for fewer than 3 dimensions.
+    Raises
+    ------
+    TypeError
+        A non-array, or a dtype other than float32/float64.
+    ValueError
+        Fewer than 3 dimensions.
     """
     C.require_array(x, "x")
     C.require_ndim(x, "x", 3, "(..., H, L, D)")

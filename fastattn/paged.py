@@ -256,6 +256,8 @@ def paged_attention(
         must be in the cache); a bad ``out``; and the bad option values of
         ``scaled_dot_product_attention``.
 
+    Notes
+    -----
     The caller's arrays are never modified.
     """
     for name, a, layout in (("query", query, "(total_q, Hq, E)"),

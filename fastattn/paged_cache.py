@@ -74,10 +74,15 @@ class PagedKVCache:
 
     Raises
     ------
-    TypeError for non-int sizes or another dtype; ValueError for sizes < 1
-    (head_dim and value_dim may be 0), a storage it cannot hold, or a pool
-    larger than any address space; ImportError for "bfloat16" without
-    ml_dtypes; MemoryError, with the bytes, when the pool cannot be allocated.
+    TypeError
+        Sizes that are not ints, or a dtype other than float32 and float64.
+    ValueError
+        Sizes below 1 (head_dim and value_dim may be 0), a storage it
+        cannot hold, or a pool larger than any address space.
+    ImportError
+        storage="bfloat16" without the ml_dtypes package.
+    MemoryError
+        A pool that cannot be allocated; the message gives the bytes.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
@@ -342,11 +347,16 @@ class PagedKVCache:
 
         Raises
         ------
-        OutOfBlocksError (a MemoryError) when the pool lacks the blocks;
-        TypeError and ValueError for arguments that do not fit (a sequence
-        that is not live or named twice, a dtype other than the cache's,
-        shapes, values the storage cannot hold, positions past the rotary
-        tables).  Nothing is written then.
+        OutOfBlocksError
+            The pool lacks the blocks (a MemoryError).
+        TypeError, ValueError
+            Arguments that do not fit: a sequence that is not live or named
+            twice, a dtype other than the cache's, shapes, values the
+            storage cannot hold, positions past the rotary tables.
+
+        Notes
+        -----
+        Nothing is written when an error is raised.
         """
         with self._lock:
             ids = self._ids(seq_ids, distinct=True)

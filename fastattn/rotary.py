@@ -77,9 +77,12 @@ def rotary(x: NDArray[Float], positions: NDArray[np.integer[Any]], cos: NDArray[
 
     Raises
     ------
-    TypeError for non-arrays, an x neither float32 nor float64, integer
-    tables or non-integer positions; ValueError for shapes that do not
-    agree, rotary_dim > D, or a position outside the tables.
+    TypeError
+        Non-arrays, an x neither float32 nor float64, integer tables, or
+        positions that are not integers.
+    ValueError
+        Shapes that do not agree, rotary_dim > D, or a position outside
+        the tables.
     """
     x = C.require_array(x, "x")
     if x.dtype not in C.FLOAT_DTYPES:

@@ -119,7 +119,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks, (Hq,)) become
     fastattn's ``softcap`` and ``sinks``.
 
-    Raises ValueError when Hq is not ``module.num_key_value_groups`` times Hkv.
+    Raises
+    ------
+    ValueError
+        Hq is not ``module.num_key_value_groups`` times Hkv.
     """
     reason = _fallback_reason(query, key, value, dropout, position_bias)
     if reason is not None:
