@@ -77,8 +77,9 @@ class PagedKVCache:
     TypeError
         Sizes that are not ints, or a dtype other than float32 and float64.
     ValueError
-        Sizes below 1 (head_dim and value_dim may be 0), a storage it
-        cannot hold, or a pool larger than any address space.
+        Sizes below 1 (head_dim and value_dim may be 0), num_blocks above
+        2**31 (block tables hold int32 ids), a storage it cannot hold, or a
+        pool larger than any address space.
     ImportError
         storage="bfloat16" without the ml_dtypes package.
     MemoryError
@@ -353,6 +354,9 @@ class PagedKVCache:
             Arguments that do not fit: a sequence that is not live or named
             twice, a dtype other than the cache's, shapes, values the
             storage cannot hold, positions past the rotary tables.
+        RuntimeError
+            Another thread appended to one of the sequences while this append
+            ran (one sequence's tokens come from one thread at a time).
 
         Notes
         -----
