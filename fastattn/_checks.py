@@ -378,3 +378,20 @@ def float_mask(mask: NDArray[Any], dtype: np.dtype[Any], name: str) -> NDArray[A
                              f"(the dtype computed in), where it would be +inf: a mask value "
                              f"must be finite there, or -inf to hide the key")
     return converted
+
+
+def alignment_offset(causal_alignment: object, L: int, S: int) -> int:
+    """The k of i' = i + k that causal_alignment stands for."""
+    flag = isinstance(causal_alignment, (bool, np.bool_))  # an int to Python, not here
+    if isinstance(causal_alignment, numbers.Integral) and not flag:
+        k = int(causal_alignment)
+        if abs(k) >= 2**53:
+            raise ValueError(f"causal_alignment as an offset must be below 2**53 in magnitude, "
+                             f"got {k}")
+        return k
+    if causal_alignment == "upper_left":
+        return 0
+    if causal_alignment == "lower_right":
+        return S - L
+    raise ValueError(f"causal_alignment must be 'upper_left', 'lower_right' or an int offset, "
+                     f"got {causal_alignment!r}")

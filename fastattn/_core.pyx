@@ -740,119 +740,8 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
     return raise_on(err, "split attention")
 
 
-def varlen(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
-           const cnp.int64_t[::1] cu_q, const cnp.int64_t[::1] cu_k, fa_idx group, bint causal,
-           bint lower_right, double scale, int nthreads, fa_idx window_left,
-           fa_idx window_right, double softcap, object slopes, object sinks,
-           int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES):
-    """Packed sequences: q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k,
-    Hkv, Ev), out (total_q, Hq, Ev), lse None or (Hq, total_q); sequence b
-    holds rows cu_q[b]..cu_q[b+1]-1 and keys cu_k[b]..cu_k[b+1]-1 (checked
-    by the caller).  slopes (B, Hq) and sinks (Hq,) float64 or None.  One
-    task per (sequence, head, block of query rows), of its actual length."""
-    cdef fa_idx nseq = cu_q.shape[0] - 1, Hq = out.shape[1], es = cnp.PyArray_ITEMSIZE(q)
-    cdef fa_idx qb = fa_attn_query_block(<int>es)
-    cdef fa_attn_args a
-    memset(&a, 0, sizeof(a))
-    a.prefetch = prefetch
-    a.E, a.Ev = q.shape[2], v.shape[2]
-    a.q_ls, a.q_es = estride(q, 0), estride(q, 2)
-    a.k_ss, a.k_es = estride(k, 0), estride(k, 2)
-    a.v_ss, a.v_es = estride(v, 0), estride(v, 2)
-    a.o_ls, a.o_es = estride(out, 0), estride(out, 2)
-    a.mask_kind = FA_MASK_NONE
-    a.scale, a.softcap, a.causal = scale, softcap, causal
-    a.window_left, a.window_right, a.sink = window_left, window_right, -INFINITY
-    cdef fa_idx qh = estride(q, 1), kh = estride(k, 1), vh = estride(v, 1), oh = estride(out, 1)
-    cdef char *qp = <char *>cnp.PyArray_DATA(q)
-    cdef char *kp = <char *>cnp.PyArray_DATA(k)
-    cdef char *vp = <char *>cnp.PyArray_DATA(v)
-    cdef char *op = <char *>cnp.PyArray_DATA(out)
-    cdef char *lp = NULL
-    cdef fa_idx lh = 0
-    cdef cnp.ndarray x_arr
-    cdef const double *slope = NULL
-    cdef const double *sink = NULL
-    if lse is not None:
-        x_arr = lse
-        lp = <char *>cnp.PyArray_DATA(x_arr)
-        lh, a.lse_s = estride(x_arr, 0), estride(x_arr, 1)
-    if slopes is not None:
-        x_arr = slopes  # C-contiguous (B, Hq)
-        slope = <const double *>cnp.PyArray_DATA(x_arr)
-    if sinks is not None:
-        x_arr = sinks   # C-contiguous (Hq,)
-        sink = <const double *>cnp.PyArray_DATA(x_arr)
-    # the tasks: (sequence, head, first query row), longest sequences' heads
-    # interleaved as they come; within a head in task_rows' order
-    cdef fa_idx ntasks = 0, bi, h, nqb, t, i0
-    for bi in range(nseq):
-        ntasks += Hq * ((cu_q[bi + 1] - cu_q[bi] + qb - 1) // qb)
-    if ntasks == 0:
-        return
-    cdef fa_idx *tasks = <fa_idx *>malloc(3 * ntasks * sizeof(fa_idx))
-    if tasks == NULL:
-        raise MemoryError("fastattn: cannot allocate the task list")
-    t = 0
-    for bi in range(nseq):
-        nqb = (cu_q[bi + 1] - cu_q[bi] + qb - 1) // qb
-        for h in range(Hq):
-            for i0 in range(nqb):
-                tasks[3 * t], tasks[3 * t + 1] = bi, h
-                tasks[3 * t + 2] = (i0 if a.window_left >= 0 else nqb - 1 - i0) * qb
-                t += 1
-    cdef size_t work_bytes = fa_attn_work_bytes(&a, <int>es)
-    cdef fa_attn_args ai
-    cdef void *work
-    cdef int err = 0
-    cdef int *errp = &err
-    cdef int rc
-    cdef fa_idx L, S, i1
-    cdef fa_stop stop
-    stop_init(&stop)
-    with nogil, parallel(num_threads=min(nthreads, ntasks)):
-        work = malloc(work_bytes)
-        if work == NULL:
-            errp[0] = 1
-        for t in prange(ntasks, schedule="dynamic"):
-            if work == NULL or stopped(&stop):
-                continue
-            bi, h, i0 = tasks[3 * t], tasks[3 * t + 1], tasks[3 * t + 2]
-            L, S = cu_q[bi + 1] - cu_q[bi], cu_k[bi + 1] - cu_k[bi]
-            i1 = i0 + qb if i0 + qb < L else L
-            ai = a
-            ai.L, ai.S = L, S
-            ai.causal_offset = S - L if lower_right else 0
-            if slope != NULL:
-                ai.alibi_slope = slope[bi * Hq + h]
-            if sink != NULL:
-                ai.sink = sink[h]
-            if es == 4:
-                rc = fa_attn_f32(<fa_isa>isa, &ai,
-                                 <float *>(qp + es * (cu_q[bi] * a.q_ls + h * qh)),
-                                 <float *>(kp + es * (cu_k[bi] * a.k_ss + (h // group) * kh)),
-                                 <float *>(vp + es * (cu_k[bi] * a.v_ss + (h // group) * vh)),
-                                 NULL, <float *>(op + es * (cu_q[bi] * a.o_ls + h * oh)), NULL,
-                                 <float *>(lp + es * (h * lh + cu_q[bi] * a.lse_s))
-                                 if lp != NULL else NULL, i0, i1, NULL, work)
-            else:
-                rc = fa_attn_f64(<fa_isa>isa, &ai,
-                                 <double *>(qp + es * (cu_q[bi] * a.q_ls + h * qh)),
-                                 <double *>(kp + es * (cu_k[bi] * a.k_ss + (h // group) * kh)),
-                                 <double *>(vp + es * (cu_k[bi] * a.v_ss + (h // group) * vh)),
-                                 NULL, <double *>(op + es * (cu_q[bi] * a.o_ls + h * oh)), NULL,
-                                 <double *>(lp + es * (h * lh + cu_q[bi] * a.lse_s))
-                                 if lp != NULL else NULL, i0, i1, NULL, work)
-            if rc != 0:
-                errp[0] = 2
-        free(work)
-    free(tasks)
-    stop_raise(&stop)
-    raise_on(err, "varlen attention")
-
-
-cdef struct Paged:
-    # The operands of one paged() call: the arguments shared by its
+cdef struct Ragged:
+    # The operands of one ragged() call: the arguments shared by its
     # sequences and heads, and where each sequence's and head's start.
     fa_attn_args a
     char *q
@@ -862,18 +751,21 @@ cdef struct Paged:
     char *lse
     const float *ksc
     const float *vsc
-    const int32_t *table
+    const int32_t *table          # (B, table_s) block ids, or NULL: keys contiguous
+    const cnp.int64_t *kv_start   # without a table, each sequence's first key row
     const cnp.int64_t *cu_q
     const cnp.int64_t *seq_lens
     const double *slope   # (B, Hq) or NULL
     const double *sink    # (Hq,) or NULL
     fa_idx table_s, Hq, group, qh, kh, vh, oh, lh, ksch, vsch
     fa_idx kv_row_bytes   # a key row's and a value row's bytes
+    fa_idx align_offset   # query i of a sequence is at key position i + this
+    bint lower_right      # ... plus S - L of the sequence
     bint ahead_blocks     # FA_PREFETCH_BLOCKS for sequences beyond L2
     int qsize, kvsize, es
 
 
-cdef struct PagedTask:
+cdef struct RaggedTask:
     # Rows i0..i1-1 of query heads head..head+heads-1 of a sequence (heads
     # that share a key/value head, computed together so that its keys and
     # values are read once); when the item's keys are split (nsplit > 1),
@@ -886,14 +778,14 @@ cdef struct PagedTask:
 cdef int costlier_first(const void *x, const void *y) noexcept nogil:
     """qsort's order of tasks: costlier first, then as made (qsort is not
     stable), so that the heads of one key/value head stay together."""
-    cdef const PagedTask *s = <const PagedTask *>x
-    cdef const PagedTask *t = <const PagedTask *>y
+    cdef const RaggedTask *s = <const RaggedTask *>x
+    cdef const RaggedTask *t = <const RaggedTask *>y
     if s.cost != t.cost:
         return -1 if s.cost > t.cost else 1
     return -1 if s.order < t.order else (1 if s.order > t.order else 0)
 
 
-cdef inline fa_attn_args paged_args(const Paged *p, fa_idx b, fa_idx h,
+cdef inline fa_attn_args ragged_args(const Ragged *p, fa_idx b, fa_idx h,
                                     fa_idx heads) noexcept nogil:
     """The arguments of sequence b, query heads h..h+heads-1 (of one
     key/value head): its L and S (the queries its last L positions), block
@@ -901,8 +793,8 @@ cdef inline fa_attn_args paged_args(const Paged *p, fa_idx b, fa_idx h,
     cdef fa_attn_args r = p.a
     r.L = p.cu_q[b + 1] - p.cu_q[b]
     r.S = p.seq_lens[b]
-    r.causal_offset = r.S - r.L
-    r.block_table = p.table + b * p.table_s
+    r.causal_offset = (r.S - r.L if p.lower_right else 0) + p.align_offset
+    r.block_table = p.table + b * p.table_s if p.table != NULL else NULL
     r.heads = heads
     if p.ahead_blocks and r.S * p.kv_row_bytes > L2_BYTES:  # as attention() decides
         r.prefetch |= FA_PREFETCH_BLOCKS
@@ -918,15 +810,16 @@ cdef inline fa_attn_args paged_args(const Paged *p, fa_idx b, fa_idx h,
     return r
 
 
-cdef int paged_run(int isa, const Paged *p, const PagedTask *t, char *states, bint merge,
+cdef int ragged_run(int isa, const Ragged *p, const RaggedTask *t, char *states, bint merge,
                    void *work) noexcept nogil:
-    """Task t of paged(), or (merge) the merge of its item's split pieces,
+    """Task t of ragged(), or (merge) the merge of its item's split pieces,
     their repair and lse; the kernels' return code."""
     cdef fa_idx b = t.seq, h = t.head, i
-    cdef fa_attn_args ai = paged_args(p, b, h, t.heads)
+    cdef fa_attn_args ai = ragged_args(p, b, h, t.heads)
     cdef char *q = p.q + p.qsize * (p.cu_q[b] * ai.q_ls + h * p.qh)
-    cdef char *k = p.k + p.kvsize * ((h // p.group) * p.kh)
-    cdef char *v = p.v + p.kvsize * ((h // p.group) * p.vh)
+    cdef fa_idx row0 = p.kv_start[b] if p.kv_start != NULL else 0
+    cdef char *k = p.k + p.kvsize * ((h // p.group) * p.kh + row0 * ai.k_ss)
+    cdef char *v = p.v + p.kvsize * ((h // p.group) * p.vh + row0 * ai.v_ss)
     cdef char *o = p.o + p.es * (p.cu_q[b] * ai.o_ls + h * p.oh)
     cdef char *lse = p.lse + p.es * (h * p.lh + p.cu_q[b] * ai.lse_s) if p.lse != NULL else NULL
     cdef char *st = states + p.es * t.state if t.nsplit > 1 else NULL
@@ -971,7 +864,7 @@ cdef inline fa_idx grouped(const fa_attn_args *a, fa_idx group) noexcept nogil:
     return max(1, min(group, 4 // a.L)) if a.L <= 4 else 1
 
 
-cdef double paged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
+cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
     """About the time of rows i0..i1-1 over keys s_lo..s_hi-1 (those the
     bounds leave), in key-rows: a block of rows reads each key once for all
     of them, and a key read costs some 8 rows' products (decoding is bound
@@ -984,28 +877,34 @@ cdef double paged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo,
     return <double>max(hi - lo, 0) * <double>(i1 - i0 + 8)
 
 
-def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache,
-          object k_scale, object v_scale, const int32_t[:, ::1] block_table,
-          const cnp.int64_t[::1] seq_lens, const cnp.int64_t[::1] cu_q, cnp.ndarray out,
-          object lse, fa_idx group, bint causal, double scale, int nthreads, fa_idx window_left,
-          fa_idx window_right, double softcap, object slopes, object sinks, int q_store,
-          int kv_store, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES,
-          bint ahead_blocks=True):
-    """Attention of packed queries over paged caches (checked by the
-    caller): q (total_q, Hq, E) stored as q_store, key_cache (num_blocks,
-    Hkv, block_size, E) and value_cache (..., Ev) as kv_store, with int8
-    scales k_scale, v_scale (num_blocks, Hkv, block_size) float32 or None;
-    out (total_q, Hq, Ev) and lse None or (Hq, total_q) in the kernels'
-    dtype; sequence b holds rows cu_q[b]..cu_q[b+1]-1, its last positions,
-    and seq_lens[b] keys in the blocks block_table[b, :] (every entry it
-    reads valid).  slopes (B, Hq) and sinks (Hq,) float64 or None.
+def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache,
+           object k_scale, object v_scale, object block_table, object kv_start,
+           const cnp.int64_t[::1] seq_lens, const cnp.int64_t[::1] cu_q, cnp.ndarray out,
+           object lse, fa_idx group, bint causal, bint lower_right, fa_idx align_offset,
+           double scale, int nthreads, fa_idx window_left, fa_idx window_right,
+           double softcap, object slopes, object sinks, int q_store, int kv_store,
+           int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES, bint ahead_blocks=True):
+    """Attention of a ragged batch of sequences (checked by the caller): q
+    (total_q, Hq, E) stored as q_store, key_cache (num_blocks, Hkv,
+    block_size, E) and value_cache (..., Ev) as kv_store, with int8 and
+    float8_e4m3fn scales k_scale, v_scale (num_blocks, Hkv, block_size)
+    float32 or None; out (total_q, Hq, Ev) and lse None or (Hq, total_q) in
+    the kernels' dtype.  Sequence b holds query rows cu_q[b]..cu_q[b+1]-1
+    and seq_lens[b] keys: paged, in the blocks block_table[b, :] (int32
+    (B, max_blocks), C-contiguous, every entry it reads valid), or, with
+    block_table None, rows kv_start[b].. (int64 (B,)) of the one block of
+    key_cache and value_cache (packed sequences: varlen).  Query i of a
+    sequence sits at key position i + align_offset, plus S - L with
+    lower_right.  slopes (B, Hq) and sinks (Hq,) float64 or None.
 
     One task list for the whole ragged batch: a task per block of query
     rows of each (sequence, head), of the sequence's own length, or, where
     scaled_dot_product_attention splits a sequence's keys (decoding), a
     task per piece, merged after; costlier tasks first.  prefetch and
     ahead_blocks as in attention(), per sequence."""
-    cdef Paged p
+    cdef Ragged p
+    cdef const int32_t[:, ::1] table
+    cdef const cnp.int64_t[::1] starts
     cdef fa_idx nseq = cu_q.shape[0] - 1, Hq = out.shape[1]
     cdef fa_idx b, h, i0, nqb, piece, chunk, nsplit, ntasks = 0, nitems = 0, nstate = 0
     cdef fa_idx t, slen
@@ -1028,11 +927,18 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     p.a.block_size = key_cache.shape[2]
     p.kv_row_bytes = (key_cache.shape[3] + value_cache.shape[3]) * p.kvsize
     p.ahead_blocks = ahead_blocks
-    p.a.block_table = &block_table[0, 0] if block_table.shape[0] > 0 and block_table.shape[1] > 0 else NULL
+    p.lower_right, p.align_offset = lower_right, align_offset
+    if block_table is not None:
+        table = block_table
+        if table.shape[0] > 0 and table.shape[1] > 0:
+            p.table, p.table_s = &table[0, 0], table.shape[1]
+    elif nseq > 0:
+        starts = kv_start
+        p.kv_start = &starts[0]
+    p.a.block_table = p.table  # (fa_attn_work_bytes: paged reads need tile buffers)
     p.q, p.k = <char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(key_cache)
     p.v, p.o = <char *>cnp.PyArray_DATA(value_cache), <char *>cnp.PyArray_DATA(out)
     p.qh, p.kh, p.vh, p.oh = estride(q, 1), estride(key_cache, 1), estride(value_cache, 1), estride(out, 1)
-    p.table, p.table_s = p.a.block_table, block_table.shape[1]
     p.cu_q, p.seq_lens = &cu_q[0], (&seq_lens[0] if nseq > 0 else NULL)
     p.Hq, p.group = Hq, group
     if k_scale is not None:
@@ -1055,7 +961,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     if sinks is not None:
         x_arr = sinks   # C-contiguous (Hq,)
         p.sink = <const double *>cnp.PyArray_DATA(x_arr)
-    if p.table == NULL or Hq == 0:
+    if (p.table == NULL and p.kv_start == NULL) or Hq == 0:
         return
 
     # the tasks: every (sequence, head) as scaled_dot_product_attention on
@@ -1067,7 +973,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
     cdef fa_idx together, nchunks, h0
     cdef fa_attn_args ai
     for b in range(nseq):
-        ai = paged_args(&p, b, 0, 1)
+        ai = ragged_args(&p, b, 0, 1)
         if ai.L == 0:
             continue
         nsplit = fa_attn_splits(&ai)
@@ -1077,15 +983,15 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
         nitems += nchunks if nsplit > 1 else 0
     if ntasks == 0:
         return
-    cdef PagedTask *tasks = <PagedTask *>malloc((ntasks + nitems) * sizeof(PagedTask))
+    cdef RaggedTask *tasks = <RaggedTask *>malloc((ntasks + nitems) * sizeof(RaggedTask))
     if tasks == NULL:
         raise MemoryError("fastattn: cannot allocate the task list")
-    cdef PagedTask *items = tasks + ntasks  # the split items, to merge
-    cdef PagedTask *x
+    cdef RaggedTask *items = tasks + ntasks  # the split items, to merge
+    cdef RaggedTask *x
     t = 0
     nitems = 0
     for b in range(nseq):
-        ai = paged_args(&p, b, 0, 1)
+        ai = ragged_args(&p, b, 0, 1)
         if ai.L == 0:
             continue
         nsplit = fa_attn_splits(&ai)
@@ -1099,7 +1005,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
             ai.heads = h
             slen = fa_attn_state_len(&ai, 0, ai.L)
             if nsplit > 1:
-                items[nitems] = PagedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit, nstate, nitems, 0)
+                items[nitems] = RaggedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit, nstate, nitems, 0)
                 nitems += 1
             for piece in range(nsplit if nsplit > 1 else nqb):
                 x = &tasks[t]
@@ -1113,9 +1019,9 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
                     x.i0 = piece * qb
                     x.i1 = min(x.i0 + qb, ai.L)
                     x.s_lo, x.s_hi, x.state = 0, ai.S, 0
-                x.cost = paged_cost(&ai, x.i0, x.i1, x.s_lo, x.s_hi) * h
+                x.cost = ragged_cost(&ai, x.i0, x.i1, x.s_lo, x.s_hi) * h
                 t += 1
-    qsort(tasks, ntasks, sizeof(PagedTask), costlier_first)
+    qsort(tasks, ntasks, sizeof(RaggedTask), costlier_first)
 
     cdef char *states = <char *>malloc(max(nstate, 1) * p.es)
     if states == NULL:
@@ -1134,7 +1040,7 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
         for t in prange(ntasks, schedule="dynamic"):
             if work == NULL or stopped(&stop):
                 continue
-            if paged_run(isa, &p, &tasks[t], states, False, work) != 0:
+            if ragged_run(isa, &p, &tasks[t], states, False, work) != 0:
                 errp[0] = 2
         free(work)
     if err == 0 and stop.flag == 0 and nitems > 0:
@@ -1145,13 +1051,13 @@ def paged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache
             for t in prange(nitems, schedule="dynamic"):
                 if work == NULL:
                     continue
-                if paged_run(isa, &p, &items[t], states, True, work) != 0:
+                if ragged_run(isa, &p, &items[t], states, True, work) != 0:
                     errp[0] = 2
             free(work)
     free(states)
     free(tasks)
     stop_raise(&stop)
-    raise_on(err, "paged attention")
+    raise_on(err, "ragged attention")
 
 
 def rotary(cnp.ndarray x, const cnp.int64_t[::1] positions, cnp.ndarray cos, cnp.ndarray sin,

@@ -447,7 +447,7 @@ def _attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     gqa = C.check_bool(enable_gqa, "enable_gqa")
     weights_wanted = C.check_bool(need_weights, "need_weights")
     lse_wanted = C.check_bool(return_lse, "return_lse")
-    offset = _alignment_offset(causal_alignment, L, S)
+    offset = C.alignment_offset(causal_alignment, L, S)
     scale = C.check_scale(scale, E, compute)
     nthreads = _runtime.resolve_threads(num_threads)
 
@@ -562,23 +562,6 @@ def require_qkv(query: object, key: object, value: object) -> None:
     if Sv != S:
         raise ValueError(f"value must have as many rows as key (S = {S}), got {Sv}; "
                          f"key {C.shape_str(k.shape)}, value {C.shape_str(v.shape)}")
-
-
-def _alignment_offset(causal_alignment: object, L: int, S: int) -> int:
-    """The k of i' = i + k that causal_alignment stands for."""
-    flag = isinstance(causal_alignment, (bool, np.bool_))  # an int to Python, not here
-    if isinstance(causal_alignment, numbers.Integral) and not flag:
-        k = int(causal_alignment)
-        if abs(k) >= 2**53:
-            raise ValueError(f"causal_alignment as an offset must be below 2**53 in magnitude, "
-                             f"got {k}")
-        return k
-    if causal_alignment == "upper_left":
-        return 0
-    if causal_alignment == "lower_right":
-        return S - L
-    raise ValueError(f"causal_alignment must be 'upper_left', 'lower_right' or an int offset, "
-                     f"got {causal_alignment!r}")
 
 
 def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Float]]

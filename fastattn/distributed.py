@@ -38,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - the tests skip without Ray
 from . import _checks as C
 from . import _runtime, _storage, _variants
 from ._typing import Float, NDArray
-from .attention import (Alignment, StoredKV, _alignment_offset, _attention, merge_attention,
+from .attention import (Alignment, StoredKV, _attention, merge_attention,
                         narrow, require_qkv)
 from .kv_cache import KVCache
 
@@ -843,7 +843,7 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
     dtype = query.dtype
     compute = C.compute_dtype(dtype)
-    offset = _alignment_offset(causal_alignment, L, S)
+    offset = C.alignment_offset(causal_alignment, L, S)
     batch = empty[0].shape[:-2]
     variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S, compute,
                                offset)

@@ -364,9 +364,9 @@ def _paged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
             key_cache.itemsize
         q, kc, vc = C.kernel_view(query), C.kernel_view(key_cache), C.kernel_view(value_cache)
         _tuning.run((isa, nthreads, kv_store, True), read, lengths[0] <= _tuning.DECODE_ROWS,
-                    lambda prefetch: _core.paged(
-                        isa, q, kc, vc, scales[0], scales[1], table, lens, cu_q, result, lse,
-                        Hq // Hkv, causal, scale, nthreads, variants.window_left,
+                    lambda prefetch: _core.ragged(
+                        isa, q, kc, vc, scales[0], scales[1], table, None, lens, cu_q, result,
+                        lse, Hq // Hkv, causal, True, 0, scale, nthreads, variants.window_left,
                         variants.window_right, variants.softcap, slopes, sink, q_store,
                         kv_store, prefetch=prefetch))
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result

@@ -6,7 +6,8 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _tuning, _variants
+from . import _core, _runtime, _storage, _tuning, _variants
+from ._storage import narrow
 from ._typing import Float, NDArray
 
 
@@ -30,7 +31,7 @@ def _cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
 def varlen_attention(
         query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
         cu_seqlens_q: NDArray[np.integer[Any]], cu_seqlens_k: NDArray[np.integer[Any]], *,
-        is_causal: bool = False, causal_alignment: str = "lower_right",
+        is_causal: bool = False, causal_alignment: Union[str, int] = "lower_right",
         scale: Optional[float] = None, window_size: Optional[tuple[int, int]] = None,
         alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
         sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
@@ -40,12 +41,19 @@ def varlen_attention(
     only: FlashAttention's ``flash_attn_varlen_func`` contract.
 
     No padding is stored or computed: the work is spread over threads by
-    the sequences' actual lengths.
+    the sequences' actual lengths, in the scheduler of ``paged_attention``
+    (a decoding sequence's keys split, the query heads of one key/value
+    head together), so that each sequence's output is bitwise that of
+    ``scaled_dot_product_attention`` on its own rows, with
+    ``enable_gqa=True``.
 
     Parameters
     ----------
     query : ndarray, shape (total_q, Hq, E)
-        The B sequences' query rows one after the other; float32 or float64.
+        The B sequences' query rows one after the other; float32, float64,
+        float16 or bfloat16 (16-bit inputs are read as float32 and the
+        output rounded to their dtype, as ``scaled_dot_product_attention``
+        does).
     key : ndarray, shape (total_k, Hkv, E)
     value : ndarray, shape (total_k, Hkv, Ev)
         Same dtype.  Hq must be a multiple of Hkv (grouped-query attention:
@@ -60,13 +68,14 @@ def varlen_attention(
         S set the alignment); alibi_slopes of shape (Hq,) or (B, Hq), sinks
         (Hq,) only.  causal_alignment defaults to "lower_right", as
         flash_attn_varlen_func aligns its causal mask (query i of a sequence
-        sees keys 0..i + S - L; the same as "upper_left" where L = S).
+        sees keys 0..i + S - L; the same as "upper_left" where L = S); an
+        int k puts query i of every sequence at key position i + k.
     return_lse : bool
         Also return the log-sum-exp of each row, shape (Hq, total_q), as
         FlashAttention's varlen ``softmax_lse``; for a row with no key (a
         sequence of none, or all outside its window), the sink's logit
         with sinks (as in FlashAttention 4's reference), -inf without.
-    out : ndarray or None, shape (total_q, Hq, Ev)
+    out : ndarray or None, shape (total_q, Hq, Ev), query's dtype
         Written through its strides; must not overlap the inputs.
     num_threads : int or None
 
@@ -78,8 +87,9 @@ def varlen_attention(
     Raises
     ------
     TypeError
-        Arrays that are not ndarrays, dtypes that are not one float32 or
-        float64, cu_seqlens not int32/int64, flags that are not bools.
+        Arrays that are not ndarrays, dtypes that are not one of float32,
+        float64, float16 or bfloat16, cu_seqlens not int32/int64, flags that
+        are not bools.
     ValueError
         Shapes that do not agree, Hq not a multiple of Hkv, cu_seqlens not
         starting at 0, decreasing, not ending at the total or of different
@@ -91,7 +101,8 @@ def varlen_attention(
         if a.ndim != 3:
             raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected 3 axes "
                              "(total, heads, features)")
-    dtype = C.common_float_dtype(query=query, key=key, value=value)
+    dtype = C.attention_dtype(query=query, key=key, value=value)
+    compute = C.compute_dtype(dtype)
     total_q, Hq, E = query.shape
     total_k, Hkv, Ek = key.shape
     if Ek != E or value.shape[:2] != (total_k, Hkv):
@@ -109,29 +120,37 @@ def varlen_attention(
     B = cu_q.shape[0] - 1
     causal = C.check_bool(is_causal, "is_causal")
     lse_wanted = C.check_bool(return_lse, "return_lse")
-    if causal_alignment not in ("upper_left", "lower_right"):
-        raise ValueError(f"causal_alignment must be 'upper_left' or 'lower_right', "
-                         f"got {causal_alignment!r}")
-    scale = C.check_scale(scale, E, dtype)
+    offset = C.alignment_offset(causal_alignment, 0, 0)  # per sequence: S - L too
+    lower_right = isinstance(causal_alignment, str) and causal_alignment == "lower_right"
+    scale = C.check_scale(scale, E, compute)
     nthreads = _runtime.resolve_threads(num_threads)
-    lengths = int(max(np.diff(cu_q).max(initial=0), 1)), int(max(np.diff(cu_k).max(initial=0), 1))
-    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths, dtype)
+    q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    lengths = int(max(q_lens.max(initial=0), 1)), int(max(k_lens.max(initial=0), 1))
+    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths,
+                               compute)
     slopes = None if variants.slopes is None else C.contiguous(variants.slopes)
     sink = None if sinks is None else C.contiguous(
         _variants.per_head(sinks, "sinks", (Hq,), finite=False))
 
     out_shape = (total_q, Hq, Ev)
-    if out is None:
-        out = np.empty(out_shape, dtype)
-    else:
+    if out is not None:
         C.check_out(out, out_shape, dtype, {"query": query, "key": key, "value": value,
                                             "alibi_slopes": alibi_slopes, "sinks": sinks})
-    lse = np.empty((Hq, total_q), dtype) if lse_wanted else None
+    # the kernels write float32 for 16-bit inputs, rounded to them at the end
+    result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
+    lse = np.empty((Hq, total_q), compute) if lse_wanted else None
     if B > 0 and total_q > 0 and Hq > 0:
         isa = _runtime.isa()
-        _core.varlen(isa, C.kernel_view(query), C.kernel_view(key), C.kernel_view(value), out,
-                     lse, cu_q, cu_k, Hq // Hkv, causal, causal_alignment == "lower_right",
-                     scale, nthreads, variants.window_left, variants.window_right,
-                     variants.softcap, slopes, sink,
-                     prefetch=_tuning.current((isa, nthreads, _core.STORE_NATIVE, False)))
+        store = _storage.query_store(dtype)
+        # the packed rows as one block of the caches: (1, Hkv, total_k, E)
+        kc = C.kernel_view(key).transpose(1, 0, 2)[None]
+        vc = C.kernel_view(value).transpose(1, 0, 2)[None]
+        read = int(k_lens.sum()) * Hkv * (E + Ev) * key.itemsize
+        _tuning.run((isa, nthreads, store, False), read, lengths[0] <= _tuning.DECODE_ROWS,
+                    lambda prefetch: _core.ragged(
+                        isa, C.kernel_view(query), kc, vc, None, None, None, cu_k[:-1].copy(),
+                        k_lens, cu_q, result, lse, Hq // Hkv, causal, lower_right, offset,
+                        scale, nthreads, variants.window_left, variants.window_right,
+                        variants.softcap, slopes, sink, store, store, prefetch=prefetch))
+    out = narrow(result, dtype, nthreads, out) if compute != dtype else result
     return out if lse is None else (out, lse)

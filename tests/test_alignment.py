@@ -9,7 +9,7 @@ import pytest
 import fastattn
 from fastattn import _core
 
-ENTRIES = ("attention", "paged", "varlen", "rotary", "narrow")
+ENTRIES = ("attention", "ragged", "rotary", "narrow")
 
 
 def misaligned(a):

@@ -90,8 +90,8 @@ def test_paged_keys_beyond_l2_give_the_bits_without_block_prefetch(simd, rng, mo
     table = rng.permutation(nb + 3)[:nb].astype(np.int32)[None]
     args = (q, kc, vc, table, np.array([S]), np.array([0, L]))
     hinted = fastattn.paged_attention(*args, num_threads=1, **extra)
-    monkeypatch.setattr(fastattn._core, "paged",
-                        functools.partial(fastattn._core.paged, ahead_blocks=False))
+    monkeypatch.setattr(fastattn._core, "ragged",
+                        functools.partial(fastattn._core.ragged, ahead_blocks=False))
     plain = fastattn.paged_attention(*args, num_threads=1, **extra)
     np.testing.assert_array_equal(hinted, plain)
 

@@ -19,6 +19,11 @@ from test_properties import (BATCH, DTYPES, FEATURES, KEYS, LENGTHS, PATHS, SEED
 import fastattn
 from fastattn import reference as ref
 
+try:  # bfloat16 inputs are ml_dtypes' (an optional dependency)
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
 sdpa = fastattn.scaled_dot_product_attention
 
 
@@ -153,9 +158,8 @@ def test_varlen(data):
             got, got_lse = out[cq[b]:cq[b + 1]].transpose(1, 0, 2), lse[:, cq[b]:cq[b + 1]]
             assert_close(got, r_out, dtype, E + lk[b], magnitude=4)
             check_lse(got_lse, r_lse, dtype, E + lk[b])
-            if lq[b] > 4 or lk[b] < 2048:  # no split-key decoding, as in varlen
-                alone = sdpa(qb, kb, vb, enable_gqa=True, **one)
-                np.testing.assert_array_equal(got, alone)
+            alone = sdpa(qb, kb, vb, enable_gqa=True, **one)
+            np.testing.assert_array_equal(got, alone)
 
 
 def test_variants_match_pytorch_explicit_bias(simd, dtype):
@@ -277,3 +281,33 @@ def test_varlen_causal_alignment_is_flash_attentions():
     upper = fastattn.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True,
                                       causal_alignment="upper_left")
     np.testing.assert_array_equal(upper[0, 0], v[0, 0])
+
+
+HALF = [np.float16] + ([ml_dtypes.bfloat16] if ml_dtypes is not None else [])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64] + HALF,
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("alignment", ["upper_left", "lower_right", -3, 5])
+def test_varlen_is_sdpa_per_sequence_bit_for_bit(simd, dtype, alignment):
+    """varlen_attention runs paged_attention's scheduler: a decoding
+    sequence's keys split, the query heads of a key/value head together,
+    16-bit inputs read as float32, an int alignment for every sequence; each
+    sequence's output and lse are those of scaled_dot_product_attention on
+    its rows alone, bit for bit."""
+    rng = np.random.default_rng(7)
+    lens_q, lens_k = [1, 3, 0, 70, 2, 1], [8192, 2500, 5, 70, 0, 17]
+    Hq, Hkv, E, Ev = 8, 2, 32, 24
+    cq, ck = (np.concatenate([[0], np.cumsum(x)]) for x in (lens_q, lens_k))
+    q = rng.standard_normal((cq[-1], Hq, E)).astype(dtype)
+    k = rng.standard_normal((ck[-1], Hkv, E)).astype(dtype)
+    v = rng.standard_normal((ck[-1], Hkv, Ev)).astype(dtype)
+    options = dict(is_causal=True, causal_alignment=alignment, softcap=20.0,
+                   alibi_slopes=np.linspace(0.01, 0.2, Hq), sinks=np.linspace(-2, 1, Hq))
+    out, lse = fastattn.varlen_attention(q, k, v, cq, ck, return_lse=True, **options)
+    assert out.dtype == dtype and out.shape == (cq[-1], Hq, Ev)
+    for b in range(len(lens_q)):
+        qb, kb, vb = (x[c[b]:c[b + 1]].transpose(1, 0, 2) for x, c in ((q, cq), (k, ck), (v, ck)))
+        alone, alone_lse = sdpa(qb, kb, vb, enable_gqa=True, return_lse=True, **options)
+        np.testing.assert_array_equal(out[cq[b]:cq[b + 1]].transpose(1, 0, 2), alone)
+        np.testing.assert_array_equal(lse[:, cq[b]:cq[b + 1]], alone_lse)
