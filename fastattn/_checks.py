@@ -395,3 +395,25 @@ def alignment_offset(causal_alignment: object, L: int, S: int) -> int:
         return S - L
     raise ValueError(f"causal_alignment must be 'upper_left', 'lower_right' or an int offset, "
                      f"got {causal_alignment!r}")
+
+
+INT32_MAX = int(np.iinfo(np.int32).max)  # the largest block id of the kernels' tables
+
+
+def cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
+    """Cumulative lengths of B sequences (B + 1,) int32 or int64, starting
+    at 0, never decreasing, ending at total: as contiguous int64."""
+    a = require_array(x, name, "np.int32")
+    if a.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name} has dtype {a.dtype}; expected int32 or int64")
+    if a.ndim != 1 or a.shape[0] < 1:
+        raise ValueError(f"{name} has shape {shape_str(a.shape)}; expected (B + 1,)")
+    c = contiguous(a, np.int64)
+    if c[0] != 0 or c[-1] != total or (c[1:] < c[:-1]).any():
+        down = np.flatnonzero(c[1:] < c[:-1])  # (a second pass only on the way to the error)
+        where = (f"{name}[0] = {c[0]}" if c[0] != 0 else
+                 f"{name}[{down[0] + 1}] = {c[down[0] + 1]} < {name}[{down[0]}] = {c[down[0]]}"
+                 if down.size else f"{name}[-1] = {c[-1]}")
+        raise ValueError(f"{name} must start at 0, never decrease and end at the total "
+                         f"length {total}; got {where} ({c.shape[0]} values)")
+    return c

@@ -37,9 +37,10 @@ except ImportError as exc:  # pragma: no cover - the tests skip without Ray
 
 from . import _checks as C
 from . import _runtime, _storage, _variants
-from ._typing import Float, NDArray
-from .attention import (Alignment, StoredKV, _attention, merge_attention,
-                        narrow, require_qkv)
+from ._dispatch import StoredKV, checked_attention, require_qkv
+from ._storage import narrow
+from ._typing import Alignment, Float, NDArray
+from .attention import merge_attention
 from .kv_cache import KVCache
 
 __all__ = ["ShardLostError", "ShardedKVCache", "sharded_attention"]
@@ -121,7 +122,7 @@ def _attend_runs(query: NDArray[Any], rows: Any, runs: Sequence[tuple[int, int, 
     for n, (a, b, g) in enumerate(calls):
         key, value, stored = rows(a, b)
         placed = g is not None
-        out, lse = cast("tuple[NDArray[Any], NDArray[Any]]", _attention(
+        out, lse = cast("tuple[NDArray[Any], NDArray[Any]]", checked_attention(
             query, key, value, None, 0.0, opts.is_causal and placed, opts.scale, opts.enable_gqa,
             0 if g is None else q0 - g, False, True, opts.window if placed else None,
             opts.alibi_slopes if placed else None, opts.softcap, None if n else sinks, None,
@@ -837,7 +838,7 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
     lse_wanted = C.check_bool(return_lse, "return_lse")
     require_qkv(query, key, value)  # the caller's shapes in any error about them
     # every other check of the call, on no rows, before anything is sent
-    empty = _attention(query[..., :0, :], key[..., :0, :], value[..., :0, :], None, 0.0,
+    empty = checked_attention(query[..., :0, :], key[..., :0, :], value[..., :0, :], None, 0.0,
                        is_causal, scale, enable_gqa, causal_alignment, False, True, window_size,
                        alibi_slopes, softcap, sinks, None, threads)
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]

@@ -9,8 +9,8 @@ import numpy as np
 
 from . import _checks as C
 from . import _masks, _runtime, _storage
-from ._typing import DTypeLike, Float, MaskArray, NDArray
-from .attention import Result, StoredKV, _route
+from ._dispatch import StoredKV, route
+from ._typing import DTypeLike, Float, MaskArray, NDArray, Result
 
 
 def _count(n: int, noun: str) -> str:
@@ -439,8 +439,8 @@ class KVCache:
             # the kernel's call sees the mask combined with the padding, not the caller's
             raise ValueError("out overlaps attn_mask; pass a separate output array")
         key, value, stored = self._rows(0, self._length)
-        # the functional API's call, through its short route when it takes it
-        return cast("Result[Float]", _route(
+        # the functional API's call, through its fast path when it takes it
+        return cast("Result[Float]", route(
             query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
             return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads,
             None if key.dtype == query.dtype else stored))

@@ -2,17 +2,15 @@
 keys and values lie in blocks of a shared pool (a paged cache)."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _storage, _tuning, _variants
+from . import _core, _storage
+from ._dispatch import ragged
+from ._storage import query_store
 from ._typing import Float, NDArray
-from ._storage import narrow, query_store
-from .varlen import _cu_seqlens
-
-_INT32_MAX = int(np.iinfo(np.int32).max)  # the largest block id of the kernels' tables
 
 
 def _ints(x: object, name: str, ndim: int, layout: str) -> NDArray[np.integer[Any]]:
@@ -123,10 +121,10 @@ def _block_table(block_table: object, seq_lens: object, B: int, num_blocks: int,
                          f"(0 to num_blocks - 1 = {num_blocks - 1}): sequence {b} holds "
                          f"{lens64[b]} keys in its first {-(-lens64[b] // block_size)} blocks")
     # the kernels read int32 ids (as vLLM's): a larger id would wrap to another block
-    if num_blocks > _INT32_MAX and (used & (table > _INT32_MAX)).any():
-        b, i = (int(x) for x in np.argwhere(used & (table > _INT32_MAX))[0])
+    if num_blocks > C.INT32_MAX and (used & (table > C.INT32_MAX)).any():
+        b, i = (int(x) for x in np.argwhere(used & (table > C.INT32_MAX))[0])
         raise ValueError(f"block_table[{b}, {i}] = {table[b, i]}: block ids above 2**31 - 1 = "
-                         f"{_INT32_MAX} are not supported (the kernels read int32 block "
+                         f"{C.INT32_MAX} are not supported (the kernels read int32 block "
                          "tables); keep the pool's blocks in use below that")
     # the entries past a sequence's blocks are never read: any value, even one
     # an int32 cannot hold
@@ -300,7 +298,7 @@ def paged_attention(
     scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]] = (None, None)
     if storage in _storage.SCALED:
         scales = _scales(k_scale, v_scale, key_cache.shape[:3])
-    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
+    cu_q = C.cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
     B = cu_q.shape[0] - 1
     table, lens = _block_table(block_table, seq_lens, B, num_blocks, block_size)
     causal = C.check_bool(is_causal, "is_causal")
@@ -314,60 +312,6 @@ def paged_attention(
     inputs = {"query": query, "key_cache": key_cache, "value_cache": value_cache,
               "block_table": block_table, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q,
               "k_scale": k_scale, "v_scale": v_scale}
-    return _paged(query, key_cache, value_cache, table, lens, cu_q, q_lens, scales, q_store,
-                  kv_store, Ev, causal, scale, window_size, alibi_slopes, softcap, sinks,
-                  lse_wanted, out, num_threads, inputs)
-
-
-def _paged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
-           table: NDArray[np.int32], lens: NDArray[np.int64], cu_q: NDArray[np.int64],
-           q_lens: NDArray[np.int64],
-           scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]],
-           q_store: int, kv_store: int, Ev: int, causal: bool, scale: Optional[float],
-           window_size: Optional[tuple[int, int]], alibi_slopes: Optional[NDArray[Any]],
-           softcap: Optional[float], sinks: Optional[NDArray[Any]], return_lse: bool,
-           out: Optional[NDArray[Any]], num_threads: Optional[int],
-           inputs: Mapping[str, Optional[NDArray[Any]]]
-           ) -> Union[NDArray[Any], tuple[NDArray[Any], NDArray[Any]]]:
-    """paged_attention's call once its caches, table, lengths and offsets are
-    known good (the table int32 and the lengths and offsets int64, all
-    contiguous; q_lens the queries of each sequence; causal checked): the
-    options' checks and the kernel.  PagedKVCache.attend comes here with
-    its own arrays, which it keeps good.  inputs: what out must not
-    overlap."""
-    total_q, Hq, E = query.shape
-    Hkv = key_cache.shape[1]
-    B = lens.shape[0]
-    dtype = query.dtype
-    compute = C.compute_dtype(dtype)
-    lse_wanted = C.check_bool(return_lse, "return_lse")
-    scale = C.check_scale(scale, E, compute)
-    nthreads = _runtime.resolve_threads(num_threads)
-    lengths = int(max(q_lens.max(initial=0), 1)), int(max(lens.max(initial=0), 1))
-    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths,
-                               compute)
-    slopes = None if variants.slopes is None else C.contiguous(variants.slopes)
-    sink = None if sinks is None else C.contiguous(
-        _variants.per_head(sinks, "sinks", (Hq,), finite=False))
-
-    out_shape = (total_q, Hq, Ev)
-    if out is not None:
-        C.check_out(out, out_shape, dtype,
-                    {**inputs, "alibi_slopes": alibi_slopes, "sinks": sinks})
-    # the kernels write float32 for 16-bit queries, rounded to them at the end
-    result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
-    lse = np.empty((Hq, total_q), compute) if lse_wanted else None
-    if result.size or (lse is not None and lse.size):  # every row is in a sequence: all written
-        isa = _runtime.isa()
-        # the bytes of keys and values the call reads
-        read = int(lens.sum()) * Hkv * (key_cache.shape[-1] + value_cache.shape[-1]) * \
-            key_cache.itemsize
-        q, kc, vc = C.kernel_view(query), C.kernel_view(key_cache), C.kernel_view(value_cache)
-        _tuning.run((isa, nthreads, kv_store, True), read, lengths[0] <= _tuning.DECODE_ROWS,
-                    lambda prefetch: _core.ragged(
-                        isa, q, kc, vc, scales[0], scales[1], table, None, lens, cu_q, result,
-                        lse, Hq // Hkv, causal, True, 0, scale, nthreads, variants.window_left,
-                        variants.window_right, variants.softcap, slopes, sink, q_store,
-                        kv_store, prefetch=prefetch))
-    out = narrow(result, dtype, nthreads, out) if compute != dtype else result
-    return out if lse is None else (out, lse)
+    return ragged(query, key_cache, value_cache, table, None, lens, cu_q, q_lens, scales,
+                  q_store, kv_store, Ev, causal, True, 0, scale, window_size, alibi_slopes,
+                  softcap, sinks, lse_wanted, out, num_threads, inputs)

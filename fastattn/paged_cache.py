@@ -10,11 +10,11 @@ import numpy as np
 
 from . import _checks as C
 from . import _runtime, _storage
-from ._typing import DTypeLike, Float, NDArray
+from ._dispatch import ragged
 from ._storage import narrow, query_store
-from .paged import _INT32_MAX, _paged, check_features
+from ._typing import DTypeLike, Float, NDArray
+from .paged import check_features
 from .rotary import rotate
-from .varlen import _cu_seqlens
 
 SeqIds = Union[Sequence[int], NDArray[np.integer[Any]]]
 # the options attend passes on to paged_attention
@@ -90,8 +90,8 @@ class PagedKVCache:
                  value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
                  storage: Optional[str] = None) -> None:
         num_blocks = C.check_index(num_blocks, "num_blocks", 1)
-        if num_blocks > _INT32_MAX + 1:  # block tables are int32, as vLLM's
-            raise ValueError(f"num_blocks = {num_blocks}; at most 2**31 = {_INT32_MAX + 1} "
+        if num_blocks > C.INT32_MAX + 1:  # block tables are int32, as vLLM's
+            raise ValueError(f"num_blocks = {num_blocks}; at most 2**31 = {C.INT32_MAX + 1} "
                              "blocks (block tables hold int32 ids)")
         block_size = C.check_index(block_size, "block_size", 1)
         num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
@@ -460,7 +460,7 @@ class PagedKVCache:
                 raise ValueError(f"without {name}, each sequence gets one token: expected "
                                  f"{B} rows, got {total}")
             return np.arange(B + 1, dtype=np.int64)
-        cu = _cu_seqlens(cu_seqlens, name, total)
+        cu = C.cu_seqlens(cu_seqlens, name, total)
         if cu.shape[0] != B + 1:
             raise ValueError(f"{name} holds {cu.shape[0]} values; expected one more than the "
                              f"{B} sequences")
@@ -566,9 +566,9 @@ class PagedKVCache:
                   "k_scale": self._k_scale, "v_scale": self._v_scale}
         if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read
             table = np.zeros((len(ids), 1), np.int32)
-        result = _paged(query, self._key, self._value, table, lens, cu, counts,
+        result = ragged(query, self._key, self._value, table, None, lens, cu, counts,
                         (self._k_scale, self._v_scale), query_store(query.dtype),
-                        _storage.store(self._storage), self._value_dim, causal,
+                        _storage.store(self._storage), self._value_dim, causal, True, 0,
                         options.get("scale"), options.get("window_size"),
                         options.get("alibi_slopes"), options.get("softcap"),
                         options.get("sinks"), options.get("return_lse", False),

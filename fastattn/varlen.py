@@ -6,26 +6,9 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _storage, _tuning, _variants
-from ._storage import narrow
+from . import _storage
+from ._dispatch import ragged
 from ._typing import Float, NDArray
-
-
-def _cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
-    a = C.require_array(x, name, "np.int32")
-    if a.dtype not in (np.int32, np.int64):
-        raise TypeError(f"{name} has dtype {a.dtype}; expected int32 or int64")
-    if a.ndim != 1 or a.shape[0] < 1:
-        raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected (B + 1,)")
-    c = C.contiguous(a, np.int64)
-    if c[0] != 0 or c[-1] != total or (c[1:] < c[:-1]).any():
-        down = np.flatnonzero(c[1:] < c[:-1])  # (a second pass only on the way to the error)
-        where = (f"{name}[0] = {c[0]}" if c[0] != 0 else
-                 f"{name}[{down[0] + 1}] = {c[down[0] + 1]} < {name}[{down[0]}] = {c[down[0]]}"
-                 if down.size else f"{name}[-1] = {c[-1]}")
-        raise ValueError(f"{name} must start at 0, never decrease and end at the total "
-                         f"length {total}; got {where} ({c.shape[0]} values)")
-    return c
 
 
 def varlen_attention(
@@ -102,7 +85,6 @@ def varlen_attention(
             raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected 3 axes "
                              "(total, heads, features)")
     dtype = C.attention_dtype(query=query, key=key, value=value)
-    compute = C.compute_dtype(dtype)
     total_q, Hq, E = query.shape
     total_k, Hkv, Ek = key.shape
     if Ek != E or value.shape[:2] != (total_k, Hkv):
@@ -112,45 +94,19 @@ def varlen_attention(
     Ev = value.shape[2]
     if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):  # no heads at all: empty
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
-    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k)
+    cu_q = C.cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
+    cu_k = C.cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k)
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold B + 1 values for the same "
                          f"B, got {cu_q.shape[0]} and {cu_k.shape[0]}")
-    B = cu_q.shape[0] - 1
     causal = C.check_bool(is_causal, "is_causal")
     lse_wanted = C.check_bool(return_lse, "return_lse")
     offset = C.alignment_offset(causal_alignment, 0, 0)  # per sequence: S - L too
     lower_right = isinstance(causal_alignment, str) and causal_alignment == "lower_right"
-    scale = C.check_scale(scale, E, compute)
-    nthreads = _runtime.resolve_threads(num_threads)
-    q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    lengths = int(max(q_lens.max(initial=0), 1)), int(max(k_lens.max(initial=0), 1))
-    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths,
-                               compute)
-    slopes = None if variants.slopes is None else C.contiguous(variants.slopes)
-    sink = None if sinks is None else C.contiguous(
-        _variants.per_head(sinks, "sinks", (Hq,), finite=False))
-
-    out_shape = (total_q, Hq, Ev)
-    if out is not None:
-        C.check_out(out, out_shape, dtype, {"query": query, "key": key, "value": value,
-                                            "alibi_slopes": alibi_slopes, "sinks": sinks})
-    # the kernels write float32 for 16-bit inputs, rounded to them at the end
-    result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
-    lse = np.empty((Hq, total_q), compute) if lse_wanted else None
-    if B > 0 and total_q > 0 and Hq > 0:
-        isa = _runtime.isa()
-        store = _storage.query_store(dtype)
-        # the packed rows as one block of the caches: (1, Hkv, total_k, E)
-        kc = C.kernel_view(key).transpose(1, 0, 2)[None]
-        vc = C.kernel_view(value).transpose(1, 0, 2)[None]
-        read = int(k_lens.sum()) * Hkv * (E + Ev) * key.itemsize
-        _tuning.run((isa, nthreads, store, False), read, lengths[0] <= _tuning.DECODE_ROWS,
-                    lambda prefetch: _core.ragged(
-                        isa, C.kernel_view(query), kc, vc, None, None, None, cu_k[:-1].copy(),
-                        k_lens, cu_q, result, lse, Hq // Hkv, causal, lower_right, offset,
-                        scale, nthreads, variants.window_left, variants.window_right,
-                        variants.softcap, slopes, sink, store, store, prefetch=prefetch))
-    out = narrow(result, dtype, nthreads, out) if compute != dtype else result
-    return out if lse is None else (out, lse)
+    store = _storage.query_store(dtype)
+    # the packed rows as the one block of the caches, (1, Hkv, total_k, E)
+    key_cache, value_cache = (x.transpose(1, 0, 2)[None] for x in (key, value))
+    return ragged(query, key_cache, value_cache, None, cu_k[:-1].copy(), cu_k[1:] - cu_k[:-1],
+                  cu_q, cu_q[1:] - cu_q[:-1], (None, None), store, store, Ev, causal,
+                  lower_right, offset, scale, window_size, alibi_slopes, softcap, sinks,
+                  lse_wanted, out, num_threads, {"query": query, "key": key, "value": value})

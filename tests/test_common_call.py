@@ -1,4 +1,4 @@
-"""The short route of scaled_dot_product_attention (attention._common_call):
+"""The short route of scaled_dot_product_attention (_dispatch.common_call):
 the calls it takes give bitwise the result of the general path, and every
 call it leaves, valid or not, gets the general path's result or error."""
 import math
@@ -11,11 +11,11 @@ from test_errors import HOSTILE, misaligned, self_overlapping
 
 import fastattn
 from fastattn import _checks as C
-from fastattn import _runtime, _storage, attention
+from fastattn import _dispatch, _runtime, _storage
 from fastattn import reference as ref
 
 sdpa = fastattn.scaled_dot_product_attention
-short_route = attention._common_call  # kept: the fixture below switches it off
+short_route = _dispatch.common_call  # kept: the fixture below switches it off
 bcast = np.broadcast_to
 
 
@@ -33,7 +33,7 @@ def common_call(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
 def general_path(monkeypatch, call):
     """call() with the short route switched off."""
     with monkeypatch.context() as m:
-        m.setattr(attention, "_common_call", lambda *args: None)
+        m.setattr(_dispatch, "common_call", lambda *args: None)
         return call()
 
 
@@ -184,7 +184,7 @@ def test_only_plain_ndarrays_and_default_options_reach_it(monkeypatch):
         pass
 
     seen = []
-    monkeypatch.setattr(attention, "_common_call", lambda *args: seen.append(args))
+    monkeypatch.setattr(_dispatch, "common_call", lambda *args: seen.append(args))
     for args, kwargs in [((q.view(Sub), k, v), {}), ((q, k, v), {"out": np.empty_like(q).view(Sub)}),
                          ((q, k, v), {"need_weights": True}),
                          ((q, k, v), {"return_lse": True}), ((q, k, v), {"window_size": (2, 0)}),
@@ -261,8 +261,8 @@ def test_a_cache_step_takes_it(padding, storage, monkeypatch):
     cache.append(data(rng, (2, 2, 30, 16)), data(rng, (2, 2, 30, 32)), key_padding_mask=pad)
     q, out = data(rng, (2, 6, 1, 16)), np.empty((2, 6, 1, 32), np.float32)
     seen = []
-    taken = attention._common_call
-    monkeypatch.setattr(attention, "_common_call",
+    taken = _dispatch.common_call
+    monkeypatch.setattr(_dispatch, "common_call",
                         lambda *a: seen.append(a[-1] is None) or taken(*a))
     mine = cache.attend(q, out=out)
     # the cache's own buffers are passed as stored (their storage) unless float32

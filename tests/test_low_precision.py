@@ -88,7 +88,7 @@ def test_outputs_are_rounded_as_numpy_rounds(simd, dtype):
     x = bits.view(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         expected = x.astype(dtype)
-    got = fastattn.attention.narrow(x, dtype, 2)
+    got = fastattn._storage.narrow(x, dtype, 2)
     nan = np.isnan(x)
     np.testing.assert_array_equal(got.view(np.uint16)[~nan], expected.view(np.uint16)[~nan])
     assert np.isnan(got[nan].astype(np.float32)).all()

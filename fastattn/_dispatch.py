@@ -1,0 +1,405 @@
+"""The internal call layer under the public modules: from their arguments
+to the kernels, one route per kind of call.  The public modules call these
+names and never each other's private ones.
+
+- Dense calls (scaled_dot_product_attention, KVCache.attend): ``route``
+  dispatches between ``common_call``, the fast path of a common call (cheap
+  checks, straight to the kernel), and ``checked_attention``, the checked
+  general path of every option.
+- Ragged calls (paged_attention, varlen_attention, PagedKVCache.attend):
+  ``ragged``, the options' checks and the kernel, after the caller checked
+  its sequences.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple, Optional, Union
+
+import numpy as np
+
+from . import _checks as C
+from . import _core, _runtime, _tuning, _variants
+from ._storage import narrow, query_store
+from ._typing import Alignment, Float, MaskArray, NDArray, Result
+
+_MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
+# the fast path's dtypes: their element bound, and the largest scale they hold
+_COMMON_DTYPES = {dt: (C.max_elements(dt), largest) for dt, largest in C.LARGEST.items()}
+_BOOL = np.dtype(np.bool_)
+
+
+def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
+    """For a (B, S) or (B, 1, S) mask that fails to broadcast to target
+    (B, ..., L, S): the index that makes it a key padding mask, which is
+    likely what was meant ('' for other shapes)."""
+    n = len(mask_shape)
+    if (not 2 <= n < len(target) or (mask_shape[0], mask_shape[-1]) != (target[0], target[-1])
+            or any(d != 1 for d in mask_shape[1:-1])):
+        return ""
+    # the missing axes go after B, where a head axis of 1 broadcasts
+    new_axes = len(target) - n
+    if n == 2:
+        index = "[:, " + "None, " * new_axes + ":]"
+    else:
+        index = "[:, " + ", ".join(["None"] * new_axes) + "]"
+    shape = C.shape_str((target[0],) + (1,) * (len(target) - 2) + (target[-1],))
+    seen = "(B, " + "1, " * (n - 2) + "S)"
+    return (f"; for a {seen} key padding mask (True = may attend) pass attn_mask{index}, "
+            f"of shape {shape}")
+
+
+def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float],
+                 attn_mask: Optional[MaskArray], dropout_p: object, is_causal: object,
+                 scale: object, enable_gqa: object, causal_alignment: object,
+                 out: Optional[NDArray[Float]], num_threads: Optional[int],
+                 stored: Optional[StoredKV] = None) -> Optional[NDArray[Float]]:
+    """scaled_dot_product_attention for the common call, or None for a call
+    to leave to the checked general path.  A tiny call is mostly its checks: these
+    take a fraction of the checked general path's time (plain type, identity and
+    tuple tests, no message built).  The caller has seen plain ndarrays (out
+    one or None) and the variants, need_weights and return_lse at their
+    defaults (the kernel's defaults are those of _variants.NONE, and the
+    native storage of float32 and float64).  Grouped-query calls and an out
+    array are taken too: a model's decoding step makes both, once per layer
+    and token.  So are a float32 KVCache's keys and values in another
+    storage (stored, as checked_attention takes it), whose shapes the cache has
+    checked: a decoding step over an int8 cache took 17 us, 7.5 over a
+    float32 one (one head, 16 positions, Zen 4).
+
+    It takes only calls that the checked general path accepts, and passes the kernel
+    what the checked general path passes, so the result is bitwise the same.  It
+    raises only where the checked general path raises the same error:
+    resolve_threads is called once every check the checked general path makes
+    before it has passed here.  Anything else is None, and the checked general path
+    gives the error."""
+    dtype = query.dtype
+    bounds = _COMMON_DTYPES.get(dtype)
+    if stored is None:
+        if bounds is None or key.dtype != dtype or value.dtype != dtype:
+            return None
+    elif bounds is None or dtype != np.float32:  # 16-bit: rounded at the end (checked_attention)
+        return None
+    limit, largest = bounds
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if len(qs) < 2 or len(ks) != len(qs) or len(vs) != len(qs):
+        return None
+    batch = qs[:-2]  # the same leading axes: no broadcast
+    L, E, S = qs[-2], qs[-1], ks[-2]
+    Ev = vs[-1] if stored is None or stored.value_dim is None else stored.value_dim
+    packed = stored is not None and stored.store == _core.STORE_Q4  # rows of bytes
+    group = 1
+    if enable_gqa is True:  # the same axes before the heads; Hkv divides Hq
+        if len(qs) < 3 or qs[:-3] != ks[:-3] or ks[:-2] != vs[:-2]:
+            return None
+        hq, hkv = qs[-3], ks[-3]
+        if hkv == 0 or hq % hkv:
+            return None
+        group = hq // hkv
+    elif enable_gqa is not False or batch != ks[:-2] or batch != vs[:-2]:
+        return None
+    if (ks[-1] != E and not packed) or vs[-2] != S or E > _MAX_FEATURES or Ev > _MAX_FEATURES:
+        return None
+    if (type(dropout_p) is not float and type(dropout_p) is not int) or dropout_p != 0:
+        return None
+    if (is_causal is not False and is_causal is not True) or type(causal_alignment) is not str:
+        return None
+    if causal_alignment == "upper_left":
+        offset = 0
+    elif causal_alignment == "lower_right":
+        offset = S - L
+    else:
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    elif type(scale) is not float or not -largest <= scale <= largest:
+        return None
+    if math.prod(batch) * (L or 1) * (S or 1) * ((E if E > Ev else Ev) or 1) > limit:
+        return None
+    if attn_mask is None:
+        kind, mask = _core.MASK_NONE, None
+    else:
+        if type(attn_mask) is not np.ndarray:
+            return None
+        if attn_mask.dtype == _BOOL:
+            kind = _core.MASK_BOOL
+        elif attn_mask.dtype == dtype:
+            kind = _core.MASK_ADD
+        else:
+            return None
+        try:
+            mask = C.broadcast_view(C.kernel_view(attn_mask), batch + (L, S))
+        except ValueError:
+            return None
+    if out is None:
+        out = np.empty(batch + (L, Ev), dtype)
+    else:  # the checked general path's checks; its error is left to it
+        try:
+            C.check_out(out, batch + (L, Ev), dtype,
+                        {"query": query, "key": key, "value": value, "attn_mask": attn_mask})
+        except (TypeError, ValueError):
+            return None
+    nthreads = _runtime.resolve_threads(num_threads)
+    if out.size:
+        isa, q, k, v = _runtime.isa(), C.kernel_view(query), C.kernel_view(key), C.kernel_view(value)
+        # a cache's storage: checked_attention's call, the scales as the cache holds them
+        kv_store, k_scale, v_scale = ((_core.STORE_NATIVE, None, None) if stored is None else
+                                      (stored.store, stored.key_scale, stored.value_scale))
+        # nbytes: at least the bytes read (broadcast axes counted once)
+        tkey, nbytes = (isa, nthreads, kv_store, False), key.nbytes + value.nbytes
+        # a tiny call straight to the kernel, its arguments positional: the
+        # closure and a keyword cost it 0.7 us of 4.5
+        if L > _tuning.DECODE_ROWS or nbytes < _tuning.MIN_BYTES:
+            if stored is None:
+                _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset,
+                                scale, nthreads, _tuning.current(tkey))
+            else:
+                _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset,
+                                scale, nthreads, _tuning.current(tkey), kv_store=kv_store,
+                                k_scale=k_scale, v_scale=v_scale)
+        else:
+            _tuning.run(tkey, _tuning.distinct_bytes(key, value), True,
+                        lambda prefetch: _core.attention(
+                            isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
+                            nthreads, prefetch, kv_store=kv_store, k_scale=k_scale,
+                            v_scale=v_scale))
+    return out
+
+
+def route(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
+           attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
+           scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
+           need_weights: bool, return_lse: bool, window_size: Optional[tuple[int, int]],
+           alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
+           sinks: Optional[NDArray[Any]], out: Optional[NDArray[Any]],
+           num_threads: Optional[int], stored: Optional[StoredKV] = None) -> Result[Any]:
+    """The common call's fast path (common_call) when it takes the call,
+    else the checked general path (checked_attention), whose arguments
+    these are."""
+    if (type(query) is np.ndarray and type(key) is np.ndarray and type(value) is np.ndarray
+            and (out is None or type(out) is np.ndarray) and need_weights is False
+            and return_lse is False and window_size is None and alibi_slopes is None
+            and softcap is None and sinks is None):
+        result = common_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa, causal_alignment, out, num_threads, stored)
+        if result is not None:
+            return result
+    return checked_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      causal_alignment, need_weights, return_lse, window_size, alibi_slopes,
+                      softcap, sinks, out, num_threads, stored)
+
+
+class StoredKV(NamedTuple):
+    """How a KVCache stores its keys and values when not in query's dtype:
+    the kernels' storage kind (_core.STORE_*), for int8 and float8_e4m3fn
+    the float32 scale of every row, shaped like key and value without their
+    last axis, and the elements of a value row (Ev; not value's last axis
+    for int4, whose rows are blocks of bytes)."""
+    store: int
+    key_scale: Optional[NDArray[np.float32]] = None
+    value_scale: Optional[NDArray[np.float32]] = None
+    value_dim: Optional[int] = None
+
+
+def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
+               attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
+               scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
+               need_weights: bool, return_lse: bool, window_size: Optional[tuple[int, int]],
+               alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
+               sinks: Optional[NDArray[Any]], out: Optional[NDArray[Any]],
+               num_threads: Optional[int], stored: Optional[StoredKV] = None) -> Result[Any]:
+    """scaled_dot_product_attention's work; with stored, key and value are a
+    KVCache's buffers in that storage (query's dtype is then the only one
+    checked)."""
+    packed = stored is not None and stored.store == _core.STORE_Q4  # rows of bytes
+    if not packed:  # (a cache checked its own)
+        require_qkv(query, key, value)
+    dtype = (C.attention_dtype(query=query, key=key, value=value) if stored is None
+             else C.attention_dtype(query=query))
+    compute = C.compute_dtype(dtype)  # float32 for the 16-bit dtypes
+    L, E = query.shape[-2:]
+    S = key.shape[-2]
+    Ev = value.shape[-1] if stored is None or stored.value_dim is None else stored.value_dim
+    if E > _MAX_FEATURES or Ev > _MAX_FEATURES:
+        raise ValueError(f"query/key have E = {E} and value Ev = {Ev} features per head; "
+                         f"at most {_MAX_FEATURES} are supported")
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 (fastattn computes inference-time attention), "
+                         f"got {dropout_p}")
+    causal = C.check_bool(is_causal, "is_causal")
+    gqa = C.check_bool(enable_gqa, "enable_gqa")
+    weights_wanted = C.check_bool(need_weights, "need_weights")
+    lse_wanted = C.check_bool(return_lse, "return_lse")
+    offset = C.alignment_offset(causal_alignment, L, S)
+    scale = C.check_scale(scale, E, compute)
+    nthreads = _runtime.resolve_threads(num_threads)
+
+    if gqa:
+        for name, a in (("query", query), ("key", key), ("value", value)):
+            C.require_ndim(a, name, 3, "(..., heads, length, features) with enable_gqa=True")
+        Hq, Hkv = query.shape[-3], key.shape[-3]
+        if value.shape[-3] != Hkv:
+            raise ValueError(f"key and value must have the same number of heads, "
+                             f"got {Hkv} and {value.shape[-3]}")
+        if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):  # no heads at all: empty
+            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) "
+                             "for grouped-query attention")
+        outer = C.broadcast_shapes([("query", query.shape[:-3]), ("key", key.shape[:-3]),
+                                    ("value", value.shape[:-3])], "the batch axes")
+        batch, kv_batch, group = outer + (Hq,), outer + (Hkv,), Hq // Hkv if Hkv else 1
+    else:
+        heads = {a.shape[-3] for a in (query, key) if a.ndim >= 3} - {1}
+        hint = (" (set enable_gqa=True for grouped-query attention)"
+                if len(heads) > 1 and 0 not in heads else "")  # no heads: GQA cannot help
+        if (query.ndim == key.ndim == 4 and query.shape[-3] != key.shape[-3]
+                and query.shape[-2] == key.shape[-2] and query.shape[0] == key.shape[0]):
+            hint = hint[:-1] + ("; or, if these are (B, L, H, E) arrays, FlashAttention's "
+                                "layout, pass query.transpose(0, 2, 1, 3) and key and value "
+                                "likewise: the heads come before the positions here)")
+        batch = C.broadcast_shapes([("query", query.shape[:-2]), ("key", key.shape[:-2]),
+                                    ("value", value.shape[:-2])], "the leading axes" + hint)
+        kv_batch, group = batch, 1
+
+    # Broadcast views (stride 0) can describe more elements than an index
+    # reaches.  One product bounds every array of the call (the scores too,
+    # which bound its work); only past it is each one checked, to name it.
+    bound = math.prod(batch) * (L or 1) * (S or 1) * ((E if E > Ev else Ev) or 1)
+    if bound > C.max_elements(dtype):
+        C.require_addressable([("query broadcast to", batch + (L, E)),
+                               ("key broadcast to", kv_batch + (S, E)),
+                               ("value broadcast to", kv_batch + (S, Ev)),
+                               ("the output", batch + (L, Ev)),
+                               ("the attention scores (..., Hq, L, S)", batch + (L, S))],
+                              dtype.itemsize)
+    kind, mask = C.mask_kind_and_array(attn_mask, compute, "attn_mask")
+    if mask is not None:
+        target = batch + (L, S)
+        try:
+            mask = C.broadcast_view(mask, target)
+        except ValueError:
+            raise ValueError(f"attn_mask of shape {C.shape_str(mask.shape)} cannot be "
+                             f"broadcast to (..., Hq, L, S) = {C.shape_str(target)}"
+                             f"{_padding_mask_hint(mask.shape, target)}") from None
+
+    variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S, compute,
+                               offset)
+
+    out_shape = batch + (L, Ev)
+    inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
+              "alibi_slopes": alibi_slopes, "sinks": sinks}
+    if out is not None:
+        C.check_out(out, out_shape, dtype, inputs)
+    # the kernels write float32 for 16-bit inputs, rounded to them at the end
+    result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
+    try:
+        weights = np.empty(batch + (L, S), compute) if weights_wanted else None
+    except MemoryError:
+        raise MemoryError(f"need_weights=True asks for the (..., Hq, L, S) = "
+                          f"{C.shape_str(batch + (L, S))} weights, "
+                          f"{math.prod(batch + (L, S)) * compute.itemsize / 2**30:.1f} GiB, which "
+                          "could not be allocated; the output alone needs O(L) memory per head "
+                          "(need_weights=False)") from None
+    lse = np.empty(batch + (L,), compute) if lse_wanted else None
+
+    q = C.broadcast_view(C.kernel_view(query), batch + (L, E))
+    k = C.broadcast_view(C.kernel_view(key), kv_batch + (S, key.shape[-1] if packed else E))
+    v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, value.shape[-1]))
+    store = (query_store(dtype) if compute != dtype
+             else _core.STORE_NATIVE)
+    kv_store, k_scale, v_scale = store, None, None
+    if stored is not None:
+        kv_store = stored.store
+        if stored.key_scale is not None and stored.value_scale is not None:
+            k_scale = C.broadcast_view(stored.key_scale, kv_batch + (S,))
+            v_scale = C.broadcast_view(stored.value_scale, kv_batch + (S,))
+    if result.size or (weights is not None and weights.size) or (lse is not None and lse.size):
+        isa = _runtime.isa()
+        _tuning.run((isa, nthreads, kv_store, False), _tuning.distinct_bytes(k, v),
+                    L <= _tuning.DECODE_ROWS,
+                    lambda prefetch: _core.attention(
+                        isa, q, k, v, mask, kind, result, weights, group, causal, offset, scale,
+                        nthreads, window_left=variants.window_left,
+                        window_right=variants.window_right, softcap=variants.softcap,
+                        slopes=variants.slopes, sinks=variants.sinks, lse=lse, q_store=store,
+                        kv_store=kv_store, k_scale=k_scale, v_scale=v_scale,
+                        prefetch=prefetch))
+    half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
+    out = narrow(result, dtype, nthreads, out) if half else result
+    if half and weights is not None:
+        weights = narrow(weights, dtype, nthreads)
+    results = (out,) + tuple(x for x in (weights, lse) if x is not None)  # lse: float32
+    return results[0] if len(results) == 1 else results  # type: ignore[return-value]
+
+
+def require_qkv(query: object, key: object, value: object) -> None:
+    """query (..., L, E), key (..., S, E) and value (..., S, Ev): arrays of
+    these lengths, or the error naming the one that is not."""
+    names = ("query", "key", "value")
+    q, k, v = (C.require_array(a, name) for a, name in zip((query, key, value), names))
+    for a, name in zip((q, k, v), names):
+        C.require_ndim(a, name, 2, "(..., length, features)")
+    E, (S, Ek), Sv = q.shape[-1], k.shape[-2:], v.shape[-2]
+    if Ek != E:
+        raise ValueError(f"key's last axis ({Ek}) must equal query's last axis E ({E}); "
+                         f"query {C.shape_str(q.shape)}, key {C.shape_str(k.shape)}")
+    if Sv != S:
+        raise ValueError(f"value must have as many rows as key (S = {S}), got {Sv}; "
+                         f"key {C.shape_str(k.shape)}, value {C.shape_str(v.shape)}")
+
+
+def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
+           table: Optional[NDArray[np.int32]], kv_start: Optional[NDArray[np.int64]],
+           lens: NDArray[np.int64], cu_q: NDArray[np.int64], q_lens: NDArray[np.int64],
+           scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]],
+           q_store: int, kv_store: int, Ev: int, causal: bool, lower_right: bool, offset: int,
+           scale: Optional[float], window_size: Optional[tuple[int, int]],
+           alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
+           sinks: Optional[NDArray[Any]], return_lse: bool, out: Optional[NDArray[Any]],
+           num_threads: Optional[int], inputs: Mapping[str, Optional[NDArray[Any]]]
+           ) -> Union[NDArray[Any], tuple[NDArray[Any], NDArray[Any]]]:
+    """A ragged batch's call once its caches, keys' places, lengths and
+    offsets are known good (_core.ragged's arguments: a block table, or
+    with table None each sequence's first key row kv_start in the one block
+    of the caches; q_lens the queries of each sequence; causal checked):
+    the options' checks and the kernel.  paged_attention, varlen_attention
+    and PagedKVCache.attend (with its own arrays, which it keeps good) come
+    here.  inputs: what out must not overlap."""
+    total_q, Hq, E = query.shape
+    Hkv = key_cache.shape[1]
+    B = lens.shape[0]
+    dtype = query.dtype
+    compute = C.compute_dtype(dtype)
+    lse_wanted = C.check_bool(return_lse, "return_lse")
+    scale = C.check_scale(scale, E, compute)
+    nthreads = _runtime.resolve_threads(num_threads)
+    lengths = int(max(q_lens.max(initial=0), 1)), int(max(lens.max(initial=0), 1))
+    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths,
+                               compute)
+    slopes = None if variants.slopes is None else C.contiguous(variants.slopes)
+    sink = None if sinks is None else C.contiguous(
+        _variants.per_head(sinks, "sinks", (Hq,), finite=False))
+
+    out_shape = (total_q, Hq, Ev)
+    if out is not None:
+        C.check_out(out, out_shape, dtype,
+                    {**inputs, "alibi_slopes": alibi_slopes, "sinks": sinks})
+    # the kernels write float32 for 16-bit queries, rounded to them at the end
+    result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
+    lse = np.empty((Hq, total_q), compute) if lse_wanted else None
+    if result.size or (lse is not None and lse.size):  # every row is in a sequence: all written
+        isa = _runtime.isa()
+        # the bytes of keys and values the call reads
+        read = int(lens.sum()) * Hkv * (key_cache.shape[-1] + value_cache.shape[-1]) * \
+            key_cache.itemsize
+        q, kc, vc = C.kernel_view(query), C.kernel_view(key_cache), C.kernel_view(value_cache)
+        _tuning.run((isa, nthreads, kv_store, table is not None), read,
+                    lengths[0] <= _tuning.DECODE_ROWS,
+                    lambda prefetch: _core.ragged(
+                        isa, q, kc, vc, scales[0], scales[1], table, kv_start, lens, cu_q,
+                        result, lse, Hq // Hkv, causal, lower_right, offset, scale, nthreads,
+                        variants.window_left,
+                        variants.window_right, variants.softcap, slopes, sink, q_store,
+                        kv_store, prefetch=prefetch))
+    out = narrow(result, dtype, nthreads, out) if compute != dtype else result
+    return out if lse is None else (out, lse)
