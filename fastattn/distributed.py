@@ -43,7 +43,7 @@ from ._typing import Alignment, Float, NDArray
 from .attention import merge_attention
 from .kv_cache import KVCache
 
-__all__ = ["ShardLostError", "ShardedKVCache", "sharded_attention"]
+__all__ = ["ShardLostError", "ShardTimeoutError", "ShardedKVCache", "sharded_attention"]
 
 _PLACEMENTS = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD",
                "strict_pack": "STRICT_PACK"}
@@ -65,6 +65,15 @@ class ShardLostError(RuntimeError):
         super().__init__(message)
         self.shards = list(shards)
         self.positions = positions
+
+
+class ShardTimeoutError(ShardLostError, TimeoutError):
+    """A shard did not answer within the cache's timeout (its process hung,
+    stopped, or its node is unreachable).  The shard is ended and taken as
+    lost, as a dead one: a late answer, or a late append, would no longer
+    agree with the other shards.  A ShardLostError, so that the handling
+    of a lost shard (restore from a snapshot) covers it, and a
+    TimeoutError, as a call given a timeout raises.  Same attributes."""
 
 
 # ---- the plan: which keys each call reads, and how ----------------------
@@ -289,8 +298,11 @@ class ShardedKVCache:
         The kernels' threads in each shard; None: num_cpus_per_shard,
         rounded down, at least 1.
     timeout : float
-        Seconds to wait for the cluster to place and start the shards
-        (default 60, > 0).
+        Seconds to wait for the cluster to place and start the shards, and
+        for the shards' answers to each call (default 60, > 0; a snapshot
+        or restore must write or read a shard's file within it).  A shard
+        that does not answer in time is ended and taken as lost:
+        ``ShardTimeoutError``.
 
     Raises
     ------
@@ -348,6 +360,7 @@ class ShardedKVCache:
         self._lengths = [0] * self._num_shards
         self._lost: list[int] = []
         self._lost_why = ""
+        self._lost_kind: type[ShardLostError] = ShardLostError
         self.last_timing: dict[str, float] = {}
         """Seconds of the last attend: "total" (the caller's), "compute" (the
         slowest shard's kernels), "merge" (the merges on the tree's longest
@@ -443,7 +456,13 @@ class ShardedKVCache:
             hold), or when a shard's capacity would be exceeded.  Nothing
             is written then, in any shard.
         ShardLostError
-            A shard is lost (see ``attend``).
+            A shard is lost (see ``attend``).  The shards left are brought
+            back to before the call.
+        ShardTimeoutError
+            A shard did not answer within timeout.  It is ended (whether it
+            wrote its part no longer matters: its positions are lost); the
+            other shards are brought back to before the call, and
+            ``length`` and ``shard_lengths`` are as before it.
         """
         self._check_alive()
         for name, a, last, last_name in (("key", key, self._head_dim, "head_dim"),
@@ -474,23 +493,17 @@ class ShardedKVCache:
                              f"{self._lengths[full[0]]} of {self._capacity} positions and "
                              f"{grown[full[0]]} more would go to it; nothing was written. "
                              "Create it with a larger capacity_per_shard or more shards")
-        before = list(self._lengths)
-        refs = {k: self._actors[k].append.remote(pieces[k]) for k in range(self._num_shards)
-                if pieces[k]}
-        failure: Optional[BaseException] = None
-        for k, ref in refs.items():
-            try:
-                self._lengths[k] = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                self._shard_died(exc)
-            except ray.exceptions.RayTaskError as exc:
-                failure = failure or exc
-        if failure is not None:  # undo the shards that took their part
-            ray.get([self._actors[k].truncate.remote(before[k], self._runs(k, start))
-                     for k in refs])
-            self._lengths = before
-            cause = getattr(failure, "cause", None)
-            raise (cause if isinstance(cause, (TypeError, ValueError)) else failure) from None
+        lengths, errors, hung = self._call({k: self._actors[k].append.remote(pieces[k])
+                                            for k in range(self._num_shards) if pieces[k]})
+        if errors or hung:
+            # undo the shards that took their part: a hung shard is ended, so
+            # whether it wrote its part (or writes it late) no longer matters
+            _, undo_errors, undo_hung = self._call(
+                {k: self._actors[k].truncate.remote(self._lengths[k], self._runs(k, start))
+                 for k in lengths})
+            self._fail(errors | undo_errors, hung + undo_hung, "append")
+        for k, n in lengths.items():
+            self._lengths[k] = n
 
     # ---- attention ------------------------------------------------------
     def attend(self, query: NDArray[Float], *, is_causal: bool = True,
@@ -531,6 +544,9 @@ class ShardedKVCache:
             A shard's actor died (now or earlier): the error names the
             shard and the positions lost; every call raises it until
             ``restore`` brings the shard back from a snapshot.
+        ShardTimeoutError
+            A shard did not answer within timeout (its part or a merge it
+            runs): the error names it; it is ended and lost, as above.
         """
         self._check_alive()
         start = time.perf_counter()
@@ -564,12 +580,20 @@ class ShardedKVCache:
         asked = [k for k in range(self._num_shards)
                  if _parts(self._runs(k, length), q0, L, opts)] or [0]
         q = ray.put(np.ascontiguousarray(query, compute))  # once, read by every shard
-        level = [(self._actors[k], self._actors[k].attend.remote(q, q0, opts,
-                                                                 sink if n == 0 else None))
-                 for n, k in enumerate(asked)]
+        # (shard, ref, the refs it takes) of every task: the parts, then the merges
+        tasks: list[tuple[int, Any, list[Any]]] = [
+            (k, self._actors[k].attend.remote(q, q0, opts, sink if n == 0 else None), [])
+            for n, k in enumerate(asked)]
+        level = [(k, ref) for k, ref, _ in tasks]
         while len(level) > 1:  # the tree: each pair merged by the first one's shard
-            level = [(a[0], a[0].merge.remote(a[1], b[1])) if b is not None else a
-                     for a, b in zip(level[::2], level[1::2] + [None])]
+            merged = []
+            for a, b in zip(level[::2], level[1::2]):
+                tasks.append((a[0], self._actors[a[0]].merge.remote(a[1], b[1]), [a[1], b[1]]))
+                merged.append((a[0], tasks[-1][1]))
+            level = merged + level[len(merged) * 2:]
+        hung = self._stalled(tasks)
+        if hung:
+            self._hung(hung, "attend")
         try:
             out, lse, compute_s, merge_s = ray.get(level[0][1])
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
@@ -589,9 +613,9 @@ class ShardedKVCache:
             raise RuntimeError("Ray was shut down, and this cache's shards with it; create a "
                                "new ShardedKVCache (and restore a snapshot into it)")
         if self._lost:
-            raise self._lost_error(self._lost_why)
+            raise self._lost_error()
 
-    def _lost_error(self, why: str) -> ShardLostError:
+    def _lost_error(self) -> ShardLostError:
         held = sum(self._lengths[k] for k in self._lost)
         lost = []
         for k in self._lost:
@@ -599,31 +623,77 @@ class ShardedKVCache:
             lost += [f"shard {k}: " + ", ".join(f"{g}-{g + n - 1}" for _, g, n in runs[:4])
                       + (", ..." if len(runs) > 4 else "")] if runs else []
         where = "; ".join(lost)
-        return ShardLostError(
+        return self._lost_kind(
             f"shard{'s' if len(self._lost) > 1 else ''} {', '.join(map(str, self._lost))} of "
-            f"{self._num_shards} lost{why}: {held} of the {self.length} positions held are "
-            f"gone ({where or 'none held'}). No result is computed from the shards left; "
+            f"{self._num_shards} lost{self._lost_why}: {held} of the {self.length} positions "
+            f"held are gone ({where or 'none held'}). No result is computed from the shards left; "
             "restore(path) brings the cache back from a snapshot, or close() it",
             self._lost, held)
 
     def _dead_shards(self) -> list[int]:
-        """The shards whose actor does not answer."""
-        dead = []
-        for k, actor in enumerate(self._actors):
-            try:
-                ray.get(actor.ping.remote(), timeout=self._timeout)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                dead.append(k)
-        return dead
+        """The shards whose actor is dead or does not answer within timeout."""
+        _, errors, hung = self._call({k: a.ping.remote() for k, a in enumerate(self._actors)})
+        return sorted(set(errors) | set(hung))
 
     def _shard_died(self, exc: BaseException) -> NoReturn:
         """Raises ShardLostError when a shard's actor is dead, else exc."""
         dead = self._dead_shards()
         if not dead:
             raise exc
-        self._lost = dead
+        self._lost, self._lost_kind = sorted(set(self._lost) | set(dead)), ShardLostError
         self._lost_why = f" (its Ray actor died: {_last_line(exc)})"
-        raise self._lost_error(self._lost_why) from exc
+        raise self._lost_error() from exc
+
+    def _stalled(self, tasks: Sequence[tuple[int, Any, Sequence[Any]]]) -> list[int]:
+        """Waits for tasks (shard, ref, the refs it takes) within timeout;
+        returns the shards that did not answer: those with a task not done
+        whose inputs are (a merge waiting for another shard's part is not
+        the one stalled)."""
+        refs = [ref for _, ref, _ in tasks]
+        if not refs:
+            return []
+        # fetch_local=False: the parts stay where they are, only the merged one travels
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=self._timeout,
+                            fetch_local=False)[0])
+        return sorted({k for k, ref, needs in tasks
+                       if ref not in done and all(r in done for r in needs)})
+
+    def _call(self, refs: dict[int, Any]
+              ) -> tuple[dict[int, Any], dict[int, BaseException], list[int]]:
+        """Each shard's call (shard: ref) waited for within timeout: the
+        results, the errors, and the shards that did not answer."""
+        hung = self._stalled([(k, ref, ()) for k, ref in refs.items()])
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        for k, ref in refs.items():
+            if k not in hung:
+                try:
+                    results[k] = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    errors[k] = exc
+        return results, errors, hung
+
+    def _hung(self, shards: list[int], doing: str) -> NoReturn:
+        """Ends the shards that did not answer (a late answer or write would
+        not agree with the others) and raises ShardTimeoutError."""
+        for k in shards:
+            ray.kill(self._actors[k])
+        self._lost, self._lost_kind = sorted(set(self._lost) | set(shards)), ShardTimeoutError
+        self._lost_why = (f" (no answer to {doing} within {self._timeout:g} s: ended as hung "
+                          "or unreachable)")
+        raise self._lost_error()
+
+    def _fail(self, errors: dict[int, BaseException], hung: list[int], doing: str) -> NoReturn:
+        """Raises the error of a call some shards failed: ShardTimeoutError,
+        ShardLostError, or the first shard's own error."""
+        if hung:
+            self._hung(hung, doing)
+        died = [e for e in errors.values() if isinstance(e, ray.exceptions.RayActorError)]
+        if died:
+            self._shard_died(died[0])
+        first = next(iter(errors.values()))
+        cause = getattr(first, "cause", None)
+        raise (cause if isinstance(cause, Exception) else first) from None
 
     def snapshot(self, path: Union[str, os.PathLike[str]]) -> None:
         """Saves every shard to path (a folder, made if missing): one NumPy
@@ -631,15 +701,15 @@ class ShardedKVCache:
         bit, written by the shard's own process, so on a cluster path must
         be on a file system every node shares) and cache.json.
 
-        Raises ShardLostError when a shard is lost (a snapshot of the shards
-        left would not be the cache)."""
+        Raises ShardLostError when a shard is lost, ShardTimeoutError when
+        one does not answer within timeout (a snapshot of the shards left
+        would not be the cache)."""
         self._check_alive()
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
-        try:
-            ray.get([a.save.remote(path) for a in self._actors])
-        except ray.exceptions.RayActorError as exc:
-            self._shard_died(exc)
+        _, errors, hung = self._call({k: a.save.remote(path) for k, a in enumerate(self._actors)})
+        if errors or hung:
+            self._fail(errors, hung, "snapshot")
         with open(os.path.join(path, "cache.json"), "w") as f:
             json.dump(self._config() | {"shard_lengths": self._lengths}, f)
 
@@ -669,6 +739,8 @@ class ShardedKVCache:
         ValueError
             A snapshot of a cache of other sizes, chunk size, dtype or
             storage, or one whose files do not agree with it.
+        ShardTimeoutError
+            A shard did not answer within timeout while loading its file.
         """
         if not self._finalizer.alive:
             raise RuntimeError("this ShardedKVCache is closed")
@@ -681,23 +753,20 @@ class ShardedKVCache:
             ray.kill(self._actors[k])  # a process that does not answer is not kept
             self._actors[k] = self._start(k)
         total = sum(lengths)
-        refs = [a.load.remote(path, lengths[k], self._runs(k, total))
-                for k, a in enumerate(self._actors)]
-        failed = []
-        for k, ref in enumerate(refs):
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                failed.append(f"shard {k}: {_last_line(exc)}")
+        _, errors, hung = self._call({k: a.load.remote(path, lengths[k], self._runs(k, total))
+                                      for k, a in enumerate(self._actors)})
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _release, self._actors, self._group)
-        if failed:
-            self._lost = list(range(self._num_shards))
+        if errors or hung:
+            self._lost, self._lost_kind = list(range(self._num_shards)), ShardLostError
             self._lost_why = f" (a restore from {path} failed)"
+            if hung:
+                self._hung(hung, "restore")
+            failed = [f"shard {k}: {_last_line(errors[k])}" for k in sorted(errors)]
             raise ValueError(f"the snapshot at {path} could not be loaded ({'; '.join(failed)}); "
                              "the shards no longer make one cache: every call raises "
                              "ShardLostError until a restore succeeds")
-        self._lengths, self._lost = lengths, []
+        self._lengths, self._lost, self._lost_kind = lengths, [], ShardLostError
 
     def _read_snapshot(self, path: str) -> list[int]:
         """The shard lengths of the snapshot at path, checked against this

@@ -4,8 +4,10 @@ snapshots, and nothing left behind."""
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -16,7 +18,8 @@ ray = pytest.importorskip("ray")
 
 import fastattn  # noqa: E402
 from fastattn import reference as ref  # noqa: E402
-from fastattn.distributed import ShardedKVCache, ShardLostError, sharded_attention  # noqa: E402
+from fastattn.distributed import (ShardedKVCache, ShardLostError, ShardTimeoutError,  # noqa: E402
+                                  sharded_attention)
 
 # A merged result differs from one process's call only by where the blocks
 # of the online softmax end and by the merge's roundings (a weight exp(lse_p
@@ -336,6 +339,62 @@ def test_restore_is_all_or_nothing(tmp_path):
             cache.restore(bad)
         cache.restore(good)
         np.testing.assert_array_equal(cache.attend(q), want)
+
+
+def shard_pid(cache, k):
+    return ray.get(cache._actors[k].__ray_call__.remote(lambda shard: os.getpid()))
+
+
+def test_a_hung_shard_times_out(tmp_path):
+    """A stopped shard process (SIGSTOP) makes attend, append and snapshot
+    raise ShardTimeoutError within the timeout, naming it (not the shard
+    whose merge waits for it), and ends it; restore brings the cache back."""
+    rng = np.random.default_rng(13)
+    k = rng.standard_normal((1, 120, 4)).astype(np.float32)
+    q = rng.standard_normal((2, 1, 4)).astype(np.float32)
+    stopped = []
+
+    def stop(cache, shard):
+        stopped.append(shard_pid(cache, shard))
+        os.kill(stopped[-1], signal.SIGSTOP)
+        # without a timeout the call would wait for ever: let it end
+        threading.Timer(20, resume, [stopped[-1]]).start()
+
+    with ShardedKVCache(3, 1, 4, capacity_per_shard=64, chunk_size=8, timeout=4,
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k[:, :100], k[:, :100])
+        want = cache.attend(q)
+        cache.snapshot(tmp_path / "snap")
+        calls = [("attend", lambda: cache.attend(q), 1),
+                 ("append", lambda: cache.append(k[:, 100:], k[:, 100:]), 2),
+                 ("snapshot", lambda: cache.snapshot(tmp_path / "other"), 0)]
+        try:
+            for name, call, shard in calls:
+                stop(cache, shard)
+                start = time.perf_counter()
+                with pytest.raises(ShardTimeoutError, match=f"shard {shard} of 3 lost .no "
+                                                            f"answer to {name} within 4 s"):
+                    call()
+                assert time.perf_counter() - start < 12
+                assert cache.shard_lengths == [36, 32, 32]
+                with pytest.raises(ShardLostError):  # and on, as for a dead shard
+                    cache.attend(q)
+                # Ray ends a stopped process only after a grace period of
+                # seconds; resumed, it ends at once, and its CPUs are free
+                resume(stopped[-1])
+                cache.restore(tmp_path / "snap")
+                np.testing.assert_array_equal(cache.attend(q), want)
+        finally:
+            for pid in stopped:
+                resume(pid)
+    assert issubclass(ShardTimeoutError, TimeoutError)
+
+
+def resume(pid):
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])
