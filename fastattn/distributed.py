@@ -154,6 +154,7 @@ class _Shard:
                               dtype=dtype, storage=storage)
         self._runs: list[tuple[int, int, int]] = []  # (local start, global start, count)
         self._threads = num_threads
+        self._staged: Optional[tuple[dict[str, NDArray[Any]], list[tuple[int, int, int]]]] = None
 
     def ping(self) -> int:
         return self._cache.length
@@ -201,27 +202,50 @@ class _Shard:
         out, lse = merge_attention([a[0], b[0]], [a[1], b[1]])
         return out, lse, max(a[2], b[2]), max(a[3], b[3]) + time.perf_counter() - start
 
-    def save(self, path: str) -> None:
+    def save(self, folder: str) -> None:
         state = self._cache._state()
         state["runs"] = np.array(self._runs, np.int64).reshape(-1, 3)
-        np.savez(os.path.join(path, f"shard-{self._index}.npz"), **cast("dict[str, Any]", state))
+        np.savez(os.path.join(folder, _shard_file(self._index)), **cast("dict[str, Any]", state))
 
-    def load(self, path: str, length: int, runs: list[tuple[int, int, int]]) -> None:
-        """Holds the positions of its file in a snapshot, which must be
-        length positions in these runs; ValueError, nothing changed, else."""
-        name = os.path.join(path, f"shard-{self._index}.npz")
+    def stage(self, folder: str, length: int, runs: list[tuple[int, int, int]]) -> None:
+        """Reads its file of a snapshot and checks it (length positions in
+        these runs), holding it aside for commit: the cache is not changed.
+        ValueError naming the file and what is wrong."""
+        self._staged = None
+        name = os.path.join(folder, _shard_file(self._index))
         try:
             with np.load(name) as saved:
                 state = {key: saved[key] for key in saved.files}
             held = [tuple(int(x) for x in r) for r in state.pop("runs")]
         except Exception as exc:  # noqa: BLE001 - any unreadable file says the same
-            raise ValueError(f"{name} cannot be read: {type(exc).__name__}: {exc}") from None
-        key = state.get("key")
-        if held != [tuple(r) for r in runs] or key is None or key.shape[2:3] != (length,):
+            raise ValueError(f"{name} cannot be read ({type(exc).__name__}: {exc}); it is "
+                             "truncated or damaged") from None
+        try:
+            n = self._cache._check_state(state)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        if held != [tuple(r) for r in runs] or n != length:
             raise ValueError(f"{name} holds other positions than the snapshot's cache.json "
                              f"gives this shard ({length})")
+        self._staged = (state, list(runs))
+
+    def commit(self) -> int:
+        """Takes what stage checked; returns the positions now held."""
+        if self._staged is None:
+            raise RuntimeError(f"shard {self._index}: commit with no file staged")
+        state, runs = self._staged
+        self._staged = None
         self._cache._load_state(state)
-        self._runs = list(runs)
+        self._runs = runs
+        return self._cache.length
+
+    def discard(self) -> None:
+        """Forgets what stage read: the restore does not go on."""
+        self._staged = None
+
+
+def _shard_file(k: int) -> str:
+    return f"shard-{k}.npz"
 
 
 # restarted, a shard would come back empty and give wrong answers: never
@@ -232,6 +256,12 @@ def _last_line(exc: BaseException) -> str:
     """The last line of an error Ray relays: the original exception's."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[-1] if lines else type(exc).__name__
+
+
+def _cause_text(exc: BaseException) -> str:
+    """The message of the error a Ray task raised."""
+    cause = getattr(exc, "cause", None)
+    return str(cause) if isinstance(cause, Exception) else _last_line(exc)
 
 
 def _free_cpus() -> float:
@@ -721,16 +751,23 @@ class ShardedKVCache:
 
     def restore(self, path: Union[str, os.PathLike[str]]) -> None:
         """Brings every shard back to a snapshot's positions, starting a new
-        actor for each shard whose process died: after a crash, or into a
-        new cache created with the same arguments.  Positions appended after
-        the snapshot are gone from every shard.
+        actor for each shard whose process died or does not answer: after
+        a crash, or into a new cache created with the same arguments.
+        Positions appended after the snapshot are gone from every shard.
 
-        All or nothing: the snapshot is checked (its cache.json against this
-        cache, the shards' lengths against the round-robin rule, each file's
-        positions and arrays) before a shard takes it.  Should a shard still
-        fail to load (its file unreadable), every call raises
-        ShardLostError until a restore succeeds: the shards would no longer
-        make one cache.
+        All or nothing, in two phases.  First the snapshot is checked: its
+        cache.json against this cache and the round-robin rule, then each
+        shard reads its file beside its cache and checks it (its positions
+        and arrays).  Only when every shard's file passed do they all take
+        it (a copy in memory).  If any check fails, no shard has changed:
+        the cache answers as before, bit for bit, and the error names the
+        file and what is wrong.  A shard needs the memory of a second copy
+        of its positions while it checks.
+
+        Shards restarted here (their process had died or hung) hold nothing
+        until the restore succeeds: if it fails they stay lost, and every
+        call raises ShardLostError until a restore succeeds.  The same if a
+        shard dies or hangs while the shards take their files.
 
         Raises
         ------
@@ -738,35 +775,51 @@ class ShardedKVCache:
             No snapshot at path, or a shard's file missing.
         ValueError
             A snapshot of a cache of other sizes, chunk size, dtype or
-            storage, or one whose files do not agree with it.
-        ShardTimeoutError
-            A shard did not answer within timeout while loading its file.
+            storage, or one whose files do not agree with it (unreadable,
+            or holding other positions).
+        ShardLostError, ShardTimeoutError
+            A shard died, or did not answer within timeout, during the
+            restore.
         """
         if not self._finalizer.alive:
             raise RuntimeError("this ShardedKVCache is closed")
         if not ray.is_initialized():
             raise RuntimeError("Ray was shut down, and this cache's shards with it; create a "
                                "new ShardedKVCache and restore the snapshot into it")
-        path = os.fspath(path)
-        lengths = self._read_snapshot(path)
-        for k in sorted(set(self._lost) | set(self._dead_shards())):
-            ray.kill(self._actors[k])  # a process that does not answer is not kept
-            self._actors[k] = self._start(k)
+        folder = os.path.abspath(os.fspath(path))
+        lengths = self._read_snapshot(folder)
+        restart = sorted(set(self._lost) | set(self._dead_shards()))
+        if restart:
+            for k in restart:
+                ray.kill(self._actors[k])  # a process that does not answer is not kept
+                self._actors[k] = self._start(k)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _release, self._actors, self._group)
+            # empty until the restore succeeds: lost till then
+            why = self._lost_why if self._lost else " (its Ray actor died or did not answer)"
+            self._lost, self._lost_why = restart, why
+            _, errors, hung = self._call({k: self._actors[k].ping.remote() for k in restart})
+            if errors or hung:
+                self._fail(errors, hung, "restore (starting)")
         total = sum(lengths)
-        _, errors, hung = self._call({k: a.load.remote(path, lengths[k], self._runs(k, total))
+        _, errors, hung = self._call({k: a.stage.remote(folder, lengths[k], self._runs(k, total))
                                       for k, a in enumerate(self._actors)})
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release, self._actors, self._group)
         if errors or hung:
-            self._lost, self._lost_kind = list(range(self._num_shards)), ShardLostError
-            self._lost_why = f" (a restore from {path} failed)"
-            if hung:
-                self._hung(hung, "restore")
-            failed = [f"shard {k}: {_last_line(errors[k])}" for k in sorted(errors)]
-            raise ValueError(f"the snapshot at {path} could not be loaded ({'; '.join(failed)}); "
-                             "the shards no longer make one cache: every call raises "
-                             "ShardLostError until a restore succeeds")
-        self._lengths, self._lost, self._lost_kind = lengths, [], ShardLostError
+            for k, a in enumerate(self._actors):
+                if k not in hung:
+                    a.discard.remote()  # in order, before any later call of the shard
+            task = {k: e for k, e in errors.items()
+                    if not isinstance(e, ray.exceptions.RayActorError)}
+            if hung or len(task) < len(errors):
+                self._fail(errors, hung, "restore")
+            raise ValueError("; ".join(_cause_text(task[k]) for k in sorted(task))
+                             + f". The snapshot at {folder} was not restored: the cache is as "
+                             "it was")
+        _, errors, hung = self._call({k: a.commit.remote() for k, a in enumerate(self._actors)})
+        self._lengths = list(lengths)
+        if errors or hung:
+            self._fail(errors, hung, "restore")
+        self._lost, self._lost_why, self._lost_kind = [], "", ShardLostError
 
     def _read_snapshot(self, path: str) -> list[int]:
         """The shard lengths of the snapshot at path, checked against this

@@ -467,17 +467,27 @@ class KVCache:
                          value_scale=self._value_scale[:, :, :n])
         return {name: a.view(f"u{a.itemsize}") for name, a in state.items()}
 
-    def _load_state(self, state: Mapping[str, NDArray[Any]]) -> None:
-        """Holds what _state gave, for a cache of this shape and storage;
-        ValueError, with nothing changed, for anything else."""
+    def _state_pairs(self, state: Mapping[str, NDArray[Any]]
+                     ) -> list[tuple[str, NDArray[Any], NDArray[Any]]]:
+        """(name, buffer, saved array) of each buffer this cache has;
+        ValueError when state lacks one."""
+        pairs = []
+        for name, buf in (("key", self._key), ("value", self._value), ("real", self._real),
+                          ("key_scale", self._key_scale), ("value_scale", self._value_scale)):
+            if buf is not None:
+                if name not in state:
+                    raise ValueError(f"the saved cache has no {name}; this cache keeps one")
+                pairs.append((name, buf, np.asarray(state[name])))
+        return pairs
+
+    def _check_state(self, state: Mapping[str, NDArray[Any]]) -> int:
+        """The positions of what _state gave, for a cache of this shape and
+        storage; ValueError for anything else.  Changes nothing."""
+        pairs = self._state_pairs(state)
         n = np.shape(state["key"])[2] if np.ndim(state["key"]) == 4 else -1
         if not 0 <= n <= self.capacity:
             raise ValueError(f"the saved cache holds {n} positions; this cache holds 0 to "
                              f"{self.capacity}")
-        pairs = [(name, buf, np.asarray(state[name])) for name, buf in (
-            ("key", self._key), ("value", self._value), ("real", self._real),
-            ("key_scale", self._key_scale), ("value_scale", self._value_scale))
-            if buf is not None]
         for name, buf, saved in pairs:
             # the positions are axis 2 of the keys, values and scales, 1 of real
             want = buf.shape[:2] + (n,) + buf.shape[3:] if buf.ndim > 2 else (buf.shape[0], n)
@@ -485,6 +495,12 @@ class KVCache:
                 raise ValueError(f"the saved {name} is {saved.dtype} of shape "
                                  f"{C.shape_str(saved.shape)}; this cache expects "
                                  f"u{buf.dtype.itemsize} of shape {C.shape_str(want)}")
-        for name, buf, saved in pairs:
+        return n
+
+    def _load_state(self, state: Mapping[str, NDArray[Any]]) -> None:
+        """Holds what _state gave, for a cache of this shape and storage;
+        ValueError, with nothing changed, for anything else."""
+        n = self._check_state(state)
+        for name, buf, saved in self._state_pairs(state):
             (buf[:, :n] if buf.ndim == 2 else buf[:, :, :n]).view(saved.dtype)[...] = saved
         self._truncate(n)
