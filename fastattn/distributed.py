@@ -19,9 +19,11 @@ the merge, a few units in the last place (README, "Across machines").
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
+import uuid
 import weakref
 from typing import Any, NamedTuple, NoReturn, Optional, Sequence, Union, cast
 
@@ -202,24 +204,43 @@ class _Shard:
         out, lse = merge_attention([a[0], b[0]], [a[1], b[1]])
         return out, lse, max(a[2], b[2]), max(a[3], b[3]) + time.perf_counter() - start
 
-    def save(self, folder: str) -> None:
+    def save(self, folder: str, snapshot_id: str) -> str:
+        """Writes its file of a snapshot into folder, with the snapshot's id
+        and its own index; returns the file's sha256."""
         state = self._cache._state()
         state["runs"] = np.array(self._runs, np.int64).reshape(-1, 3)
-        np.savez(os.path.join(folder, _shard_file(self._index)), **cast("dict[str, Any]", state))
+        name = os.path.join(folder, _shard_file(self._index))
+        np.savez(name, snapshot_id=np.array(snapshot_id), shard=np.array(self._index),
+                 **cast("dict[str, Any]", state))
+        return _sha256(name)
 
-    def stage(self, folder: str, length: int, runs: list[tuple[int, int, int]]) -> None:
-        """Reads its file of a snapshot and checks it (length positions in
-        these runs), holding it aside for commit: the cache is not changed.
-        ValueError naming the file and what is wrong."""
+    def stage(self, folder: str, snapshot_id: str, sha256: str, length: int,
+              runs: list[tuple[int, int, int]]) -> None:
+        """Reads its file of a snapshot and checks it (the snapshot's id,
+        this shard's index, the sha256 cache.json records, length positions
+        in these runs), holding it aside for commit: the cache is not
+        changed.  ValueError naming the file and what is wrong."""
         self._staged = None
         name = os.path.join(folder, _shard_file(self._index))
+        digest = _sha256(name)
         try:
             with np.load(name) as saved:
                 state = {key: saved[key] for key in saved.files}
+            found = str(state.pop("snapshot_id", "none"))
+            index = int(state.pop("shard", -1))
             held = [tuple(int(x) for x in r) for r in state.pop("runs")]
         except Exception as exc:  # noqa: BLE001 - any unreadable file says the same
             raise ValueError(f"{name} cannot be read ({type(exc).__name__}: {exc}); it is "
                              "truncated or damaged") from None
+        if found != snapshot_id:
+            raise ValueError(f"{name} is of snapshot {found}; cache.json is of snapshot "
+                             f"{snapshot_id}: the file is from another snapshot")
+        if index != self._index:
+            raise ValueError(f"{name} holds shard {index}'s positions, not shard "
+                             f"{self._index}'s: files swapped or renamed")
+        if digest != sha256:
+            raise ValueError(f"{name} is damaged: its sha256 is {digest}, cache.json records "
+                             f"{sha256}")
         try:
             n = self._cache._check_state(state)
         except ValueError as exc:
@@ -246,6 +267,14 @@ class _Shard:
 
 def _shard_file(k: int) -> str:
     return f"shard-{k}.npz"
+
+
+def _sha256(name: str) -> str:
+    digest = hashlib.sha256()
+    with open(name, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # restarted, a shard would come back empty and give wrong answers: never
@@ -729,7 +758,9 @@ class ShardedKVCache:
         """Saves every shard to path (a folder, made if missing): one NumPy
         file per shard (shard-K.npz, the keys and values as stored, bit for
         bit, written by the shard's own process, so on a cluster path must
-        be on a file system every node shares) and cache.json.
+        be on a file system every node shares) and cache.json.  Each
+        snapshot has an id (a uuid) written into every file, and cache.json
+        records the sha256 of each shard's file: ``restore`` checks both.
 
         Raises ShardLostError when a shard is lost, ShardTimeoutError when
         one does not answer within timeout (a snapshot of the shards left
@@ -737,11 +768,16 @@ class ShardedKVCache:
         self._check_alive()
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
-        _, errors, hung = self._call({k: a.save.remote(path) for k, a in enumerate(self._actors)})
+        snapshot_id = uuid.uuid4().hex
+        digests, errors, hung = self._call({k: a.save.remote(path, snapshot_id)
+                                            for k, a in enumerate(self._actors)})
         if errors or hung:
             self._fail(errors, hung, "snapshot")
         with open(os.path.join(path, "cache.json"), "w") as f:
-            json.dump(self._config() | {"shard_lengths": self._lengths}, f)
+            json.dump(self._config() | {"shard_lengths": self._lengths,
+                                        "snapshot_id": snapshot_id,
+                                        "sha256": {_shard_file(k): digests[k]
+                                                   for k in sorted(digests)}}, f)
 
     def _config(self) -> dict[str, Any]:
         return {"num_shards": self._num_shards, "num_kv_heads": self._num_kv_heads,
@@ -757,12 +793,13 @@ class ShardedKVCache:
 
         All or nothing, in two phases.  First the snapshot is checked: its
         cache.json against this cache and the round-robin rule, then each
-        shard reads its file beside its cache and checks it (its positions
-        and arrays).  Only when every shard's file passed do they all take
-        it (a copy in memory).  If any check fails, no shard has changed:
-        the cache answers as before, bit for bit, and the error names the
-        file and what is wrong.  A shard needs the memory of a second copy
-        of its positions while it checks.
+        shard reads its file beside its cache and checks it (the
+        snapshot's id and the shard's index written in it, its sha256
+        against cache.json's, its positions and arrays).  Only when every
+        shard's file passed do they all take it (a copy in memory).  If any
+        check fails, no shard has changed: the cache answers as before, bit
+        for bit, and the error names the file and what is wrong.  A shard
+        needs the memory of a second copy of its positions while it checks.
 
         Shards restarted here (their process had died or hung) hold nothing
         until the restore succeeds: if it fails they stay lost, and every
@@ -775,8 +812,8 @@ class ShardedKVCache:
             No snapshot at path, or a shard's file missing.
         ValueError
             A snapshot of a cache of other sizes, chunk size, dtype or
-            storage, or one whose files do not agree with it (unreadable,
-            or holding other positions).
+            storage, or one whose files do not agree with it (truncated or
+            damaged, of another snapshot, of another shard).
         ShardLostError, ShardTimeoutError
             A shard died, or did not answer within timeout, during the
             restore.
@@ -786,8 +823,8 @@ class ShardedKVCache:
         if not ray.is_initialized():
             raise RuntimeError("Ray was shut down, and this cache's shards with it; create a "
                                "new ShardedKVCache and restore the snapshot into it")
-        folder = os.path.abspath(os.fspath(path))
-        lengths = self._read_snapshot(folder)
+        folder, meta = self._read_snapshot(os.path.abspath(os.fspath(path)))
+        lengths = meta["shard_lengths"]
         restart = sorted(set(self._lost) | set(self._dead_shards()))
         if restart:
             for k in restart:
@@ -802,8 +839,10 @@ class ShardedKVCache:
             if errors or hung:
                 self._fail(errors, hung, "restore (starting)")
         total = sum(lengths)
-        _, errors, hung = self._call({k: a.stage.remote(folder, lengths[k], self._runs(k, total))
-                                      for k, a in enumerate(self._actors)})
+        _, errors, hung = self._call({
+            k: a.stage.remote(folder, meta["snapshot_id"], meta["sha256"][_shard_file(k)],
+                              lengths[k], self._runs(k, total))
+            for k, a in enumerate(self._actors)})
         if errors or hung:
             for k, a in enumerate(self._actors):
                 if k not in hung:
@@ -821,36 +860,46 @@ class ShardedKVCache:
             self._fail(errors, hung, "restore")
         self._lost, self._lost_why, self._lost_kind = [], "", ShardLostError
 
-    def _read_snapshot(self, path: str) -> list[int]:
-        """The shard lengths of the snapshot at path, checked against this
-        cache and the round-robin rule, its files present."""
-        name = os.path.join(path, "cache.json")
+    def _read_snapshot(self, path: str) -> tuple[str, dict[str, Any]]:
+        """The folder of the snapshot at path and its cache.json, checked
+        against this cache and the round-robin rule, its files present."""
+        folder = path
+        name = os.path.join(folder, "cache.json")
         with open(name) as f:
             try:
                 saved = json.load(f)
             except ValueError:
                 saved = None
-        if not isinstance(saved, dict) or "shard_lengths" not in saved:
-            raise ValueError(f"{name} is not a ShardedKVCache snapshot's cache.json")
-        lengths = saved.pop("shard_lengths")
+        fields = {"shard_lengths", "snapshot_id", "sha256"}
+        if not isinstance(saved, dict) or not fields <= set(saved):
+            raise ValueError(f"{name} is not a ShardedKVCache snapshot's cache.json (it needs "
+                             f"{', '.join(sorted(fields))} and the cache's arguments)")
+        meta = {k: saved.pop(k) for k in fields}
         if saved != self._config():
             differ = {k: (saved.get(k), v) for k, v in self._config().items()
                       if saved.get(k) != v}
-            raise ValueError(f"the snapshot at {path} is of another cache: "
+            raise ValueError(f"the snapshot at {folder} is of another cache: "
                              + ", ".join(f"{k} {s} there, {v} here"
                                          for k, (s, v) in differ.items()))
+        lengths = meta["shard_lengths"]
         total = sum(lengths) if isinstance(lengths, list) and all(
             type(n) is int and n >= 0 for n in lengths) else -1
         rule = [sum(n for _, _, n in self._runs(k, total)) for k in range(self._num_shards)]
         if lengths != rule or max(rule, default=0) > self._capacity:
-            raise ValueError(f"the snapshot at {path} says its shards hold {lengths} positions, "
+            raise ValueError(f"the snapshot at {folder} says its shards hold {lengths} positions, "
                              f"which {total} positions dealt in chunks of {self._chunk} to "
                              f"{self._num_shards} shards of {self._capacity} do not give")
-        for k in range(self._num_shards):
-            shard = os.path.join(path, f"shard-{k}.npz")
-            if not os.path.isfile(shard):
-                raise FileNotFoundError(f"the snapshot at {path} has no {os.path.basename(shard)}")
-        return rule
+        files = [_shard_file(k) for k in range(self._num_shards)]
+        digests = meta["sha256"]
+        if (not isinstance(meta["snapshot_id"], str) or not isinstance(digests, dict)
+                or sorted(digests) != sorted(files)
+                or not all(isinstance(d, str) for d in digests.values())):
+            raise ValueError(f"{name} has no snapshot id or no sha256 for each of "
+                             f"{', '.join(files)}")
+        for shard in files:
+            if not os.path.isfile(os.path.join(folder, shard)):
+                raise FileNotFoundError(f"the snapshot at {folder} has no {shard}")
+        return folder, meta
 
     def close(self) -> None:
         """Ends the shards' processes and frees their CPUs; idempotent."""

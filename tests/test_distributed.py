@@ -2,6 +2,7 @@
 and sharded prefill against one process's attention, lost shards,
 snapshots, and nothing left behind."""
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -325,11 +326,15 @@ def test_restore_is_all_or_nothing(tmp_path):
             cache.restore(bad)
         np.testing.assert_array_equal(cache.attend(q), want)
 
+        # runs edited by hand, the file's sha256 recorded: the positions are checked too
         shutil.copytree(good, bad, dirs_exist_ok=True)
-        with np.load(good / "shard-0.npz") as saved:  # runs edited by hand
+        with np.load(good / "shard-0.npz") as saved:
             state = dict(saved)
         state["runs"] = state["runs"] + 1000
         np.savez(bad / "shard-0.npz", **state)
+        meta = json.loads((good / "cache.json").read_text())
+        meta["sha256"]["shard-0.npz"] = sha256(bad / "shard-0.npz")
+        (bad / "cache.json").write_text(json.dumps(meta))
         with pytest.raises(ValueError, match="shard-0.npz holds other positions"):
             cache.restore(bad)
         np.testing.assert_array_equal(cache.attend(q), want)  # every shard as it was
@@ -341,8 +346,50 @@ def test_restore_is_all_or_nothing(tmp_path):
         np.testing.assert_array_equal(cache.attend(q), want)
 
 
+def sha256(name):
+    return hashlib.sha256(name.read_bytes()).hexdigest()
+
+
 def shard_pid(cache, k):
     return ray.get(cache._actors[k].__ray_call__.remote(lambda shard: os.getpid()))
+
+
+def test_a_snapshot_is_tied_to_its_files(tmp_path):
+    """Every file carries the snapshot's id, cache.json each file's sha256:
+    files of two caches of the same arguments and length do not mix, and
+    a file rewritten with the right id is refused too."""
+    rng = np.random.default_rng(10)
+    k = rng.standard_normal((2, 1, 40, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 1, 4)).astype(np.float32)
+    args = dict(capacity_per_shard=32, chunk_size=8, num_cpus_per_shard=CPUS)
+    with ShardedKVCache(2, 1, 4, **args) as a, ShardedKVCache(2, 1, 4, **args) as b:
+        for cache, keys, name in ((a, k[0], "a"), (b, k[1], "b")):
+            cache.append(keys, keys)
+            cache.snapshot(tmp_path / name)
+        want = a.attend(q)
+        a.append(k[0, :, :3], k[0, :, :3])
+        now = a.attend(q)
+        shutil.copy(tmp_path / "b" / "shard-1.npz", tmp_path / "a" / "shard-1.npz")
+        with pytest.raises(ValueError, match="shard-1.npz is of snapshot [0-9a-f]{32}; "
+                                             "cache.json is of snapshot"):
+            a.restore(tmp_path / "a")
+        np.testing.assert_array_equal(a.attend(q), now)
+        shutil.copy(tmp_path / "b" / "cache.json", tmp_path / "a" / "cache.json")
+        with pytest.raises(ValueError, match="shard-0.npz is of snapshot"):
+            a.restore(tmp_path / "a")
+
+        a.snapshot(tmp_path / "a")  # a shard file rewritten, same id, index and shapes
+        with np.load(tmp_path / "a" / "shard-0.npz") as saved:
+            state = dict(saved)
+        state["key"] = state["key"] ^ np.uint32(1)
+        np.savez(tmp_path / "a" / "shard-0.npz", **state)
+        with pytest.raises(ValueError, match="shard-0.npz is damaged: its sha256 is "):
+            a.restore(tmp_path / "a")
+        b.restore(tmp_path / "b")
+        b.append(k[0, :, :3], k[0, :, :3])
+        assert not np.array_equal(b.attend(q), now)
+        np.testing.assert_array_equal(a.attend(q), now)
+    assert not np.array_equal(want, now)
 
 
 def test_a_failed_restore_leaves_the_cache_as_it_was(tmp_path):
@@ -364,11 +411,11 @@ def test_a_failed_restore_leaves_the_cache_as_it_was(tmp_path):
             (lambda: (snap / "shard-2.npz").write_bytes((tmp_path / "early.2").read_bytes()[:-9]),
              "shard-2.npz cannot be read"),
             (lambda: shutil.copy(tmp_path / "later" / "shard-1.npz", snap / "shard-1.npz"),
-             "shard-1.npz holds other positions"),
+             "shard-1.npz is of snapshot .*: the file is from another snapshot"),
             (lambda: [os.replace(snap / "shard-0.npz", snap / "x"),
                       os.replace(snap / "shard-1.npz", snap / "shard-0.npz"),
                       os.replace(snap / "x", snap / "shard-1.npz")],
-             "shard-0.npz holds other positions"),
+             "shard-0.npz holds shard 1's positions, not shard 0's"),
         ]
         shutil.copy(snap / "shard-2.npz", tmp_path / "early.2")
         for harm, match in damage:
