@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import time
 import uuid
 import weakref
@@ -206,12 +208,18 @@ class _Shard:
 
     def save(self, folder: str, snapshot_id: str) -> str:
         """Writes its file of a snapshot into folder, with the snapshot's id
-        and its own index; returns the file's sha256."""
+        and its own index, synced to disk; returns the file's sha256."""
         state = self._cache._state()
         state["runs"] = np.array(self._runs, np.int64).reshape(-1, 3)
         name = os.path.join(folder, _shard_file(self._index))
-        np.savez(name, snapshot_id=np.array(snapshot_id), shard=np.array(self._index),
-                 **cast("dict[str, Any]", state))
+        try:
+            with open(name, "wb") as f:
+                np.savez(f, snapshot_id=np.array(snapshot_id), shard=np.array(self._index),
+                         **cast("dict[str, Any]", state))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # a failed write names no file: say which, keep errno
+            raise OSError(exc.errno, exc.strerror, name) from None
         return _sha256(name)
 
     def stage(self, folder: str, snapshot_id: str, sha256: str, length: int,
@@ -275,6 +283,48 @@ def _sha256(name: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _sync_folder(path: str) -> None:
+    """Makes the entries of a folder (files made or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# the folders of a snapshot being written and of the one it replaces
+_NEW, _OLD = ".snapshot-new", ".snapshot-old"
+
+
+def _check_replaceable(folder: str) -> None:
+    """FileExistsError unless folder holds a snapshot's files only: a
+    snapshot replaces or removes such a folder whole."""
+    others = sorted(f for f in os.listdir(folder)
+                    if f != "cache.json" and not re.fullmatch(r"shard-\d+\.npz", f))
+    if others:
+        raise FileExistsError(f"{folder} holds files other than a snapshot's "
+                              f"({', '.join(others[:3])}{', ...' if others[3:] else ''}); a "
+                              "snapshot replaces or removes the whole folder: give a path whose "
+                              "folder is new, empty or a snapshot")
+
+
+def _finish_swap(path: str) -> None:
+    """Finishes what a snapshot to path that stopped part-way left: path +
+    _NEW (not yet in place) is removed; path + _OLD (the older snapshot,
+    moved aside) is put back when path is missing, else removed."""
+    new, old = path + _NEW, path + _OLD
+    for folder in (new, old):
+        if os.path.lexists(folder):
+            _check_replaceable(folder)
+    if os.path.lexists(new):
+        shutil.rmtree(new)
+    if os.path.lexists(old):
+        if os.path.lexists(path):
+            shutil.rmtree(old)
+        else:
+            os.rename(old, path)
 
 
 # restarted, a shard would come back empty and give wrong answers: never
@@ -755,29 +805,78 @@ class ShardedKVCache:
         raise (cause if isinstance(cause, Exception) else first) from None
 
     def snapshot(self, path: Union[str, os.PathLike[str]]) -> None:
-        """Saves every shard to path (a folder, made if missing): one NumPy
-        file per shard (shard-K.npz, the keys and values as stored, bit for
-        bit, written by the shard's own process, so on a cluster path must
-        be on a file system every node shares) and cache.json.  Each
-        snapshot has an id (a uuid) written into every file, and cache.json
-        records the sha256 of each shard's file: ``restore`` checks both.
+        """Saves every shard to path, a folder: cache.json and one NumPy file
+        per shard, shard-K.npz (the keys and values as stored, bit for bit,
+        written by the shard's own process, so on a cluster path must be on
+        a file system every node shares).  Each snapshot has an id (a
+        uuid) written into every file, and cache.json records the sha256 of
+        each shard's file: ``restore`` checks both.
 
-        Raises ShardLostError when a shard is lost, ShardTimeoutError when
-        one does not answer within timeout (a snapshot of the shards left
-        would not be the cache)."""
+        Never half written: the snapshot is written into the sibling folder
+        path + ".snapshot-new" and synced to disk; then path (an older
+        snapshot) is renamed to path + ".snapshot-old", path +
+        ".snapshot-new" to path, and path + ".snapshot-old" is removed.  So
+        whatever stops a snapshot (an error, a lost or hung shard, a full
+        disk, a crash of the program or of a shard), path holds the older
+        snapshot or the new one, whole; only if it stops between the two
+        renames is path missing, and then ``restore(path)`` reads path +
+        ".snapshot-old", the older one.  The next snapshot to path first
+        finishes what a stopped one left: it removes path +
+        ".snapshot-new", and puts path + ".snapshot-old" back as path when
+        path is missing (else removes it).  One snapshot to a path at a
+        time.
+
+        Raises
+        ------
+        ShardLostError, ShardTimeoutError
+            A shard is lost, or did not answer within timeout (a snapshot
+            of the shards left would not be the cache).
+        OSError
+            A file or folder could not be written (a full disk, no
+            permission: the error names it).
+        FileExistsError
+            path, or one of those two siblings, holds files other than a
+            snapshot's: a snapshot replaces or removes them whole, so they
+            must be new, empty or snapshots.
+
+        In every case path is left as it was.
+        """
         self._check_alive()
-        path = os.fspath(path)
-        os.makedirs(path, exist_ok=True)
+        path = os.path.abspath(os.fspath(path))
+        new, old = path + _NEW, path + _OLD
+        _finish_swap(path)
+        if os.path.lexists(path):
+            _check_replaceable(path)
         snapshot_id = uuid.uuid4().hex
-        digests, errors, hung = self._call({k: a.save.remote(path, snapshot_id)
-                                            for k, a in enumerate(self._actors)})
-        if errors or hung:
-            self._fail(errors, hung, "snapshot")
-        with open(os.path.join(path, "cache.json"), "w") as f:
-            json.dump(self._config() | {"shard_lengths": self._lengths,
-                                        "snapshot_id": snapshot_id,
-                                        "sha256": {_shard_file(k): digests[k]
-                                                   for k in sorted(digests)}}, f)
+        os.makedirs(new)
+        try:
+            digests, errors, hung = self._call({k: a.save.remote(new, snapshot_id)
+                                                for k, a in enumerate(self._actors)})
+            if errors or hung:
+                self._fail(errors, hung, "snapshot")
+            with open(os.path.join(new, "cache.json"), "w") as f:
+                json.dump(self._config() | {"shard_lengths": self._lengths,
+                                            "snapshot_id": snapshot_id,
+                                            "sha256": {_shard_file(k): digests[k]
+                                                       for k in sorted(digests)}}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _sync_folder(new)
+            if os.path.lexists(path):
+                os.rename(path, old)
+            try:
+                os.rename(new, path)
+            except BaseException:
+                if os.path.lexists(old):
+                    os.rename(old, path)
+                raise
+        except BaseException:
+            shutil.rmtree(new, ignore_errors=True)
+            raise
+        _sync_folder(os.path.dirname(path))
+        # the new snapshot is in place: a failure here leaves only a stray
+        # folder, which the next snapshot removes
+        shutil.rmtree(old, ignore_errors=True)
 
     def _config(self) -> dict[str, Any]:
         return {"num_shards": self._num_shards, "num_kv_heads": self._num_kv_heads,
@@ -800,6 +899,9 @@ class ShardedKVCache:
         check fails, no shard has changed: the cache answers as before, bit
         for bit, and the error names the file and what is wrong.  A shard
         needs the memory of a second copy of its positions while it checks.
+        If path is missing but path + ".snapshot-old" is there (a snapshot
+        stopped between the renames of its swap, see ``snapshot``), that
+        older snapshot is read.
 
         Shards restarted here (their process had died or hung) hold nothing
         until the restore succeeds: if it fails they stay lost, and every
@@ -861,9 +963,11 @@ class ShardedKVCache:
         self._lost, self._lost_why, self._lost_kind = [], "", ShardLostError
 
     def _read_snapshot(self, path: str) -> tuple[str, dict[str, Any]]:
-        """The folder of the snapshot at path and its cache.json, checked
-        against this cache and the round-robin rule, its files present."""
-        folder = path
+        """The folder of the snapshot at path (path, or path + _OLD while a
+        swap is unfinished) and its cache.json, checked against this cache
+        and the round-robin rule, its files present."""
+        unfinished = not os.path.lexists(path) and os.path.isdir(path + _OLD)
+        folder = path + _OLD if unfinished else path
         name = os.path.join(folder, "cache.json")
         with open(name) as f:
             try:

@@ -5,6 +5,7 @@ import gc
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -429,6 +430,79 @@ def test_a_failed_restore_leaves_the_cache_as_it_was(tmp_path):
             os.rename(tmp_path / "kept", snap)
         cache.restore(snap)  # undamaged, it restores
         assert cache.length == 40
+
+
+def test_a_stopped_snapshot_leaves_the_older_one(tmp_path, monkeypatch):
+    """A snapshot that fails part-way (a dead shard, a write error, a failed
+    rename), or one stopped between its renames, leaves the older
+    snapshot restorable at its path."""
+    rng = np.random.default_rng(12)
+    k = rng.standard_normal((2, 400, 16)).astype(np.float32)
+    q = rng.standard_normal((2, 1, 16)).astype(np.float32)
+    path = tmp_path / "snap"
+    with ShardedKVCache(3, 2, 16, capacity_per_shard=200, chunk_size=16,
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k[:, :300], k[:, :300])
+        cache.snapshot(path)
+        old = cache.attend(q)
+        cache.append(k[:, 300:], k[:, 300:])
+
+        ray.kill(cache._actors[1])
+        with pytest.raises(ShardLostError, match="shard 1 of 3 lost"):
+            cache.snapshot(path)
+        cache.restore(path)
+        np.testing.assert_array_equal(cache.attend(q), old)
+
+        cache.append(k[:, 300:], k[:, 300:])
+        pid, limit = shard_pid(cache, 2), resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (4096, limit[1]))  # a write fails
+        try:
+            with pytest.raises(OSError, match=r"File too large: .*snap.snapshot-new/shard-2.npz"):
+                cache.snapshot(path)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, limit)
+        assert sorted(os.listdir(tmp_path)) == ["snap"]
+        now = cache.attend(q)
+        cache.restore(path)
+        np.testing.assert_array_equal(cache.attend(q), old)
+
+        cache.append(k[:, 300:], k[:, 300:])
+        rename = os.rename
+        def failing_rename(a, b):  # noqa: E306 - the swap's second rename fails
+            if str(a).endswith(".snapshot-new"):
+                raise PermissionError(13, "Permission denied", a)
+            rename(a, b)
+        monkeypatch.setattr(os, "rename", failing_rename)
+        with pytest.raises(PermissionError):
+            cache.snapshot(path)
+        monkeypatch.undo()
+        assert sorted(os.listdir(tmp_path)) == ["snap"]
+        np.testing.assert_array_equal(cache.attend(q), now)
+        cache.restore(path)
+        np.testing.assert_array_equal(cache.attend(q), old)
+
+        # stopped between the renames: path missing, the older one aside
+        cache.append(k[:, 300:], k[:, 300:])
+        cache.snapshot(tmp_path / "other")
+        os.rename(path, str(path) + ".snapshot-old")
+        os.rename(tmp_path / "other", str(path) + ".snapshot-new")
+        cache.restore(path)
+        np.testing.assert_array_equal(cache.attend(q), old)
+        cache.append(k[:, 300:], k[:, 300:])
+        cache.snapshot(path)  # finishes the stopped one first
+        assert sorted(os.listdir(tmp_path)) == ["snap"]
+        cache.restore(path)
+        np.testing.assert_array_equal(cache.attend(q), now)
+
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "notes.txt").write_text("keep")
+        with pytest.raises(FileExistsError, match="holds files other than a snapshot's "
+                                                  r"\(notes.txt\)"):
+            cache.snapshot(tmp_path / "mine")
+        os.rename(tmp_path / "mine", str(path) + ".snapshot-new")  # never removed either
+        with pytest.raises(FileExistsError, match=r"snap.snapshot-new holds files other"):
+            cache.snapshot(path)
+        assert os.listdir(str(path) + ".snapshot-new") == ["notes.txt"]
 
 
 def test_a_hung_shard_times_out(tmp_path):
