@@ -219,12 +219,10 @@ static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_ne
  * is not a whole number of 512-bit vectors runs the AVX2 kernels on an
  * AVX-512 CPU.  The row kernel sums what is left past the last whole
  * vector element by element, where 256-bit vectors still cover half a
- * 512-bit one.  Zen 4 VM, 8 heads, S = 1024, one query, kernel alone,
- * float32: E = 8 89 us on AVX-512 against 40 on AVX2, E = 40 120 / 57, E =
- * 72 140 / 85, E = 136 204 / 147; E = 80 and 96 level; prefill (L = 256,
- * E = 8, 16, 24) 1.13-1.28x faster on AVX-512.  A pure function of the
- * arguments: every piece of a call (attn, part, merge, weights, repair)
- * and every batch item of the same shape takes the same path. */
+ * 512-bit one (threads-and-speed.md, "Part vectors on AVX-512").  A pure
+ * function of the arguments: every piece of a call (attn, part, merge,
+ * weights, repair) and every batch item of the same shape takes the same
+ * path. */
 static fa_isa attn_isa(fa_isa isa, const fa_attn_args *a, int elsize)
 {
     const fa_idx v = 64 / elsize;

@@ -23,18 +23,18 @@
 #define FA_QB (FA_QB_BYTES / (fa_idx)sizeof(T)) /* query rows per block: 64 floats, 32 doubles */
 #define FA_KB 128           /* keys per block */
 /* A score of E >= 2 * FA_EC features is summed in two halves: float32
- * scores then carry less rounding error (output RMS error against float64:
- * E = 64 20 %, E = 128 30 % lower, below PyTorch's) for one more load, add
- * and store per tile (2-3 % of the time at E = 64).  Each half is scaled
- * before the two are added: a product q.k beyond float's range then still
- * gives a finite score when the scale brings it back. */
+ * scores then carry less rounding error for one more load, add and store
+ * per tile (threads-and-speed.md gives both, by "summed in two halves").
+ * Each half is scaled before the two are added: a product q.k beyond
+ * float's range then still gives a finite score when the scale brings it
+ * back. */
 #define FA_EC 32
 /* m is raised only when a block's maximum passes it by more than ln 256:
  * the weights exp(z - m) of a block are then at most 256 (the same after
  * the division by l, whose terms share the m), and O^T is rescaled only in
- * the rare blocks that raise m, not in most blocks of a sweep (AVX2, E = 64,
- * 1 thread: about 1 % faster).  FlashAttention-4's conditional rescaling,
- * as described in Modal's "We reverse-engineered Flash Attention 4" (2025). */
+ * the rare blocks that raise m, not in most blocks of a sweep.
+ * FlashAttention-4's conditional rescaling, as described in Modal's "We
+ * reverse-engineered Flash Attention 4" (2025). */
 #define FA_SLACK ((T)5.545177444479562) /* ln 256 */
 
 /* Rows of the register tile at row r of n: FA_MR, but a remainder of
@@ -52,15 +52,11 @@ static fa_idx FA_NAME(tile_rows)(fa_idx n, fa_idx r)
  * that neither this call's end nor the next call's start waits for memory:
  * this call's output rows, the next call's queries, and its first key
  * block when it starts a new head (fa_attn_next; the hardware prefetcher
- * cannot guess where a new head starts).  With a short sweep (a sliding
- * window of 1024: 9 key blocks) the misses on the output and the queries
- * were 2 % of the time (AVX-512, 1 thread); with one key block (S <= 128)
- * and inputs beyond L2, 8-15 % (minilm-batch, AVX2 and AVX-512, 1 thread).
- * The caller gives no hint when the operands fit in L2: the lines asked
- * for are there already, and asking cost bert-base 4-8 %.  A cursor per
+ * cannot guess where a new head starts).  The caller gives no hint when the
+ * operands fit in L2: the lines asked for are there already.  A cursor per
  * stream walks its lines, the four streams at the same pace (one after
  * the other, the key block came too late), without a division per tile
- * (four took 2 % of head-128's time). */
+ * (threads-and-speed.md, "The block kernel's smaller choices"). */
 typedef struct {
     const char *base[4];           /* the output's rows, the next q, k and v */
     const fa_attn_args *paged[4];  /* a paged call's keys or values: its placement */
@@ -147,17 +143,11 @@ static FA_NAME(ahead) FA_NAME(ahead_of)(const fa_attn_args *a, const fa_attn_nex
 /* The lines of the key block the sweep reads next, keys s0..s0+n-1, into
  * L2 during this block's products (fa_attn_args.prefetch's
  * FA_PREFETCH_BLOCKS, which the caller sets when one item's keys and values
- * exceed L2): the hardware prefetcher alone let keys and values that miss
- * L2 cost a quarter of the time.  AVX2 on a Zen 3 (L2 512 KiB), 1 thread,
- * L = 2048, E = 64, alternating builds: S = 8192 (4 MB of keys and values)
- * 41-52 -> 64-66 GFLOP/s, level with S = 512 (in L2) at 62-68.  A paged
- * cache's blocks, in the table's order, are streams the hardware
- * prefetcher cannot foresee: L = 512, S = 8192, 4 heads, blocks of 16 in
- * a random order, same-process A/B on a Zen 3: 1 thread float32 9-25 %,
- * float16 4-16 %, int8 2-12 % faster; 2 threads float32 6-8 %.  Not for
- * dense keys stored otherwise than as T: the loader converts each block in
- * one sequential sweep, which the hardware prefetcher follows, and the hint
- * made float16 4-5 % slower. */
+ * exceed L2): the hardware prefetcher alone lets keys and values that miss
+ * L2 cost a quarter of the time, and cannot foresee a paged cache's blocks.
+ * Not for dense keys stored otherwise than as T: the loader converts each
+ * block in one sequential sweep, which the hardware prefetcher follows
+ * (threads-and-speed.md, "The block kernel's smaller choices"). */
 static FA_NAME(ahead) FA_NAME(ahead_of_block)(const fa_attn_args *a, const void *k, const void *v,
                                               fa_idx s0, fa_idx n, fa_idx parts)
 {
@@ -415,10 +405,9 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
     /* A scale that is a power of two from 2^-60 to 1 (E = 64: 1/8)
      * multiplies the queries as they are packed and spares every score
-     * tile a multiply (2-3 % of an E = 64 call on AVX2): exact, so the same
-     * scores, for queries above 2^-66 (a scale above 1 could overflow
-     * them).  Any other scale multiplies the scores: one rounding fewer
-     * than on the queries. */
+     * tile a multiply: exact, so the same scores, for queries above 2^-66
+     * (a scale above 1 could overflow them).  Any other scale multiplies
+     * the scores: one rounding fewer than on the queries. */
     int e2;
     const T qscale = frexp((double)(T)a->scale, &e2) == 0.5 && e2 > -60 && e2 <= 1 ? (T)a->scale : 1;
     const T sscale = (T)a->scale / qscale; /* the scores' part */
@@ -438,7 +427,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     }
     /* O^T holds nothing until the first block visited writes it, tile by
      * tile (a tile none of whose keys its queries see is zeroed): no pass
-     * that zeroes it first (2 % of an S = 128 call) */
+     * that zeroes it first */
     int fresh = 1;
 
     /* the lines ahead are spread over the products (register tiles of the
@@ -517,9 +506,8 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     /* Zero weights times a non-finite value of a hidden key give NaN in the
      * products above.  Padding positions hold whatever was there: with a
      * mask, the block runs once more with the rows of the keys it hides from
-     * every query zeroed where not finite (a padded batch with NaN there
-     * took 6-8x the time, computed again row by row: 8 heads, L = S = 512,
-     * 112 keys hidden; now 2x, and the finite call's bits).  Then any row
+     * every query zeroed where not finite (far cheaper than computing every
+     * such row again, and the finite call's bits).  Then any row
      * still not finite is computed again by the row kernel, which skips keys
      * of weight 0 (it gives the same NaN or inf when they are genuine), its
      * weights too (a row whose score overflowed has no m and l here to give

@@ -110,12 +110,13 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
     const fa_idx rb = rs * FA_NAME(st_bytes)(st);
     /* float8_e4m3fn's conversion takes 7 vector operations: each vector of
      * a row converted once for all the rows of x.  For the others (1-2)
-     * that loop was slower (rows_shared's figures). */
+     * that loop was slower (threads-and-speed.md, "Rows converted once per
+     * head group"). */
     const int shared = nq > 1 && st == FA_STORE_F8E4M3 && FA_NAME(rows_shared)(st);
     fa_idx r = 0;
 #ifdef FA_DOT_GROUP
     /* not rows stored as T, whose sweep waits for memory rather than for
-     * arithmetic: float32 decoding, keys in L3, was 1-5 % slower so */
+     * arithmetic: it was slower so (threads-and-speed.md, same section) */
     for (; !shared && st != FA_STORE_NATIVE && r + FA_DOT_GROUP <= nr; r += FA_DOT_GROUP)
         for (fa_idx t = 0; t < nq; ++t) {
             T lanes[FA_DOT_GROUP * FA_DOT_GROUP];

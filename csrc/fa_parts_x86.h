@@ -1,8 +1,8 @@
 /* The eight interleaved parts of fa_kernels_impl.h's sum and max of a float
  * row, over its whole groups of eight, as one 256-bit vector, for the AVX2
  * and AVX-512 paths: the same operations in the same order as the C loops,
- * which gcc compiled to eight scalar chains (a tenth of the row kernel's
- * time outside its products in int8 decoding on a Zen 4).  Each starts from
+ * which gcc compiled to eight scalar chains (threads-and-speed.md, "Lane
+ * sums in vectors").  Each starts from
  * the parts given and returns where the groups end; the caller adds the
  * rest and combines the parts. */
 #ifndef FA_PARTS_X86_H

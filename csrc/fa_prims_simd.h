@@ -100,7 +100,7 @@ FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
     }
 #endif
     /* unrolled, the loop's address arithmetic takes fewer slots of the
-     * ports the FMAs run on: AVX2 at E = 64, 1 thread, 96 -> 90 ms */
+     * ports the FMAs run on */
 #define FA_UKR_LOOP(rs)                                                   \
     _Pragma("GCC unroll 8") for (; k < kc; ++k) {                         \
         const V b0 = VLOAD(b), b1 = VLOAD(b + VLEN);                      \
@@ -111,8 +111,7 @@ FA_NAME(ukr_body)(const int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a,
     }
 #ifndef VFMA_LANE
     /* rows of a column (rs_a == 1: the columns of V): the broadcasts at
-     * fixed offsets of one pointer, without a row's address to compute
-     * (AVX2, the values' product of an E = 64 sweep: 2-3 % faster) */
+     * fixed offsets of one pointer, without a row's address to compute */
     if (rs_a == 1) FA_UKR_LOOP(1)
 #endif
     FA_UKR_LOOP(rs_a)
@@ -236,9 +235,9 @@ static FA_ALWAYS_INLINE V FA_NAME(vexp1)(V x)
  * one rounding is the same and every path gives the same bits, subnormal
  * results included.  Within 1 ulp of exp for x >= -22 (every weight
  * above 2^-31 of the largest), 4 below (checked exhaustively; the tests
- * sweep it): the attention outputs' RMS error against float64 moved by
- * 0.5 % at most either way, and AVX2 calls are 2-4 % faster.  NaN stays NaN: the
- * clamp returns x, and the polynomial is NaN. */
+ * sweep it; its cost and accuracy: threads-and-speed.md, the paragraph on
+ * the vectorised exp).  NaN stays NaN: the clamp returns x, and the
+ * polynomial is NaN. */
 static FA_ALWAYS_INLINE V FA_NAME(vexp_softmax1)(V x)
 {
 #if FA_IS_F32
@@ -320,8 +319,8 @@ static void FA_NAME(vtanh)(fa_idx n, const T *x, T *y)
  * a range of rows sums to the bits of the whole block whose other rows are
  * hidden (exp 0).  hidden: the rows may hold -inf (keys the bounds or a mask
  * hide); those lanes then give their 0 without the polynomial, whose
- * underflow to 0 costs x86 a microcode assist per vector (exp of -inf
- * measured 10-15 times slower than of -1); the same bits either way. */
+ * underflow to 0 costs x86 a microcode assist per vector; the same bits
+ * either way. */
 static FA_ALWAYS_INLINE V FA_NAME(exp_at)(T *zr, V mj, int hidden)
 {
     const V x = VSUB(VLOAD(zr), mj);
@@ -563,9 +562,7 @@ static FA_ALWAYS_INLINE void FA_NAME(dot_rows_body)(const int nq, const fa_store
 /* Decoding's key rows, FA_DOT_GROUP (VLEN) at a time: the lanes of a sum
  * per row (dot_lanes, into `lanes`), then summed together (dot_lanes_sum),
  * with VREDUCE's pairs of lanes in a third of its operations a row: the
- * bits of dot_body.  Per row, the shuffles of VREDUCE took a tenth of the
- * time where conversions from 8 bits bound decoding (Zen 4, AVX-512, int8,
- * keys in L3). */
+ * bits of dot_body (see threads-and-speed.md, "Lane sums in vectors"). */
 
 /* lanes[0..VLEN) = the vector part of x . y (dot_rows_vec); returns the
  * column where dot_tail starts */
@@ -606,14 +603,9 @@ static FA_ALWAYS_INLINE T FA_NAME(dot_body)(const fa_store st, fa_idx n, const T
 
 /* Whether rows stored as st are converted once for the query heads of a
  * group (dot_rows_body, gemv_t_rows_body): where 4 heads' accumulators and
- * the vectors of y fit the registers and a tile spans 64 floats (AVX-512).
- * On a Zen 4 VM, 32 query heads over 8 key/value heads of 128, S = 32768,
- * 1 thread, AVX-512: the value rows (gemv_t_rows_any) float16 14.0 -> 12.1
- * ms, int8 13.5 -> 11.7, float8_e4m3fn 37.5 -> 26.4, int4 18.4 -> 15.3,
- * float32 level (so it keeps the loop per head); the key rows too:
- * float8_e4m3fn 26.2 -> 18.0 ms, but float16 12.4 -> 14.4 and int8 11.8 ->
- * 14.0 (dots_any).  With AVX2's 16 registers and narrower tiles, float32
- * went from 20-22 to 26-29 ms. */
+ * the vectors of y fit the registers and a tile spans 64 floats (AVX-512),
+ * and not for rows stored as T, which gained nothing (see
+ * threads-and-speed.md, "Rows converted once per head group"). */
 static FA_ALWAYS_INLINE int FA_NAME(rows_shared)(const fa_store st)
 {
     return st != FA_STORE_NATIVE && FA_MR >= 8 && VLEN >= 16;
@@ -664,13 +656,9 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_cols)(const fa_store st, fa_idx nk, 
 /* Rows wider than the registers hold (8 vectors: AVX2 from 64 floats,
  * NEON from 32) are summed a run of rows at a time, every column group of
  * a run before the next run, so that each row is read whole while it is in
- * L1.  A column group swept over all nk rows at once read each row a part
- * at a time, blocks of rows apart, which the hardware prefetcher streams
- * badly: on a Zen 3, float32 decode-8192 (AVX2, alternating builds) read
- * at 66 -> 75 % of the read bandwidth at 1 thread, 67 -> 87 % at 2
- * (medians), float16 and int8 at 1 thread 17-20 % faster; a C loop of the
- * two ways alone over 128 MB, 48-58 % -> 77-93 % with runs of 2-4 KB.  Each
- * o[c] still sums its rows in order: the same bits. */
+ * L1 (a column group swept over all nk rows read each row in parts, which
+ * the hardware prefetcher streams badly: threads-and-speed.md, "Value rows
+ * summed in runs").  Each o[c] still sums its rows in order: the same bits. */
 #define FA_GEMV_RUN_BYTES 4096
 static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, fa_idx n,
                                                  const T *p, const void *x, fa_idx rs, T *o)

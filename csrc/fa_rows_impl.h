@@ -10,41 +10,19 @@
  * loaders of fa_load_impl.h, and vexp, sum, max, prefetch_bytes. */
 
 /* Keys per block.  Each block's key rows are read, then its value rows:
- * the longer each of those runs, the more of the read bandwidth decoding
- * gets.  32 heads of 128 over pieces of 1024 keys, one thread, 256 -> 1024
- * keys a block, Zen 4, ns per key (medians of builds alternating in one
- * process): AVX-512 float32 36.3 -> 33.9, float16 20.8 -> 18.8, int8 16.4
- * -> 14.6; AVX2 42.5 -> 41.1, 21.2 -> 18.8, 18.6 -> 15.3; portable float32
- * 42.8 -> 40.0; with the cache in L2, level.  Weights of FA_ROWS_MAX rows:
- * 16 KB of float32. */
+ * the longer each run, the more of the read bandwidth decoding gets (see
+ * threads-and-speed.md, "Key blocks of the row kernel").  Weights of
+ * FA_ROWS_MAX rows: 16 KB of float32. */
 #define FA_RB 1024
-/* How far ahead the key rows are prefetched (with FA_PREFETCH_KEYS): with
- * rows of a few hundred bytes the hardware prefetcher alone left decoding
- * some 10 % short of the read bandwidth on the machine of that commit (on a
- * Zen 4 it is the other way round: rows_logits).  Further ahead, the
- * prefetches wait for fill buffers that the value rows' misses hold:
- * decode-8192 at 1 / 2 threads, 8 KB -> 2 KB ahead, float32 AVX2 21.6 ->
- * 20.3 / 11.1 -> 10.0 ms, float16 AVX-512 11.1 -> 9.3 / 5.5 -> 5.3 ms
- * (medians of alternating runs). */
+/* How far ahead the key rows are prefetched (with FA_PREFETCH_KEYS):
+ * further ahead, the prefetches wait for fill buffers that the value rows'
+ * misses hold (see threads-and-speed.md, "Prefetch distance"). */
 #define FA_PREFETCH_BYTES 2048
-/* Paged keys (fa_attn_args' placement) are also asked into L2 this far
- * ahead, across blocks, and so are the first FA_VALUE_AHEAD_ROWS of the
- * next block's value rows as each block's are summed (rows_values): each
- * block starts a new stream that the hardware prefetcher learns only
- * after a few misses.  Decoding 8 sequences x 8 heads x 16384 keys of 128
- * floats in blocks of 128 (a random order), AVX-512, 1 / 2 threads: 50.9
- * -> 44.0 / 34.2 -> 33.5 ms (dense 40.6 / 31.6 ms) with 4096 bytes ahead.
- * On a Zen 4 VM (AVX-512, 1 thread, 8 sequences x 8 heads x 8192 keys of
- * 128, their blocks interleaved as appended, ns a key and head, medians
- * of builds alternating): blocks of 16, 4096 -> 16384 bytes and the
- * values' run: float32 61.9 -> 55.2, float16 40.0 -> 32.8, int8 27.4 ->
- * 26.7; blocks of 128: float16 26.3 -> 21.8, float32 42.7 -> 42.2 (dense
- * float32 34.6).  A read of 8 KB runs 64 KB apart (a head's blocks of 16
- * float32 rows) reached 11.7 GB/s there against 32.1 in sequence, 18.9
- * with the next run asked into L2 first: float32 decoding over such blocks
- * gets 18.6.  The values' burst of 16 rows (a block of vLLM's default
- * size, whole) did better than one of 8 KB: int8 blocks of 128, 15.9
- * against 17.3. */
+/* Paged keys (fa_attn_args' placement) are asked into L2 this far ahead,
+ * across blocks, and the next block's first FA_VALUE_AHEAD_ROWS value rows
+ * as each block's are summed (rows_values): each block starts a new stream
+ * that the hardware prefetcher learns only after a few misses (see
+ * threads-and-speed.md, "Paged decoding's look-ahead"). */
 #define FA_BLOCK_AHEAD_BYTES 16384
 #define FA_VALUE_AHEAD_ROWS 16
 
@@ -192,17 +170,12 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
 /* s[t, r] = logit of row t (of n positions from i0, of every head) and key
  * s0 + r, for nk keys; w.qs holds the query rows.  What is asked for ahead
  * depends on a->prefetch, as fastattn/_tuning.py measured it pays:
- * - FA_PREFETCH_KEYS: the key rows FA_PREFETCH_BYTES on, into L1.  On an
- *   AMD Zen 4 (float32 decode-8192, AVX-512) the hardware prefetcher alone
- *   does better: 1 thread 72-75 % of the read bandwidth with these
- *   prefetches, 80-89 % without; 2 threads 72-87 % against 91-97 %.
+ * - FA_PREFETCH_KEYS: the key rows FA_PREFETCH_BYTES on, into L1;
  * - FA_PREFETCH_VALUES, when v is not NULL: the value rows of these keys,
- *   into L2, as their sum follows.  That took decode-8192 from 5.0 to 3.5
- *   ms at 2 threads on the machine of 770bd68 (float16, AVX-512), and makes
- *   it 10-20 % slower at 1 thread on a Zen 4 (float32), where PREFETCHT1
- *   reaches L2 only since Zen 4 and is sometimes dropped (Wang et al. 2024,
- *   arXiv:2411.02814).
- * Paged keys are asked into L2 across blocks whatever a->prefetch says. */
+ *   into L2, as their sum follows.
+ * Which pays depends on the CPU (see threads-and-speed.md, "What the
+ * decoding kernel prefetches, measured per machine").  Paged keys are
+ * asked into L2 across blocks whatever a->prefetch says. */
 static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                  const void *k, const void *v, const void *mask, fa_idx i0,
                                  fa_idx n, fa_idx s0, fa_idx nk)
@@ -235,9 +208,8 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                                         row_bytes, n};
             }
             /* in long blocks, only rows of a later block than j's: the
-             * hardware prefetcher streams within them (blocks of 8192
-             * float32 rows were 9 % slower with every row's; blocks of 128
-             * float16 rows, 32 KB, 14 % faster) */
+             * hardware prefetcher streams within them (see
+             * threads-and-speed.md, "Paged decoding's look-ahead") */
             const fa_idx edge = long_blocks ? (j / a->block_size + 1) * a->block_size : 0;
             if (jb < edge) {
                 n = n < edge - jb ? n : edge - jb; /* up to the rows whose jb crosses */
