@@ -123,10 +123,8 @@ class BuildExt(build_ext):
         self._require_compiler()
         unix = self.compiler.compiler_type == "unix"
         # Functions start on 64-byte lines, so that the placement of a hot
-        # loop does not move with the size of the code linked before it: on
-        # a Zen 4, float32 decoding ran 13 % slower after an edit of an
-        # unrelated function (40.2 against 34.0 ns a key and head, the same
-        # code aligned), and level with this flag in both builds.
+        # loop does not move with the size of the code linked before it
+        # (docs/guide/threads-and-speed.md, "Code placement").
         common = ["-O3", "-falign-functions=64"] if unix else ["/O2"]
         link = []
         march = os.environ.get("FASTATTN_MARCH")

@@ -62,9 +62,8 @@ _DTYPE_NAMES: dict[np.dtype[Any], str] = {}
 
 def dtype_name(dtype: np.dtype[Any]) -> str:
     """dtype.name, remembered for the dtypes seen (up to 64 of them):
-    NumPy's property builds the string in Python at every access, 1.8 us
-    against 0.03 for the lookup, and a small paged_attention call made six
-    of them."""
+    NumPy's property builds the string in Python at every access, and a
+    small call makes several (threads-and-speed.md, "Small calls")."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = dtype.name

@@ -595,7 +595,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     o.ahead = q.nbytes + k.nbytes + v.nbytes + out.nbytes > L2_BYTES * nthreads
     stop_init(&stop)
     if nthreads == 1:  # the same tasks in order, without a parallel region: entering one
-        with nogil:    # costs some 0.4 us, a tenth of a small call
+        with nogil:    # costs a tenth of a small call (threads-and-speed.md, "Small calls")
             work = malloc(work_bytes)
             err = 1 if work == NULL else 0
             t = 0

@@ -63,8 +63,8 @@ def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float
     array are taken too: a model's decoding step makes both, once per layer
     and token.  So are a float32 KVCache's keys and values in another
     storage (stored, as checked_attention takes it), whose shapes the cache has
-    checked: a decoding step over an int8 cache took 17 us, 7.5 over a
-    float32 one (one head, 16 positions, Zen 4).
+    checked: the checked general path took more than twice their time
+    (threads-and-speed.md, "Small calls").
 
     It takes only calls that the checked general path accepts, and passes the kernel
     what the checked general path passes, so the result is bitwise the same.  It
@@ -146,8 +146,8 @@ def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float
                                       (stored.store, stored.key_scale, stored.value_scale))
         # nbytes: at least the bytes read (broadcast axes counted once)
         tkey, nbytes = (isa, nthreads, kv_store, False), key.nbytes + value.nbytes
-        # a tiny call straight to the kernel, its arguments positional: the
-        # closure and a keyword cost it 0.7 us of 4.5
+        # a tiny call straight to the kernel, its arguments positional: a
+        # closure and a keyword cost it about a sixth of its time
         if L > _tuning.DECODE_ROWS or nbytes < _tuning.MIN_BYTES:
             if stored is None:
                 _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset,

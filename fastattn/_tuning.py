@@ -5,23 +5,17 @@ The row kernel, which decodes (a few query rows against a long key/value
 cache), can ask the cache for data ahead of its reads, beyond what the
 hardware prefetcher fetches (fa_attn_args.prefetch, csrc/fastattn.h):
 
-- KEYS: the key rows 2 KB ahead, into L1.  On the machine of that change
-  the hardware prefetcher alone left decoding some 10 % short of the read
-  bandwidth; on an AMD Zen 4 it is the other way round: float32
-  decode-8192 on AVX-512 reads at 72-75 % of the bandwidth with these
-  prefetches and 80-89 % without at 1 thread, 72-87 % against 91-97 % at 2.
+- KEYS: the key rows 2 KB ahead, into L1;
 - VALUES: a block's value rows into L2 while its keys are read, so that the
-  weighted sum over them that follows finds them there.  On the machine of
-  commit 770bd68 that took decode-8192 (float16, AVX-512, 2 threads) from
-  5.0 to 3.5 ms; on the Zen 4, where PREFETCHT1 reaches L2 only since that
-  generation and is sometimes dropped (Wang et al. 2024, arXiv:2411.02814),
-  it makes float32 decoding at one thread 10-20 % slower.
+  weighted sum over them that follows finds them there.
 
-So the first decoding calls of a process over caches larger than L2 take
-the four ways (both, KEYS, VALUES, neither) in turn, TRIALS calls each, and
-the way with the shortest time per byte of cache is kept for the rest of
-the process, per SIMD path, thread count, cache storage and layout (dense
-or paged).  One call is timed at a time: a call made while another thread's
+Each pays on some CPUs and costs on others (docs/guide/threads-and-speed.md,
+"What the decoding kernel prefetches, measured per machine").  So the first
+decoding calls of a process over caches larger than L2 take the four ways
+(both, KEYS, VALUES, neither) in turn, TRIALS calls each, and the way with
+the shortest time per byte of cache is kept for the rest of the process,
+per SIMD path, thread count, cache storage and layout (dense or paged).
+One call is timed at a time: a call made while another thread's
 is being timed takes the default, untimed.  No result depends on the choice
 (a prefetch only moves data between caches; tests/test_tuning.py checks the
 bits).  FASTATTN_PREFETCH fixes it, for benchmarks of one way:

@@ -5,12 +5,9 @@ libgomp's threads spin at the end of each parallel loop, and while they wait
 for the next, before they sleep: by default 300,000 pause instructions, tens
 of milliseconds.  On a machine where another process keeps one core busy, a
 thread that spins there loses its time slices to that process and the call
-waits for it: (1, 12, 128, 128, 64) attention at 2 threads of 2 cores, one
-of them busy, averaged 1.7-2.0 ms against 0.37 ms at 1 thread.  A short spin
-keeps threads that wake at once for back-to-back calls, and lets them sleep
-when nothing comes: SPIN_COUNT below measured within 1.1-1.3x of the best
-thread count on the busy machine and no slower than the default when idle
-(README, "Speed and threads").
+waits for it.  A short spin keeps threads that wake at once for back-to-back
+calls, and lets them sleep when nothing comes (docs/guide/threads-and-speed.md,
+"Shared machines" and "Spin count", has the measurements).
 
 libgomp reads GOMP_SPINCOUNT once, when it is loaded, so the variable is
 set only while the extension loads it and then taken back: child processes

@@ -560,8 +560,8 @@ class PagedKVCache:
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
                                  _runtime.resolve_threads(options.get("num_threads")))
         # paged_attention's call without its checks of what the cache keeps
-        # good (its pool, table, lengths and scales): 60.6 -> 26 us for one
-        # sequence of 16 positions (one head of 128, Zen 4)
+        # good (its pool, table, lengths and scales): they took more than half
+        # of a short call's time (threads-and-speed.md, "Small calls")
         inputs = {"query": caller_query, "key_cache": self._key, "value_cache": self._value,
                   "k_scale": self._k_scale, "v_scale": self._v_scale}
         if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read

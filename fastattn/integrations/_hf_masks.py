@@ -60,7 +60,7 @@ class CausalMask(torch.Tensor):
             plain = key_mask[:, None, None, :].contiguous()
         mask = plain.as_subclass(CausalMask)
         # Plain attributes, read by the attention layers without torch's subclass dispatch
-        # (about 5 us per .shape); a copy made by an operation has only the window.
+        # (microseconds per .shape); a copy made by an operation has only the window.
         mask.length, mask.keys = length, None if key_mask is None else plain
         mask.window = window
         return mask
