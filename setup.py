@@ -31,15 +31,15 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, CompileError, ExecError, PlatformError
 
 CSRC = "csrc"
-PORTABLE_SOURCES = ["fa_api.c", "fa_portable.c", "fa_peak.c", "fa_rotary.c"]
+PORTABLE_SOURCES = ["fa_api.c", "fa_inst_portable.c", "fa_peak.c", "fa_rotary.c"]
 # x86-64 paths, each compiled for its instruction set and chosen at run time
-SIMD_SOURCES = {"fa_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
-                "fa_avx512.c": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
+SIMD_SOURCES = {"fa_inst_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+                "fa_inst_avx512.c": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
                 "fa_peak_avx2.c": ["-mavx2", "-mfma"],
                 "fa_peak_avx512.c": ["-mavx512f", "-mavx2", "-mfma"]}
 # aarch64 paths: Advanced SIMD (NEON) is in the ARMv8-A baseline, so the
 # default target of any aarch64 compiler builds them; chosen at run time too
-NEON_SOURCES = ["fa_neon.c", "fa_peak_neon.c"]
+NEON_SOURCES = ["fa_inst_neon.c", "fa_peak_neon.c"]
 OPENMP_PROBE = r"""
 #include <omp.h>
 #include <stdio.h>

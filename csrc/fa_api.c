@@ -4,7 +4,7 @@
 #include <math.h>
 
 #include "fa_internal.h"
-#include "fa_store.h"
+#include "fa_prim_store.h"
 
 #if FA_HAVE_NEON && defined(__linux__)
 #include <sys/auxv.h>

@@ -49,7 +49,7 @@ typedef enum {
 #define FA_Q4_BLOCK_BYTES 18
 #define FA_Q4_BLOCK 32
 
-/* Micro-tile: MR rows by NR columns, both set per path (fa_instantiate.h):
+/* Micro-tile: MR rows by NR columns, both set per path (fa_inst.h):
  * NR is two vectors (64 bytes on the portable and AVX2 paths, 128 bytes on
  * AVX-512, 32 bytes on NEON), MR what the registers hold (6 with 16 vector
  * registers, 8 with 32).  These are the largest. */

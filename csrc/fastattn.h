@@ -75,7 +75,7 @@ typedef struct {
     fa_idx lse_s;                /* stride of lse (L), used when lse != NULL */
     fa_mask_kind mask_kind;
     fa_idx m_ls, m_ss;           /* mask (L, S) */
-    /* The per-score stage, in this order (fa_scores_impl.h), for query i
+    /* The per-score stage, in this order (fa_kern_scores.h), for query i
      * and key j, with i' = i + causal_offset: */
     double scale;                /* multiplies Q K^T */
     double softcap;              /* > 0: z = softcap * tanh(z / softcap); 0: none */
@@ -129,8 +129,8 @@ typedef struct {
 
 /* fa_attn_args.prefetch: the row kernel's key rows FA_PREFETCH_BYTES ahead
  * into L1 as the keys are read, and a block's value rows into L2 while its
- * keys are read (fa_rows_impl.h); the block kernel's next key block, keys
- * and values, into L2 while it computes the current one (fa_attn_impl.h). */
+ * keys are read (fa_kern_rows.h); the block kernel's next key block, keys
+ * and values, into L2 while it computes the current one (fa_kern_attn.h). */
 enum { FA_PREFETCH_KEYS = 1, FA_PREFETCH_VALUES = 2, FA_PREFETCH_BLOCKS = 4 };
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
@@ -238,7 +238,7 @@ int fa_rotary_f64(fa_idx n, fa_idx half, int interleaved, const double *x, fa_id
  * Returns 0, or -1 for another st or n < 0. */
 int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 
-/* ---- The exp used by softmax (error bound: fa_exp_consts.h) ------------ */
+/* ---- The exp used by softmax (error bound: fa_prim_exp_consts.h) ------------ */
 
 /* y = exp(x) for n elements.  mode 0: the general exp; 1: the softmax's,
  * for x <= ln 256 only (what the attention kernels use on their scores,

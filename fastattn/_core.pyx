@@ -619,7 +619,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
 
 
 cdef inline void row_lse(int es, void *ml, fa_idx i, void *lse, fa_idx at) noexcept nogil:
-    """lse[at] from row i's merged maximum and sum in ml (fa_scores_impl.h's lse)."""
+    """lse[at] from row i's merged maximum and sum in ml (fa_kern_scores.h's lse)."""
     cdef double m, l
     if es == 4:
         m, l = (<float *>ml)[2 * i], (<float *>ml)[2 * i + 1]

@@ -1,6 +1,6 @@
 """Checks of the attention variants (sliding window, ALiBi, soft-cap, sinks)
 shared by scaled_dot_product_attention, varlen_attention and KVCache.attend:
-each returns what the kernels take (csrc/fa_scores_impl.h)."""
+each returns what the kernels take (csrc/fa_kern_scores.h)."""
 from __future__ import annotations
 
 import numbers

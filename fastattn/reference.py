@@ -70,7 +70,7 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array,
                                  softcap: Optional[float] = None,
                                  sinks: Optional[Array] = None) -> Result:
     """softmax(query @ key^T * scale + mask) @ value, step by step, with the
-    variants in the kernels' order (csrc/fa_scores_impl.h).
+    variants in the kernels' order (csrc/fa_kern_scores.h).
 
     fastattn.scaled_dot_product_attention's arguments, keyword-only after
     attn_mask: there is no dropout_p here, so PyTorch's positional order

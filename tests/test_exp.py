@@ -74,8 +74,8 @@ def softmax_exp_inputs():
 @pytest.mark.parametrize("mode", [1, 2], ids=["scores", "masked-scores"])
 def test_softmax_exp_error_bound(simd, mode):
     # The attention kernels' exp of x = z - m <= ln 256 (m may trail the
-    # maximum by that much, fa_attn_impl.h): its own reduction and polynomial
-    # on the SIMD paths (fa_prims_simd.h), the general exp on the portable
+    # maximum by that much, fa_kern_attn.h): its own reduction and polynomial
+    # on the SIMD paths (fa_prim_simd.h), the general exp on the portable
     # one.  Within 1 ulp of the correctly rounded exp down to x = -22 (all
     # the weights that move a float32 sum), 4 ulp below (measured
     # exhaustively: 1, and 4 at x = -65.8); NaN stays NaN, -inf gives 0.

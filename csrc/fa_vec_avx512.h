@@ -1,8 +1,8 @@
 /* Vector operations of the AVX-512 path for element type T (FA_IS_F32
  * selects float or double): 512-bit registers, comparisons into mask
- * registers.  The same names as fa_simd_avx2.h. */
+ * registers.  The same names as fa_vec_avx2.h. */
 #include <immintrin.h>
-#include "fa_parts_x86.h"
+#include "fa_vec_parts_x86.h"
 
 #if FA_IS_F32
 #define V __m512

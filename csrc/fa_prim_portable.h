@@ -2,10 +2,10 @@
  * micro-kernel and the exp used by softmax.  Plain C99 that compilers
  * auto-vectorise for whatever baseline the build targets.
  *
- * Included by fa_portable.c once per type, with T, FA_NR, FA_NAME and
+ * Included by fa_inst_portable.c once per type, with T, FA_NR, FA_NAME and
  * FA_IS_F32 defined. */
 #include <string.h>
-#include "fa_exp_consts.h"
+#include "fa_prim_exp_consts.h"
 
 /* c[0:mr, 0:FA_NR] (+)= alpha * sum_k a(r, k) b[k, 0:FA_NR], with a(r, k) at
  * a[r*rs_a + k*cs_a] and b rows FA_NR wide at stride ldb.  When colmax is
@@ -87,7 +87,7 @@ static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a
     }
 }
 
-/* exp of one element; the algorithm of fa_exp_consts.h.  Branch-free so
+/* exp of one element; the algorithm of fa_prim_exp_consts.h.  Branch-free so
  * that loops over it vectorise.  NaN in, NaN out. */
 static FA_ALWAYS_INLINE T FA_NAME(exp1)(T x)
 {
@@ -281,7 +281,7 @@ static FA_ALWAYS_INLINE void FA_NAME(gemv_t_any)(const fa_store st, fa_idx nk, f
 }
 
 /* Whether rows stored as st are converted once for the query heads of a
- * group: on the AVX-512 path (fa_prims_simd.h), never here. */
+ * group: on the AVX-512 path (fa_prim_simd.h), never here. */
 static FA_ALWAYS_INLINE int FA_NAME(rows_shared)(const fa_store st)
 {
     (void)st;

@@ -1,4 +1,4 @@
-/* The vector tanh of the score soft-cap (fa_prims_simd.h).
+/* The vector tanh of the score soft-cap (fa_prim_simd.h).
  *
  * For |x| < FA_TANH_SMALL, tanh(x) = x * P(x^2), P the Chebyshev fit of
  * tanh(sqrt(t)) / sqrt(t) on t in [0, FA_TANH_SMALL^2] (computed with

@@ -1,7 +1,7 @@
 /* Vector operations of the aarch64 NEON (Advanced SIMD) path for element
  * type T (FA_IS_F32 selects float or double): 128-bit registers, 32 of them.
- * The same names as fa_simd_avx2.h, plus the by-element multiply-add (FMLA
- * Vd, Vn, Vm.S[lane]) and a VLEN x VLEN transpose that fa_prims_simd.h uses
+ * The same names as fa_vec_avx2.h, plus the by-element multiply-add (FMLA
+ * Vd, Vn, Vm.S[lane]) and a VLEN x VLEN transpose that fa_prim_simd.h uses
  * where they are defined.
  *
  * VMAX and VMIN keep the x86 rule (the second operand when either is NaN),
@@ -86,8 +86,8 @@ static FA_ALWAYS_INLINE uint8x8_t fa_neon_load_4u8(const uint8_t *p)
     return vreinterpret_u8_u32(vdup_n_u32(w));
 }
 
-/* The eight parts of fa_kernels_impl.h's sum and max as two vectors
- * (fa_parts_x86.h says why and how) */
+/* The eight parts of fa_kern_all.h's sum and max as two vectors
+ * (fa_vec_parts_x86.h says why and how) */
 static FA_ALWAYS_INLINE fa_idx fa_neon_parts_sum(fa_idx n, const float *x, float *part)
 {
     float32x4_t lo = vld1q_f32(part), hi = vld1q_f32(part + 4);

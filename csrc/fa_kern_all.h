@@ -1,5 +1,5 @@
 /* Every kernel for one element type and one instruction-set path, included
- * twice by fa_instantiate.h with T, FA_SFX, FA_IS_F32, FA_NR and FA_GEMM_NC
+ * twice by fa_inst.h with T, FA_SFX, FA_IS_F32, FA_NR and FA_GEMM_NC
  * defined. */
 #define FA_NAME(n) FA_CAT4(fa, n, FA_SFX, FA_ISA)
 
@@ -91,11 +91,11 @@ static FA_ALWAYS_INLINE void FA_NAME(prefetch_bytes)(const void *x, fa_idx n)
     for (; e < n; e += 64) FA_PREFETCH(p + e);
 }
 
-#include "fa_load_impl.h"
-#include "fa_gemm_impl.h"
-#include "fa_softmax_impl.h"
-#include "fa_scores_impl.h"
-#include "fa_attn_impl.h"
+#include "fa_kern_load.h"
+#include "fa_kern_gemm.h"
+#include "fa_kern_softmax.h"
+#include "fa_kern_scores.h"
+#include "fa_kern_attn.h"
 
 /* y = exp(x): mode 0 the general exp; 1 and 2 the softmax's (exp_block,
  * for x <= ln 256, hidden lanes skipped with mode 2), whose error bounds

@@ -1,8 +1,8 @@
 /* Vector operations of the AVX2 + FMA path for element type T (FA_IS_F32
- * selects float or double): 256-bit registers.  fa_prims_simd.h is written
- * against these names; fa_simd_avx512.h defines the same for 512 bits. */
+ * selects float or double): 256-bit registers.  fa_prim_simd.h is written
+ * against these names; fa_vec_avx512.h defines the same for 512 bits. */
 #include <immintrin.h>
-#include "fa_parts_x86.h"
+#include "fa_vec_parts_x86.h"
 
 #if FA_IS_F32
 #define V __m256

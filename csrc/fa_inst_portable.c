@@ -4,8 +4,8 @@
 #include "fa_internal.h"
 
 #define FA_ISA portable
-#define FA_PRIMS "fa_prims_portable.h"
+#define FA_PRIMS "fa_prim_portable.h"
 #define FA_MR 6
 #define FA_NR_F32 16
 #define FA_NR_F64 8
-#include "fa_instantiate.h"
+#include "fa_inst.h"

@@ -1,4 +1,4 @@
-/* The eight interleaved parts of fa_kernels_impl.h's sum and max of a float
+/* The eight interleaved parts of fa_kern_all.h's sum and max of a float
  * row, over its whole groups of eight, as one 256-bit vector, for the AVX2
  * and AVX-512 paths: the same operations in the same order as the C loops,
  * which gcc compiled to eight scalar chains (threads-and-speed.md, "Lane

@@ -6,8 +6,8 @@
  * is exactly zero, so that a non-finite value at a hidden key never reaches
  * the output.
  *
- * Needs T, FA_NAME, the per-score stage (fa_scores_impl.h) and the
- * loaders of fa_load_impl.h, and vexp, sum, max, prefetch_bytes. */
+ * Needs T, FA_NAME, the per-score stage (fa_kern_scores.h) and the
+ * loaders of fa_kern_load.h, and vexp, sum, max, prefetch_bytes. */
 
 /* Keys per block.  Each block's key rows are read, then its value rows:
  * the longer each run, the more of the read bandwidth decoding gets (see
@@ -87,7 +87,7 @@ static fa_attn_args FA_NAME(head_args)(const fa_attn_args *a, fa_idx g)
     return h;
 }
 
-/* Where the row kernel loads keys and values (through fa_load_impl.h).
+/* Where the row kernel loads keys and values (through fa_kern_load.h).
  * Rows whose features are strided are first copied contiguous, so that
  * every layout of the same numbers goes through the same vector arithmetic:
  * results are bitwise the same whatever the strides. */

@@ -1,16 +1,16 @@
 /* SIMD primitives for element type T (float or double): the MR x NR
  * register micro-kernel (NR = two vectors: 16 floats or 8 doubles in 256
  * bits, 32 or 16 in 512 bits, 8 or 4 in 128; MR = 6 or 8 rows), the vector
- * exp of fa_exp_consts.h, and the small loops of the attention kernels.
- * Same contract as fa_prims_portable.h.
+ * exp of fa_prim_exp_consts.h, and the small loops of the attention kernels.
+ * Same contract as fa_prim_portable.h.
  *
- * Written against the vector operations of fa_simd_avx2.h, fa_simd_avx512.h
- * or fa_simd_neon.h, which the including file (fa_avx2.c, fa_avx512.c,
- * fa_neon.c) includes first, with T, FA_NR (= 2 * VLEN), FA_NAME and
+ * Written against the vector operations of fa_vec_avx2.h, fa_vec_avx512.h
+ * or fa_vec_neon.h, which the including file (fa_inst_avx2.c, fa_inst_avx512.c,
+ * fa_inst_neon.c) includes first, with T, FA_NR (= 2 * VLEN), FA_NAME and
  * FA_IS_F32 defined. */
 #include FA_SIMD
-#include "fa_exp_consts.h"
-#include "fa_tanh_consts.h"
+#include "fa_prim_exp_consts.h"
+#include "fa_prim_tanh_consts.h"
 
 #define FA_UKR_ROW(r, rs)                                                 \
     if (mr > r) {                                                         \
@@ -152,7 +152,7 @@ static void FA_NAME(ukr)(int mr, fa_idx kc, const T *a, fa_idx rs_a, fa_idx cs_a
 
 #if FA_IS_F32
 /* u * exp(x - n ln 2) for the integer n nearest x log2(e): the reduction
- * and polynomial of fa_exp_consts.h, the coefficients times the power of
+ * and polynomial of fa_prim_exp_consts.h, the coefficients times the power of
  * two u (exact: the same bits as u times the polynomial) */
 static FA_ALWAYS_INLINE V FA_NAME(expf_reduced)(V x, V n, const float u)
 {
@@ -225,11 +225,11 @@ static FA_ALWAYS_INLINE V FA_NAME(vexp1)(V x)
 }
 
 /* exp(x) for x <= ln 256 (or NaN): softmax's case, x = z - m with m at most
- * ln 256 below the maximum (fa_attn_impl.h).  Cheaper than vexp1 (11
+ * ln 256 below the maximum (fa_kern_attn.h).  Cheaper than vexp1 (11
  * vector operations with VSCALEF, 13 without, where vexp1 takes 14 and 24),
  * as its range allows: n = round(x log2(e)) in one fused multiply-add with
  * the rounding constant (|x log2(e)| < 2^22), r = x - n ln 2 with one
- * constant and the degree-6 polynomial of fa_exp_consts.h.  2^n is one
+ * constant and the degree-6 polynomial of fa_prim_exp_consts.h.  2^n is one
  * power of two (n <= 8): with VSCALEF that; else 2^(n + 25), built from the
  * integer bits of t, times the polynomial scaled by 2^-25 (exact), so the
  * one rounding is the same and every path gives the same bits, subnormal
@@ -282,7 +282,7 @@ static void FA_NAME(vexp)(fa_idx n, const T *x, T *y)
     }
 }
 
-/* y[j] = tanh(x[j]) (fa_tanh_consts.h); NaN stays NaN, +-inf gives +-1. */
+/* y[j] = tanh(x[j]) (fa_prim_tanh_consts.h); NaN stays NaN, +-inf gives +-1. */
 static void FA_NAME(vtanh)(fa_idx n, const T *x, T *y)
 {
 #if FA_IS_F32

@@ -1,7 +1,7 @@
 /* The per-score stage of the attention kernels, for element type T: what
  * happens to a score between Q K^T and the online softmax.  Each modifier
- * is defined here once; the block kernel (fa_attn_impl.h: a keys x queries
- * tile) and the row kernel (fa_rows_impl.h: a few query rows) apply them in
+ * is defined here once; the block kernel (fa_kern_attn.h: a keys x queries
+ * tile) and the row kernel (fa_kern_rows.h: a few query rows) apply them in
  * this order to the score z of query i and key j, with i' = i + offset
  * (the causal alignment: 0 upper-left, S - L lower-right):
  *

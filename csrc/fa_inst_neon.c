@@ -1,4 +1,4 @@
-/* The aarch64 NEON path: the kernels of fa_avx2.c with 128-bit vectors and
+/* The aarch64 NEON path: the kernels of fa_inst_avx2.c with 128-bit vectors and
  * by-element FMLA, called when fa_cpu_has_neon() says the CPU has Advanced
  * SIMD.  Advanced SIMD is part of the ARMv8-A baseline, so no extra flags.
  *
@@ -16,12 +16,12 @@
 #include "fa_internal.h"
 #if FA_HAVE_NEON
 #define FA_ISA neon
-#define FA_SIMD "fa_simd_neon.h"
-#define FA_PRIMS "fa_prims_simd.h"
+#define FA_SIMD "fa_vec_neon.h"
+#define FA_PRIMS "fa_prim_simd.h"
 #define FA_MR 8
 #define FA_NR_F32 8
 #define FA_NR_F64 4
-#include "fa_instantiate.h"
+#include "fa_inst.h"
 #else
 typedef int fa_neon_unused; /* ISO C forbids an empty translation unit */
 #endif

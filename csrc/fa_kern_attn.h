@@ -11,14 +11,14 @@
  * in place through their strides:
  *   S^T[key, q]  = scale * sum_e K[key, e] * Qp[e, q]   (Qp: the query block)
  *   O^T[c, q]   += sum_key V[key, c] * P^T[key, q]
- * Blocks of at most FA_ROWS_MAX rows go to the row kernel (fa_rows_impl.h),
+ * Blocks of at most FA_ROWS_MAX rows go to the row kernel (fa_kern_rows.h),
  * which also recomputes, with its zero-weight guard, any row whose output
  * came out non-finite.
  *
  * Needs T, FA_NR, FA_NAME and the primitives ukr, vexp, exp_block, pack_t,
  * normalize, and the row kernel's. */
 
-#include "fa_rows_impl.h"
+#include "fa_kern_rows.h"
 
 #define FA_QB (FA_QB_BYTES / (fa_idx)sizeof(T)) /* query rows per block: 64 floats, 32 doubles */
 #define FA_KB 128           /* keys per block */
@@ -177,7 +177,7 @@ static void FA_NAME(fetch_some)(FA_NAME(ahead) *h)
 }
 
 /* Key and value tiles converted from their storage or gathered from
- * their blocks (fa_load_impl.h): KB rows of E and of Ev, also where a
+ * their blocks (fa_kern_load.h): KB rows of E and of Ev, also where a
  * block of queries is converted or a mask may hide values that are not
  * finite (hidden_values); none when everything is stored as T, densely,
  * without a mask. */
@@ -219,7 +219,7 @@ static int FA_NAME(block_edge)(const fa_attn_args *a, fa_idx i0, fa_idx nq, fa_i
 }
 
 /* st[r, j] = logit of query i0 + j and key s0 + r: the score through the
- * per-score stage (fa_scores_impl.h), a tile at a time; bm[j] = the maximum
+ * per-score stage (fa_kern_scores.h), a tile at a time; bm[j] = the maximum
  * of column j (NaN ignored).  Columns nq..ld-1 are padding.  Returns 0, with
  * st untouched, when the mask hides every key of the block from every query
  * row (the block is then skipped without reading K).  The scale is qp's
