@@ -374,8 +374,9 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
     scale = C.check_scale(scale, E, compute)
     nthreads = _runtime.resolve_threads(num_threads)
     lengths = int(max(q_lens.max(initial=0), 1)), int(max(lens.max(initial=0), 1))
+    # (with lower_right, |i' - j| < L + S already: the int alignment's offset only)
     variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths,
-                               compute)
+                               compute, offset)
     slopes = None if variants.slopes is None else C.contiguous(variants.slopes)
     sink = None if sinks is None else C.contiguous(
         _variants.per_head(sinks, "sinks", (Hq,), finite=False))

@@ -109,4 +109,6 @@ def varlen_attention(
     return ragged(query, key_cache, value_cache, None, cu_k[:-1].copy(), cu_k[1:] - cu_k[:-1],
                   cu_q, cu_q[1:] - cu_q[:-1], (None, None), store, store, Ev, causal,
                   lower_right, offset, scale, window_size, alibi_slopes, softcap, sinks,
-                  lse_wanted, out, num_threads, {"query": query, "key": key, "value": value})
+                  lse_wanted, out, num_threads,
+                  {"query": query, "key": key, "value": value, "cu_seqlens_q": cu_seqlens_q,
+                   "cu_seqlens_k": cu_seqlens_k})

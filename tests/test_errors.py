@@ -64,6 +64,9 @@ mha = fastattn.MultiHeadAttention(8, 2, rng=0)
 cache = fastattn.KVCache(2, 2, 8, 4)
 kv16 = z(2, 2, 3, 4, dtype=np.float16)
 shared, flat = z(2, 3, 4, 8), z(96)  # outputs whose memory an option's array shares
+out_with_cu = z(2, 2, 8)
+cu_in_out = out_with_cu.reshape(-1)[:6].view(np.int64)  # cu_seqlens in the output's memory
+cu_in_out[:] = [0, 1, 2]
 
 
 def row(category, fn, args, kwargs, exc, msg):
@@ -255,6 +258,9 @@ HOSTILE = [
     row("out", fastattn.varlen_attention, (z(5, 2, 8), z(6, 2, 8), z(6, 2, 8), np.array([0, 5]),
                                            np.array([0, 6])),
         {"out": flat[:80].reshape(5, 2, 8), "sinks": flat[78:80]}, ValueError, "out overlaps sinks"),
+    row("out", fastattn.varlen_attention, (z(2, 2, 8), z(6, 2, 8), z(6, 2, 8), cu_in_out,
+                                           np.array([0, 3, 6])),
+        {"out": out_with_cu}, ValueError, "out overlaps cu_seqlens_q"),
     row("out", fastattn.paged_attention, (z(1, 2, 8), z(1, 1, 4, 8), z(1, 1, 4, 8), np.array([[0]]),
                                           np.array([1]), np.array([0, 1])),
         {"out": flat[:16].reshape(1, 2, 8), "alibi_slopes": flat[:2]}, ValueError,

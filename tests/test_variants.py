@@ -311,3 +311,30 @@ def test_varlen_is_sdpa_per_sequence_bit_for_bit(simd, dtype, alignment):
         alone, alone_lse = sdpa(qb, kb, vb, enable_gqa=True, return_lse=True, **options)
         np.testing.assert_array_equal(out[cq[b]:cq[b + 1]].transpose(1, 0, 2), alone)
         np.testing.assert_array_equal(lse[:, cq[b]:cq[b + 1]], alone_lse)
+
+
+@pytest.mark.parametrize("alignment", [-10, -3, 2, 9])
+@pytest.mark.parametrize("window", [(0, 5), (2, 0), (4, 4), (-1, 1)])
+def test_varlen_int_alignment_with_a_window(alignment, window):
+    """The window's reach counts the alignment's offset (|i' - j| up to
+    L + S + |k|): a side within it hides keys as scaled_dot_product_attention
+    hides them."""
+    rng = np.random.default_rng(5)
+    lens_q, lens_k = [1, 4, 7], [1, 9, 3]
+    cq, ck = (np.concatenate([[0], np.cumsum(x)]) for x in (lens_q, lens_k))
+    q, k, v = (rng.standard_normal((c[-1], 2, 4)) for c in (cq, ck, ck))
+    out = fastattn.varlen_attention(q, k, v, cq, ck, causal_alignment=alignment,
+                                    window_size=window)
+    for b in range(3):
+        qb, kb, vb = (x[c[b]:c[b + 1]].transpose(1, 0, 2) for x, c in ((q, cq), (k, ck), (v, ck)))
+        np.testing.assert_array_equal(
+            out[cq[b]:cq[b + 1]].transpose(1, 0, 2),
+            sdpa(qb, kb, vb, causal_alignment=alignment, window_size=window))
+
+
+def test_varlen_alibi_bias_past_float32_is_refused():
+    q = np.ones((1, 1, 4), np.float32)
+    k = np.ones((2, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="alibi_slopes x 1e[+]09 must be finite in float32"):
+        fastattn.varlen_attention(q, k, k, np.array([0, 1]), np.array([0, 2]),
+                                  causal_alignment=10**9, alibi_slopes=np.array([1e30]))
