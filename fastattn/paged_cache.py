@@ -112,13 +112,16 @@ class PagedKVCache:
             self._value: NDArray[Any] = np.zeros(shapes[1], stored)
             self._k_scale = np.zeros(shapes[0][:3], np.float32) if scaled else None
             self._v_scale = np.zeros(shapes[0][:3], np.float32) if scaled else None
+            self._refs = np.zeros(num_blocks, np.int64)  # sequences holding each block
         except MemoryError:
-            nbytes = sum(math.prod(s) for s in shapes) * stored.itemsize
+            nbytes = sum(math.prod(s) for s in shapes) * stored.itemsize + 8 * num_blocks
             raise MemoryError(f"a pool of {num_blocks} blocks of {block_size} positions needs "
                               f"{nbytes / 2**30:.1f} GiB, which could not be allocated; lower "
                               "num_blocks") from None
-        self._refs = np.zeros(num_blocks, np.int64)    # sequences holding each block
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest first
+        # free blocks: those given back (taken again last in, first out), then
+        # the never used ones from _fresh up, so that no list of every block is built
+        self._free: list[int] = []
+        self._fresh = 0
         self._blocks: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
         self._next_id = 0
@@ -157,7 +160,10 @@ class PagedKVCache:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that no sequence holds."""
-        return len(self._free)
+        return self._num_free()
+
+    def _num_free(self) -> int:
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def nbytes(self) -> int:
@@ -428,10 +434,10 @@ class PagedKVCache:
         lacks its blocks."""
         plans = self._plan(ids, counts)
         need = sum(p[0] for p in plans)
-        if need > len(self._free):
+        if need > self._num_free():
             raise OutOfBlocksError(
                 f"this append needs {need} free blocks of {self.block_size} positions and the "
-                f"pool has {len(self._free)} of {self.num_blocks}; free finished sequences "
+                f"pool has {self._num_free()} of {self.num_blocks}; free finished sequences "
                 "(free(seq_id)) or create the cache with more blocks")
         return plans
 
@@ -449,7 +455,10 @@ class PagedKVCache:
                 self._lens[s] = n
 
     def _take(self) -> int:
-        block = self._free.pop()
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, self._fresh = self._fresh, self._fresh + 1
         self._refs[block] = 1
         return block
 
@@ -563,7 +572,8 @@ class PagedKVCache:
         # good (its pool, table, lengths and scales): they took more than half
         # of a short call's time (threads-and-speed.md, "Small calls")
         inputs = {"query": caller_query, "key_cache": self._key, "value_cache": self._value,
-                  "k_scale": self._k_scale, "v_scale": self._v_scale}
+                  "k_scale": self._k_scale, "v_scale": self._v_scale,
+                  "cu_seqlens_q": cu_seqlens_q}
         if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read
             table = np.zeros((len(ids), 1), np.int32)
         result = ragged(query, self._key, self._value, table, None, lens, cu, counts,

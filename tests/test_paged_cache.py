@@ -472,3 +472,33 @@ def test_an_append_that_cannot_fit_fails_before_any_work():
             tracemalloc.stop()
         assert peak < 2**20, f"{peak} bytes allocated for an append of {n} tokens that fails"
     assert cache.seq_lens == {s: 0} and cache.num_free_blocks == 8
+
+
+def test_out_may_not_hold_cu_seqlens_q():
+    """The kernels read cu_seqlens_q while they write out: an out sharing
+    its memory is refused, as paged_attention refuses it."""
+    cache = fastattn.PagedKVCache(4, 4, Hkv, D, value_dim=Dv)
+    ids = [cache.add_sequence(), cache.add_sequence()]
+    cache.append(ids, *kv(6), np.array([0, 3, 6]))
+    out = np.zeros((2, Hq, Dv), np.float32)
+    cu = out.reshape(-1)[:6].view(np.int64)
+    cu[:] = [0, 1, 2]
+    with pytest.raises(ValueError, match="out overlaps cu_seqlens_q"):
+        cache.attend(ids, np.zeros((2, Hq, D), np.float32), cu, out=out)
+
+
+def test_a_pool_of_2_31_blocks_is_cheap_to_make():
+    """The free blocks are a counter and a stack of those given back, not a
+    list of every block: the largest pool the int32 tables allow is made at
+    once (its key and value rows of 0 features take no memory) and hands
+    out its blocks lowest first, a freed one first again."""
+    cache = fastattn.PagedKVCache(2**31, 1, 1, 0)
+    assert cache.num_free_blocks == 2**31
+    a, b = cache.add_sequence(), cache.add_sequence()
+    empty = np.zeros((3, 1, 0), np.float32)
+    cache.append([a, b], empty, empty, np.array([0, 2, 3]))
+    assert cache.block_table([a, b]).tolist() == [[0, 1], [2, -1]]
+    cache.free(a)
+    cache.append([b], empty[:1], empty[:1])
+    assert cache.block_table([b]).tolist() == [[2, 1]]
+    assert cache.num_free_blocks == 2**31 - 2
