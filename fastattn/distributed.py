@@ -19,15 +19,17 @@ the merge, a few units in the last place (README, "Across machines").
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 import weakref
-from typing import Any, NamedTuple, NoReturn, Optional, Sequence, Union, cast
+from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, TypeVar, Union, cast
 
 import numpy as np
 
@@ -296,6 +298,26 @@ def _sync_folder(path: str) -> None:
 
 # the folders of a snapshot being written and of the one it replaces
 _NEW, _OLD = ".snapshot-new", ".snapshot-old"
+_MAX_TIMEOUT = 2.0**31  # seconds: Ray's waits take milliseconds in a C long
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _one_at_a_time(method: _Method) -> _Method:
+    """A ShardedKVCache method that holds the cache's lock: a snapshot taken
+    while an append runs would record lengths its files do not hold."""
+    @functools.wraps(method)
+    def locked(self: ShardedKVCache, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return cast(_Method, locked)
+
+
+def _timeout(value: object, name: str = "timeout") -> float:
+    """A timeout in seconds: > 0, at most _MAX_TIMEOUT."""
+    seconds = C.check_real(value, name)
+    if not 0 < seconds <= _MAX_TIMEOUT:
+        raise ValueError(f"{name} must be > 0 and at most 2**31 seconds, got {value}")
+    return seconds
 
 
 def _check_replaceable(folder: str) -> None:
@@ -408,8 +430,9 @@ class ShardedKVCache:
         rounded down, at least 1.
     timeout : float
         Seconds to wait for the cluster to place and start the shards, and
-        for the shards' answers to each call (default 60, > 0; a snapshot
-        or restore must write or read a shard's file within it).  A shard
+        for the shards' answers to each call (default 60, > 0 and at most
+        2**31; a snapshot or restore must write or read a shard's file
+        within it).  A shard
         that does not answer in time is ended and taken as lost:
         ``ShardTimeoutError``.
 
@@ -418,8 +441,9 @@ class ShardedKVCache:
     TypeError, ValueError
         Sizes, dtype or storage as ``KVCache`` refuses them (buffers no
         address space holds included); an unknown placement;
-        num_cpus_per_shard or timeout not > 0; more CPUs than the cluster
-        has in all (an autoscaling cluster: add the nodes first).
+        num_cpus_per_shard not > 0, timeout not in (0, 2**31]; more CPUs
+        than the cluster has in all (an autoscaling cluster: add the nodes
+        first).
     TimeoutError
         The cluster cannot place the shards within timeout (too few CPUs
         free, or nodes for a strict strategy); nothing is left reserved.
@@ -427,6 +451,14 @@ class ShardedKVCache:
         A shard's process could not start (its buffers could not be
         allocated on its node, say): the message has its error; nothing is
         left running.
+
+    Notes
+    -----
+    Threads: ``append``, ``attend``, ``snapshot``, ``restore`` and
+    ``close`` hold the cache's lock, so that calls from several threads run
+    one at a time (a snapshot never records lengths its files do not hold).
+    A path given to ``snapshot`` or ``restore`` that is a symbolic link
+    stands for its target, which the snapshot replaces.
     """
 
     def __init__(self, num_shards: int, num_kv_heads: int, head_dim: int, *,
@@ -434,6 +466,7 @@ class ShardedKVCache:
                  dtype: Any = np.float32, storage: Optional[str] = None, chunk_size: int = 256,
                  placement: str = "spread", num_cpus_per_shard: float = 1.0,
                  num_threads: Optional[int] = None, timeout: float = 60.0) -> None:
+        self._lock = threading.RLock()  # one call at a time (_one_at_a_time)
         self._num_shards = C.check_index(num_shards, "num_shards", 1)
         self._num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
         self._head_dim = C.check_index(head_dim, "head_dim", 0)
@@ -449,9 +482,7 @@ class ShardedKVCache:
         cpus = C.check_real(num_cpus_per_shard, "num_cpus_per_shard")
         if not cpus > 0:
             raise ValueError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard}")
-        self._timeout = C.check_real(timeout, "timeout")
-        if not self._timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self._timeout = _timeout(timeout)
         self._threads = (max(1, int(cpus)) if num_threads is None
                          else _runtime.resolve_threads(num_threads))
         stored = _storage.storage_dtype(self._storage).itemsize
@@ -550,6 +581,7 @@ class ShardedKVCache:
         return runs
 
     # ---- writing --------------------------------------------------------
+    @_one_at_a_time
     def append(self, key: NDArray[np.floating[Any]], value: NDArray[np.floating[Any]]) -> None:
         """Write n new positions after the ones held, each to its shard.
 
@@ -615,6 +647,7 @@ class ShardedKVCache:
             self._lengths[k] = n
 
     # ---- attention ------------------------------------------------------
+    @_one_at_a_time
     def attend(self, query: NDArray[Float], *, is_causal: bool = True,
                scale: Optional[float] = None, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
@@ -804,6 +837,7 @@ class ShardedKVCache:
         cause = getattr(first, "cause", None)
         raise (cause if isinstance(cause, Exception) else first) from None
 
+    @_one_at_a_time
     def snapshot(self, path: Union[str, os.PathLike[str]]) -> None:
         """Saves every shard to path, a folder: cache.json and one NumPy file
         per shard, shard-K.npz (the keys and values as stored, bit for bit,
@@ -842,7 +876,7 @@ class ShardedKVCache:
         In every case path is left as it was.
         """
         self._check_alive()
-        path = os.path.abspath(os.fspath(path))
+        path = os.path.realpath(os.fspath(path))  # a link's target, kept a link
         new, old = path + _NEW, path + _OLD
         _finish_swap(path)
         if os.path.lexists(path):
@@ -884,6 +918,7 @@ class ShardedKVCache:
                 "capacity_per_shard": self._capacity, "chunk_size": self._chunk,
                 "dtype": self._dtype.name, "storage": self._storage}
 
+    @_one_at_a_time
     def restore(self, path: Union[str, os.PathLike[str]]) -> None:
         """Brings every shard back to a snapshot's positions, starting a new
         actor for each shard whose process died or does not answer: after
@@ -925,7 +960,7 @@ class ShardedKVCache:
         if not ray.is_initialized():
             raise RuntimeError("Ray was shut down, and this cache's shards with it; create a "
                                "new ShardedKVCache and restore the snapshot into it")
-        folder, meta = self._read_snapshot(os.path.abspath(os.fspath(path)))
+        folder, meta = self._read_snapshot(os.path.realpath(os.fspath(path)))
         lengths = meta["shard_lengths"]
         restart = sorted(set(self._lost) | set(self._dead_shards()))
         if restart:
@@ -1005,6 +1040,7 @@ class ShardedKVCache:
                 raise FileNotFoundError(f"the snapshot at {folder} has no {shard}")
         return folder, meta
 
+    @_one_at_a_time
     def close(self) -> None:
         """Ends the shards' processes and frees their CPUs; idempotent."""
         self._finalizer()
@@ -1107,9 +1143,7 @@ def sharded_attention(query: NDArray[Float], key: NDArray[Float], value: NDArray
     if not cpus > 0:
         raise ValueError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard}")
     threads = max(1, int(cpus)) if num_threads is None else _runtime.resolve_threads(num_threads)
-    wait = None if timeout is None else C.check_real(timeout, "timeout")
-    if wait is not None and not wait > 0:
-        raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
+    wait = None if timeout is None else _timeout(timeout)
     lse_wanted = C.check_bool(return_lse, "return_lse")
     require_qkv(query, key, value)  # the caller's shapes in any error about them
     # every other check of the call, on no rows, before anything is sent

@@ -664,3 +664,52 @@ def test_a_cache_outliving_ray_says_so(tmp_path):
         cache.close()
     finally:
         start_ray(tmp_path)  # for the tests after this one
+
+
+def test_snapshots_while_another_thread_appends(tmp_path):
+    """A cache's calls hold its lock: a snapshot taken while another thread
+    appends records the lengths its files hold, and every one restores."""
+    rng = np.random.default_rng(12)
+    k = rng.standard_normal((1, 400, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 1, 4)).astype(np.float32)
+    with ShardedKVCache(2, 1, 4, capacity_per_shard=256, chunk_size=4,
+                        num_cpus_per_shard=CPUS) as cache:
+        def appends():
+            for i in range(100):
+                cache.append(k[:, 4 * i:4 * i + 4], k[:, 4 * i:4 * i + 4])
+        writer = threading.Thread(target=appends)
+        writer.start()
+        for i in range(10):
+            cache.snapshot(tmp_path / f"s{i}")
+        writer.join()
+        for i in range(10):
+            cache.restore(tmp_path / f"s{i}")
+            n = cache.length
+            want = fastattn.reference.scaled_dot_product_attention(
+                *(x.astype(np.float64) for x in (q, k[:, :n], k[:, :n])), is_causal=False)
+            np.testing.assert_allclose(cache.attend(q, is_causal=False), want, atol=1e-5)
+
+
+def test_a_snapshot_through_a_symbolic_link(tmp_path):
+    """A link stands for its target: snapshots through it, again and again,
+    replace the target and leave the link a link."""
+    k = np.random.default_rng(13).standard_normal((1, 12, 4)).astype(np.float32)
+    with ShardedKVCache(2, 1, 4, capacity_per_shard=16, chunk_size=4,
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k[:, :6], k[:, :6])
+        cache.snapshot(tmp_path / "real")
+        (tmp_path / "link").symlink_to(tmp_path / "real")
+        for n in (8, 12):
+            cache.append(k[:, n - 2:n], k[:, n - 2:n])
+            cache.snapshot(tmp_path / "link")
+            assert (tmp_path / "link").is_symlink()
+        cache.append(k[:, :1], k[:, :1])
+        cache.restore(tmp_path / "link")
+        assert cache.length == 10
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+@pytest.mark.parametrize("timeout", [0, -1, 2.0**31 + 1, 1e300])
+def test_timeouts_out_of_range(timeout):
+    with pytest.raises(ValueError, match=r"timeout must be > 0 and at most 2\*\*31 seconds"):
+        ShardedKVCache(1, 1, 4, capacity_per_shard=4, timeout=timeout)
