@@ -170,7 +170,7 @@ def kernel_view(a: NDArray[Any]) -> NDArray[Any]:
     return np.array(a, order="C")  # a fresh array; ascontiguousarray keeps a misaligned one
 
 
-def contiguous(a: NDArray[Any], dtype: DTypeLike = None) -> NDArray[Any]:
+def contiguous(a: NDArray[Any], dtype: Optional[DTypeLike] = None) -> NDArray[Any]:
     """a as a C-contiguous, aligned array of dtype, copied only when it is not
     one: np.ascontiguousarray keeps a misaligned array, which C may not read."""
     c = np.ascontiguousarray(a, dtype)
@@ -296,8 +296,9 @@ def check_bool(x: object, name: str) -> bool:
 def check_real(x: object, name: str) -> float:
     """A finite real number (not a bool); a NumPy or ml_dtypes scalar of a
     16-bit float too (ml_dtypes' are not registered as numbers.Real)."""
-    half = isinstance(x, np.generic) and is_half(x.dtype)
-    if isinstance(x, (bool, np.bool_)) or not (isinstance(x, numbers.Real) or half):
+    if isinstance(x, np.generic) and is_half(x.dtype):
+        x = x.astype(np.float32)  # exact
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
     try:
         y = float(x)
