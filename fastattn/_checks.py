@@ -417,3 +417,11 @@ def cu_seqlens(x: object, name: str, total: int) -> NDArray[np.int64]:
         raise ValueError(f"{name} must start at 0, never decrease and end at the total "
                          f"length {total}; got {where} ({c.shape[0]} values)")
     return c
+
+
+def check_head_groups(Hq: int, Hkv: int) -> None:
+    """ValueError unless the Hq query heads share the Hkv key/value heads in
+    equal groups (grouped-query attention; no heads at all is empty)."""
+    if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) "
+                         "for grouped-query attention")

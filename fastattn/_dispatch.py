@@ -242,9 +242,7 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
         if value.shape[-3] != Hkv:
             raise ValueError(f"key and value must have the same number of heads, "
                              f"got {Hkv} and {value.shape[-3]}")
-        if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):  # no heads at all: empty
-            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) "
-                             "for grouped-query attention")
+        C.check_head_groups(Hq, Hkv)
         outer = C.broadcast_shapes([("query", query.shape[:-3]), ("key", key.shape[:-3]),
                                     ("value", value.shape[:-3])], "the batch axes")
         batch, kv_batch, group = outer + (Hq,), outer + (Hkv,), Hq // Hkv if Hkv else 1

@@ -701,9 +701,7 @@ class ShardedKVCache:
             raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
                              f"(Hq, L, head_dim) = (Hq, L, {self._head_dim})")
         Hq, L = query.shape[:2]
-        if Hq % self._num_kv_heads:
-            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads "
-                             f"({self._num_kv_heads}) for grouped-query attention")
+        C.check_head_groups(Hq, self._num_kv_heads)
         length = self.length
         causal = C.check_bool(is_causal, "is_causal")
         lse_wanted = C.check_bool(return_lse, "return_lse")

@@ -425,9 +425,7 @@ class KVCache:
             raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
                              f"(batch_size, Hq, L, head_dim) = ({self.batch_size}, Hq, L, "
                              f"{self.head_dim})")
-        if query.shape[1] % self.num_kv_heads:
-            raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value "
-                             f"heads ({self.num_kv_heads}) for grouped-query attention")
+        C.check_head_groups(query.shape[1], self.num_kv_heads)
         if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
             raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
                              f"holds {self._length}: with is_causal the queries are the last "

@@ -292,8 +292,7 @@ def paged_attention(
                          "block_size, Ev)")
     if block_size == 0:
         raise ValueError("key_cache has block_size 0; expected blocks of at least one position")
-    if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):  # no heads at all: empty
-        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    C.check_head_groups(Hq, Hkv)
     check_features(E, Ev)
     scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]] = (None, None)
     if storage in _storage.SCALED:

@@ -17,10 +17,6 @@ from .paged import check_features
 from .rotary import rotate
 
 SeqIds = Union[Sequence[int], NDArray[np.integer[Any]]]
-# the options attend passes on to paged_attention
-_OPTIONS_ORDER = ("scale", "is_causal", "window_size", "alibi_slopes", "softcap", "sinks",
-                  "return_lse", "out", "num_threads")
-_OPTIONS = frozenset(_OPTIONS_ORDER)
 
 
 class OutOfBlocksError(MemoryError):
@@ -497,7 +493,11 @@ class PagedKVCache:
     def attend(self, seq_ids: SeqIds, query: NDArray[Float],
                cu_seqlens_q: Optional[NDArray[np.integer[Any]]] = None, *,
                rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
-               rotary_interleaved: bool = False, **options: Any
+               rotary_interleaved: bool = False, scale: Optional[float] = None,
+               is_causal: bool = True, window_size: Optional[tuple[int, int]] = None,
+               alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+               sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
+               out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None
                ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
         """Attention of each sequence's new queries over every position it
         holds: one ``paged_attention`` call.
@@ -516,27 +516,18 @@ class PagedKVCache:
         rotary, rotary_interleaved
             As ``append``'s, at each query's position (its sequence's length
             minus its L queries, plus its row).
-        **options
-            ``paged_attention``'s: scale, is_causal, window_size,
-            alibi_slopes, softcap, sinks, return_lse, out, num_threads.
+        scale, is_causal, window_size, alibi_slopes, softcap, sinks, return_lse, out, num_threads
+            As ``paged_attention``'s (the cache passes its own scales,
+            storage and value_dim).
 
         Returns and raises as ``paged_attention``; ValueError for a sequence
         that is not live or named twice, or, with is_causal, that holds fewer positions
-        than its queries; TypeError for an option not listed above (the
-        cache passes its own scales, storage and value_dim).
+        than its queries.
         """
         with self._lock:  # the sequences as they are now: their lengths and blocks
             ids = self._ids(seq_ids, distinct=True)
             lens = np.array([self._lens[s] for s in ids], np.int64)
             table = self._table(ids)
-        given = {"k_scale", "v_scale"} & options.keys()
-        if given:
-            raise TypeError(f"{', '.join(sorted(given))}: the cache passes its own scales")
-        unknown = options.keys() - _OPTIONS
-        if unknown:
-            raise TypeError(f"PagedKVCache.attend got unexpected option(s) "
-                            f"{', '.join(map(repr, sorted(unknown)))}; it takes "
-                            f"{', '.join(_OPTIONS_ORDER)}")
         C.require_array(query, "query")
         half = C.is_half(query.dtype) and query.dtype.isnative and self._dtype == np.float32
         if query.dtype != self._dtype and not half:
@@ -546,14 +537,12 @@ class PagedKVCache:
         if query.ndim != 3 or query.shape[2] != self.head_dim:
             raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected (total_q, Hq, "
                              f"head_dim) = (total_q, Hq, {self.head_dim})")
-        if query.shape[1] % self.num_kv_heads:
-            raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value "
-                             f"heads ({self.num_kv_heads})")
+        C.check_head_groups(query.shape[1], self.num_kv_heads)
         check_features(self.head_dim, self._value_dim)
         caller_query = query  # out must not overlap it, rotated or not
         cu = self._cu(cu_seqlens_q, "cu_seqlens_q", len(ids), query.shape[0])
         counts = cu[1:] - cu[:-1]
-        causal = C.check_bool(options.get("is_causal", True), "is_causal")
+        causal = C.check_bool(is_causal, "is_causal")
         if causal and (counts > lens).any():
             b = int(np.flatnonzero(counts > lens)[0])
             raise ValueError(f"sequence {ids[b]} has {counts[b]} quer{'y' if counts[b] == 1 else 'ies'} "
@@ -567,7 +556,7 @@ class PagedKVCache:
                 rounded_to, query = query.dtype, query.astype(np.float32)
             query = self._rotate(query, positions, rotary,
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
-                                 _runtime.resolve_threads(options.get("num_threads")))
+                                 _runtime.resolve_threads(num_threads))
         # paged_attention's call without its checks of what the cache keeps
         # good (its pool, table, lengths and scales): they took more than half
         # of a short call's time (threads-and-speed.md, "Small calls")
@@ -579,13 +568,11 @@ class PagedKVCache:
         result = ragged(query, self._key, self._value, table, None, lens, cu, counts,
                         (self._k_scale, self._v_scale), query_store(query.dtype),
                         _storage.store(self._storage), self._value_dim, causal, True, 0,
-                        options.get("scale"), options.get("window_size"),
-                        options.get("alibi_slopes"), options.get("softcap"),
-                        options.get("sinks"), options.get("return_lse", False),
-                        options.get("out"), options.get("num_threads"), inputs)
+                        scale, window_size, alibi_slopes, softcap, sinks, return_lse, out,
+                        num_threads, inputs)
         if rounded_to is None:
             return result
-        nthreads = _runtime.resolve_threads(options.get("num_threads"))
+        nthreads = _runtime.resolve_threads(num_threads)
         if isinstance(result, tuple):
             return narrow(result[0], rounded_to, nthreads), result[1]
         return narrow(result, rounded_to, nthreads)

@@ -92,8 +92,7 @@ def varlen_attention(
                          f"value {C.shape_str(value.shape)} do not agree: expected (total_q, "
                          "Hq, E), (total_k, Hkv, E) and (total_k, Hkv, Ev)")
     Ev = value.shape[2]
-    if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):  # no heads at all: empty
-        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    C.check_head_groups(Hq, Hkv)
     cu_q = C.cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
     cu_k = C.cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k)
     if cu_q.shape != cu_k.shape:
