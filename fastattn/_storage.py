@@ -38,8 +38,9 @@ TABLE = {
 FLOAT32_STORAGES = tuple(s for s in TABLE if s != "float64")  # what a float32 cache holds
 SCALED = tuple(s for s, t in TABLE.items() if t.scaled)
 CODES = tuple(s for s, t in TABLE.items() if t.codes)
-# the storages an array's own dtype names (paged_attention's "auto" caches)
-BY_DTYPE = tuple(s for s, t in TABLE.items() if t.dtype == s)
+# the storages a float32 computation reads from arrays of their own dtype
+# (paged_attention's "auto" caches)
+BY_DTYPE = tuple(s for s in FLOAT32_STORAGES if TABLE[s].dtype == s)
 LARGEST = {s: t.largest for s, t in TABLE.items() if t.largest is not None}
 # the dtypes of queries the kernels read for a float32 computation
 QUERY_DTYPES = ("float32", "float16", "bfloat16")

@@ -59,7 +59,7 @@ def _cache_dtypes(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDA
             raise TypeError(f"query has dtype {qd}; expected float32, float64, float16 or "
                             "bfloat16 (native byte order)")
         if storage not in _storage.CODES and (C.dtype_name(kd) not in _storage.BY_DTYPE
-                                              or C.dtype_name(kd) == "float64" or not kd.isnative):
+                                              or not kd.isnative):
             raise TypeError(f"key_cache has dtype {kd}; expected float32, float16, bfloat16 "
                             f"or int8 (with k_scale and v_scale) for a {qd} query, or codes "
                             f"named by kv_cache_dtype")

@@ -156,9 +156,6 @@ class PagedKVCache:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that no sequence holds."""
-        return self._num_free()
-
-    def _num_free(self) -> int:
         return len(self._free) + self.num_blocks - self._fresh
 
     @property
@@ -430,10 +427,10 @@ class PagedKVCache:
         lacks its blocks."""
         plans = self._plan(ids, counts)
         need = sum(p[0] for p in plans)
-        if need > self._num_free():
+        if need > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"this append needs {need} free blocks of {self.block_size} positions and the "
-                f"pool has {self._num_free()} of {self.num_blocks}; free finished sequences "
+                f"pool has {self.num_free_blocks} of {self.num_blocks}; free finished sequences "
                 "(free(seq_id)) or create the cache with more blocks")
         return plans
 

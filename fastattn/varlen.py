@@ -105,7 +105,7 @@ def varlen_attention(
     store = _storage.query_store(dtype)
     # the packed rows as the one block of the caches, (1, Hkv, total_k, E)
     key_cache, value_cache = (x.transpose(1, 0, 2)[None] for x in (key, value))
-    return ragged(query, key_cache, value_cache, None, cu_k[:-1].copy(), cu_k[1:] - cu_k[:-1],
+    return ragged(query, key_cache, value_cache, None, cu_k[:-1], cu_k[1:] - cu_k[:-1],
                   cu_q, cu_q[1:] - cu_q[:-1], (None, None), store, store, Ev, causal,
                   lower_right, offset, scale, window_size, alibi_slopes, softcap, sinks,
                   lse_wanted, out, num_threads,

@@ -5,6 +5,7 @@ every array that reaches it; CI's sanitizer build (.ci/sanitize.sh, UBSan's
 alignment check) would also stop at any misaligned load."""
 import numpy as np
 import pytest
+from test_errors import misaligned as misaligned_zeros
 
 import fastattn
 from fastattn import _core
@@ -15,8 +16,7 @@ ENTRIES = ("attention", "ragged", "rotary", "narrow")
 def misaligned(a):
     """A C-contiguous copy of a whose elements start one byte off alignment."""
     a = np.asarray(a)
-    buf = np.empty(a.nbytes + 1, np.uint8)
-    m = buf[1:].view(a.dtype).reshape(a.shape)
+    m = misaligned_zeros(a.shape, a.dtype)
     m[...] = a
     assert not m.flags.aligned and m.flags.c_contiguous
     return m
