@@ -102,6 +102,15 @@ int fa_cpu_has_neon_bf16(void)
 #define FA_DISPATCH(isa, name, sfx, args) FA_CAT4(fa, name, sfx, portable) args
 #endif
 
+/* The float (elsize 4) or double (8) kernels of a path. */
+#define FA_DISPATCH_ES(isa, elsize, name, args)                              \
+    do {                                                                     \
+        if ((elsize) == 4) FA_DISPATCH(isa, name, f32, args);                \
+        else FA_DISPATCH(isa, name, f64, args);                              \
+    } while (0)
+
+static int elsize_ok(int elsize) { return elsize == 4 || elsize == 8; }
+
 fa_idx fa_gemm_mc(int elsize) { (void)elsize; return FA_GEMM_MC; }
 fa_idx fa_gemm_nc(int elsize) { return elsize == 4 ? FA_GEMM_NC_F32 : FA_GEMM_NC_F64; }
 
@@ -119,37 +128,22 @@ static int gemm_ok(const fa_gemm_args *g, fa_idx i0, fa_idx i1, fa_idx j0, fa_id
            0 <= j0 && j0 <= j1 && j1 <= g->N && i1 - i0 <= FA_GEMM_MC && j1 - j0 <= fa_gemm_nc(elsize);
 }
 
-int fa_gemm_f32(fa_isa isa, const fa_gemm_args *g, const float *a, const float *b, float *c,
-                fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
+int fa_gemm(fa_isa isa, int elsize, const fa_gemm_args *g, const void *a, const void *b,
+            void *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
 {
-    if (!gemm_ok(g, i0, i1, j0, j1, 4)) return -1;
-    FA_DISPATCH(isa, gemm, f32, (g, a, b, c, i0, i1, j0, j1, work));
-    return 0;
-}
-
-int fa_gemm_f64(fa_isa isa, const fa_gemm_args *g, const double *a, const double *b, double *c,
-                fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
-{
-    if (!gemm_ok(g, i0, i1, j0, j1, 8)) return -1;
-    FA_DISPATCH(isa, gemm, f64, (g, a, b, c, i0, i1, j0, j1, work));
+    if (!elsize_ok(elsize) || !gemm_ok(g, i0, i1, j0, j1, elsize)) return -1;
+    FA_DISPATCH_ES(isa, elsize, gemm, (g, a, b, c, i0, i1, j0, j1, work));
     return 0;
 }
 
 size_t fa_softmax_work_bytes(fa_idx n, int elsize) { return (size_t)(n > 0 ? n : 1) * (size_t)elsize + FA_ALIGN; }
 
-int fa_softmax_row_f32(fa_isa isa, fa_idx n, const float *x, fa_idx xs, fa_mask_kind mk,
-                       const void *mask, fa_idx ms, float *out, fa_idx os, void *work)
+int fa_softmax_row(fa_isa isa, int elsize, fa_idx n, const void *x, fa_idx xs,
+                   fa_mask_kind mk, const void *mask, fa_idx ms, void *out, fa_idx os,
+                   void *work)
 {
-    if (n < 0) return -1;
-    FA_DISPATCH(isa, softmax_row, f32, (n, x, xs, mk, mask, ms, out, os, work));
-    return 0;
-}
-
-int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask_kind mk,
-                       const void *mask, fa_idx ms, double *out, fa_idx os, void *work)
-{
-    if (n < 0) return -1;
-    FA_DISPATCH(isa, softmax_row, f64, (n, x, xs, mk, mask, ms, out, os, work));
+    if (!elsize_ok(elsize) || n < 0) return -1;
+    FA_DISPATCH_ES(isa, elsize, softmax_row, (n, x, xs, mk, mask, ms, out, os, work));
     return 0;
 }
 
@@ -231,23 +225,14 @@ static fa_isa attn_isa(fa_isa isa, const fa_attn_args *a, int elsize)
     return isa;
 }
 
-int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                const void *v, const void *mask, float *out, float *w, float *lse,
-                fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
+int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const void *k,
+            const void *v, const void *mask, void *out, void *w, void *lse, fa_idx i0,
+            fa_idx i1, const fa_attn_next *next, void *work)
 {
-    if (!attn_ok(a, i0, i1, next, 4) || (w != NULL && a->heads > 1)) return -1;
-    isa = attn_isa(isa, a, 4);
-    FA_DISPATCH(isa, attn, f32, (a, q, k, v, mask, out, w, lse, i0, i1, next, work));
-    return 0;
-}
-
-int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                const double *v, const void *mask, double *out, double *w, double *lse,
-                fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
-{
-    if (!attn_ok(a, i0, i1, next, 8) || (w != NULL && a->heads > 1)) return -1;
-    isa = attn_isa(isa, a, 8);
-    FA_DISPATCH(isa, attn, f64, (a, q, k, v, mask, out, w, lse, i0, i1, next, work));
+    if (!elsize_ok(elsize) || !attn_ok(a, i0, i1, next, elsize) || (w != NULL && a->heads > 1))
+        return -1;
+    isa = attn_isa(isa, a, elsize);
+    FA_DISPATCH_ES(isa, elsize, attn, (a, q, k, v, mask, out, w, lse, i0, i1, next, work));
     return 0;
 }
 
@@ -273,85 +258,49 @@ fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
 static int part_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                    int elsize)
 {
-    return attn_ok(a, i0, i1, NULL, elsize) && i1 - i0 <= FA_ROWS_MAX && 0 <= s_lo && s_lo <= s_hi &&
-           s_hi <= a->S;
+    return elsize_ok(elsize) && attn_ok(a, i0, i1, NULL, elsize) && i1 - i0 <= FA_ROWS_MAX &&
+           0 <= s_lo && s_lo <= s_hi && s_hi <= a->S;
 }
 
-int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                     const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
-                     fa_idx s_hi, float *state, void *work)
+int fa_attn_part(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const void *k,
+                 const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+                 fa_idx s_hi, void *state, void *work)
 {
-    if (!part_ok(a, i0, i1, s_lo, s_hi, 4)) return -1;
-    isa = attn_isa(isa, a, 4);
-    FA_DISPATCH(isa, attn_part, f32, (a, q, k, v, mask, i0, i1, s_lo, s_hi, state, work));
+    if (!part_ok(a, i0, i1, s_lo, s_hi, elsize)) return -1;
+    isa = attn_isa(isa, a, elsize);
+    FA_DISPATCH_ES(isa, elsize, attn_part, (a, q, k, v, mask, i0, i1, s_lo, s_hi, state, work));
     return 0;
 }
 
-int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                     const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
-                     fa_idx s_hi, double *state, void *work)
+int fa_attn_merge(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx nsplit,
+                  const void *states, void *out, void *ml, fa_idx i0, fa_idx i1)
 {
-    if (!part_ok(a, i0, i1, s_lo, s_hi, 8)) return -1;
-    isa = attn_isa(isa, a, 8);
-    FA_DISPATCH(isa, attn_part, f64, (a, q, k, v, mask, i0, i1, s_lo, s_hi, state, work));
+    if (!elsize_ok(elsize) || nsplit < 1 || !attn_shape_ok(a, i0, i1, NULL, elsize)) return -1;
+    isa = attn_isa(isa, a, elsize);
+    FA_DISPATCH_ES(isa, elsize, attn_merge, (a, nsplit, states, out, ml, i0, i1));
     return 0;
 }
 
-int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
-                      float *out, float *ml, fa_idx i0, fa_idx i1)
+int fa_attn_weights(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
+                    const void *k, const void *mask, const void *ml, void *w, fa_idx i0,
+                    fa_idx i1, void *work)
 {
-    if (nsplit < 1 || !attn_shape_ok(a, i0, i1, NULL, 4)) return -1;
-    isa = attn_isa(isa, a, 4);
-    FA_DISPATCH(isa, attn_merge, f32, (a, nsplit, states, out, ml, i0, i1));
+    if (!part_ok(a, i0, i1, 0, a->S, elsize) || a->heads > 1) return -1;
+    isa = attn_isa(isa, a, elsize);
+    FA_DISPATCH_ES(isa, elsize, attn_weights, (a, q, k, mask, ml, w, i0, i1, work));
     return 0;
 }
 
-int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                        const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
-                        void *work)
+int fa_attn_repair(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
+                   const void *k, const void *v, const void *mask, fa_idx nsplit,
+                   const void *states, void *out, void *lse, fa_idx i0, fa_idx i1, void *work)
 {
-    if (!part_ok(a, i0, i1, 0, a->S, 4) || a->heads > 1) return -1;
-    isa = attn_isa(isa, a, 4);
-    FA_DISPATCH(isa, attn_weights, f32, (a, q, k, mask, ml, w, i0, i1, work));
-    return 0;
-}
-
-int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
-                      double *out, double *ml, fa_idx i0, fa_idx i1)
-{
-    if (nsplit < 1 || !attn_shape_ok(a, i0, i1, NULL, 8)) return -1;
-    isa = attn_isa(isa, a, 8);
-    FA_DISPATCH(isa, attn_merge, f64, (a, nsplit, states, out, ml, i0, i1));
-    return 0;
-}
-
-int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                       const void *v, const void *mask, fa_idx nsplit, const float *states,
-                       float *out, float *lse, fa_idx i0, fa_idx i1, void *work)
-{
-    if (nsplit < 1 || !attn_ok(a, i0, i1, NULL, 4) || i1 - i0 > FA_ROWS_MAX) return -1;
-    isa = attn_isa(isa, a, 4);
-    FA_DISPATCH(isa, attn_repair, f32, (a, q, k, v, mask, nsplit, states, out, lse, i0, i1, work));
-    return 0;
-}
-
-int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                       const double *v, const void *mask, fa_idx nsplit, const double *states,
-                       double *out, double *lse, fa_idx i0, fa_idx i1, void *work)
-{
-    if (nsplit < 1 || !attn_ok(a, i0, i1, NULL, 8) || i1 - i0 > FA_ROWS_MAX) return -1;
-    isa = attn_isa(isa, a, 8);
-    FA_DISPATCH(isa, attn_repair, f64, (a, q, k, v, mask, nsplit, states, out, lse, i0, i1, work));
-    return 0;
-}
-
-int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                        const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
-                        void *work)
-{
-    if (!part_ok(a, i0, i1, 0, a->S, 8) || a->heads > 1) return -1;
-    isa = attn_isa(isa, a, 8);
-    FA_DISPATCH(isa, attn_weights, f64, (a, q, k, mask, ml, w, i0, i1, work));
+    if (!elsize_ok(elsize) || nsplit < 1 || !attn_ok(a, i0, i1, NULL, elsize) ||
+        i1 - i0 > FA_ROWS_MAX)
+        return -1;
+    isa = attn_isa(isa, a, elsize);
+    FA_DISPATCH_ES(isa, elsize, attn_repair,
+                   (a, q, k, v, mask, nsplit, states, out, lse, i0, i1, work));
     return 0;
 }
 
@@ -362,12 +311,9 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     return 0;
 }
 
-void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y, int mode)
+int fa_exp(fa_isa isa, int elsize, fa_idx n, const void *x, void *y, int mode)
 {
-    FA_DISPATCH(isa, exp_array, f32, (n, x, y, mode));
-}
-
-void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y, int mode)
-{
-    FA_DISPATCH(isa, exp_array, f64, (n, x, y, mode));
+    if (!elsize_ok(elsize) || n < 0) return -1;
+    FA_DISPATCH_ES(isa, elsize, exp_array, (n, x, y, mode));
+    return 0;
 }

@@ -6,7 +6,7 @@
 #include "fastattn.h"
 
 #define FA_ROTARY(T, NAME)                                                                     \
-    int NAME(fa_idx n, fa_idx half, int interleaved, const T *x, fa_idx xs, const T *c,         \
+    static int NAME(fa_idx n, fa_idx half, int interleaved, const T *x, fa_idx xs, const T *c,         \
              const T *s, T *y, fa_idx ys)                                                      \
     {                                                                                          \
         if (n < 0 || half < 0 || 2 * half > n) return -1;                                      \
@@ -22,5 +22,13 @@
         return 0;                                                                              \
     }
 
-FA_ROTARY(float, fa_rotary_f32)
-FA_ROTARY(double, fa_rotary_f64)
+FA_ROTARY(float, rotary_f32)
+FA_ROTARY(double, rotary_f64)
+
+int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x, fa_idx xs,
+              const void *c, const void *s, void *y, fa_idx ys)
+{
+    if (elsize == 4) return rotary_f32(n, half, interleaved, x, xs, c, s, y, ys);
+    if (elsize == 8) return rotary_f64(n, half, interleaved, x, xs, c, s, y, ys);
+    return -1;
+}

@@ -5,7 +5,9 @@
  * head) so that the caller can spread pieces over threads; each piece is
  * computed the same way whatever thread runs it, which makes results
  * bitwise identical for any thread count.  No function keeps state: the
- * instruction-set path and the scratch memory come from the caller. */
+ * instruction-set path and the scratch memory come from the caller.  The
+ * element size (4: float, 8: double) picks the type of the computation and
+ * of the arrays it writes; any other size returns -1. */
 #ifndef FASTATTN_H
 #define FASTATTN_H
 
@@ -40,14 +42,12 @@ typedef struct {
 /* Rows and columns of C per piece of work (cache blocks). */
 fa_idx fa_gemm_mc(int elsize);
 fa_idx fa_gemm_nc(int elsize);
-/* Bytes of scratch one call of fa_gemm_* needs. */
+/* Bytes of scratch one call of fa_gemm needs. */
 size_t fa_gemm_work_bytes(int elsize);
 /* C[i0:i1, j0:j1] = A[i0:i1, :] B[:, j0:j1] with i1 - i0 <= mc, j1 - j0 <= nc.
  * Returns 0, or -1 (nothing done) when the block is out of range. */
-int fa_gemm_f32(fa_isa isa, const fa_gemm_args *g, const float *a, const float *b,
-                 float *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work);
-int fa_gemm_f64(fa_isa isa, const fa_gemm_args *g, const double *a, const double *b,
-                 double *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work);
+int fa_gemm(fa_isa isa, int elsize, const fa_gemm_args *g, const void *a, const void *b,
+            void *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work);
 
 /* ---- Softmax of one row ------------------------------------------------- */
 
@@ -56,12 +56,9 @@ int fa_gemm_f64(fa_isa isa, const fa_gemm_args *g, const double *a, const double
  * entry) get weight 0; a row with no visible entry gives zeros; a NaN in a
  * visible entry gives a NaN row.  Returns 0, or -1 when n < 0. */
 size_t fa_softmax_work_bytes(fa_idx n, int elsize);
-int fa_softmax_row_f32(fa_isa isa, fa_idx n, const float *x, fa_idx xs,
-                        fa_mask_kind mk, const void *mask, fa_idx ms,
-                        float *out, fa_idx os, void *work);
-int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs,
-                        fa_mask_kind mk, const void *mask, fa_idx ms,
-                        double *out, fa_idx os, void *work);
+int fa_softmax_row(fa_isa isa, int elsize, fa_idx n, const void *x, fa_idx xs,
+                   fa_mask_kind mk, const void *mask, fa_idx ms, void *out, fa_idx os,
+                   void *work);
 
 /* ---- Fused attention for one (batch, head) ------------------------------ */
 
@@ -149,12 +146,12 @@ typedef struct {
 /* Largest E and Ev the attention kernels accept, far above any head size:
  * their scratch memory grows with E + Ev, and this bound keeps its size far
  * from overflowing a size_t (a wrapped size would be a heap overflow).
- * Beyond it fa_attn_* return -1 and fa_attn_work_bytes 0. */
+ * Beyond it fa_attn return -1 and fa_attn_work_bytes 0. */
 #define FA_ATTN_MAX_FEATURES ((fa_idx)1 << 20)
 
 /* Query rows per piece of work. */
 fa_idx fa_attn_query_block(int elsize);
-/* Bytes of scratch one call of fa_attn_* needs for these arguments. */
+/* Bytes of scratch one call of fa_attn needs for these arguments. */
 size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize);
 /* Output rows i0..i1-1 (i1 - i0 <= query block) of
  *   softmax(modified scores) V
@@ -166,12 +163,9 @@ size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize);
  * key with zero weight never contributes its value row, so a non-finite
  * value at a hidden key cannot leak into the output.  The float kernels
  * read q as a->q_store and k and v as a->kv_store, a tile at a time. */
-int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                 const void *v, const void *mask, float *out, float *w, float *lse,
-                 fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work);
-int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                 const double *v, const void *mask, double *out, double *w, double *lse,
-                 fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work);
+int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const void *k,
+            const void *v, const void *mask, void *out, void *w, void *lse, fa_idx i0,
+            fa_idx i1, const fa_attn_next *next, void *work);
 
 /* ---- Decoding split along the keys ------------------------------------- */
 
@@ -183,39 +177,30 @@ fa_idx fa_attn_splits(const fa_attn_args *a);
 /* Values of state one piece holds: heads * (i1 - i0) * (Ev + 2). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
 /* The running maximum, sum, lowest logit of nonzero weight and unnormalised output of rows i0..i1-1 over
- * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn_*); the piece with
+ * keys s_lo..s_hi-1 (i1 - i0 <= 4; work as for fa_attn); the piece with
  * s_lo = 0 holds the sink. */
-int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                     const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
-                     fa_idx s_hi, float *state, void *work);
-int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                     const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
-                     fa_idx s_hi, double *state, void *work);
+int fa_attn_part(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const void *k,
+                 const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
+                 fa_idx s_hi, void *state, void *work);
+
 /* Output rows i0..i1-1 from nsplit consecutive pieces of state; when ml is
  * not NULL it receives each row's maximum and sum (2 values a row). */
-int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
-                      float *out, float *ml, fa_idx i0, fa_idx i1);
-int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
-                      double *out, double *ml, fa_idx i0, fa_idx i1);
+int fa_attn_merge(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx nsplit,
+                  const void *states, void *out, void *ml, fa_idx i0, fa_idx i1);
+
 /* The weights of rows i0..i1-1 (at most 4) from their maximum and sum. */
-int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                        const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
-                        void *work);
-int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                        const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
-                        void *work);
+int fa_attn_weights(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
+                    const void *k, const void *mask, const void *ml, void *w, fa_idx i0,
+                    fa_idx i1, void *work);
 
 /* Rows i0..i1-1 (at most 4) of out, merged from nsplit pieces of state,
  * that came out non-finite where a key's weight may be 0 against the row's
  * maximum but was not against its piece's: again by the row kernel over all
  * the keys, which skips keys of weight 0, a non-finite value there included.
- * Genuine NaN and inf stay.  lse as for fa_attn_*; work as for fa_attn_*. */
-int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                       const void *v, const void *mask, fa_idx nsplit, const float *states,
-                       float *out, float *lse, fa_idx i0, fa_idx i1, void *work);
-int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                       const double *v, const void *mask, fa_idx nsplit, const double *states,
-                       double *out, double *lse, fa_idx i0, fa_idx i1, void *work);
+ * Genuine NaN and inf stay.  lse and work as for fa_attn. */
+int fa_attn_repair(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
+                   const void *k, const void *v, const void *mask, fa_idx nsplit,
+                   const void *states, void *out, void *lse, fa_idx i0, fa_idx i1, void *work);
 
 /* ---- Rotary position embedding (fa_rotary.c) --------------------------- */
 
@@ -226,10 +211,8 @@ int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const
  * (2i, 2i + 1) when interleaved (GPT-J's).  x and y hold n elements at
  * strides xs and ys; y may be x.  Returns 0, or -1 when 2 * half > n or
  * either is negative. */
-int fa_rotary_f32(fa_idx n, fa_idx half, int interleaved, const float *x, fa_idx xs,
-                  const float *c, const float *s, float *y, fa_idx ys);
-int fa_rotary_f64(fa_idx n, fa_idx half, int interleaved, const double *x, fa_idx xs,
-                  const double *c, const double *s, double *y, fa_idx ys);
+int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x, fa_idx xs,
+              const void *c, const void *s, void *y, fa_idx ys);
 
 /* ---- Outputs in 16 bits ------------------------------------------------- */
 
@@ -243,8 +226,7 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 /* y = exp(x) for n elements.  mode 0: the general exp; 1: the softmax's,
  * for x <= ln 256 only (what the attention kernels use on their scores,
  * less their running maximum); 2: the same with -inf lanes skipped (masked
- * scores). */
-void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y, int mode);
-void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y, int mode);
+ * scores).  Returns 0, or -1 when n < 0. */
+int fa_exp(fa_isa isa, int elsize, fa_idx n, const void *x, void *y, int mode);
 
 #endif

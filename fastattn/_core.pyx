@@ -96,15 +96,12 @@ cdef extern from "fastattn.h" nogil:
     fa_idx fa_gemm_mc(int elsize)
     fa_idx fa_gemm_nc(int elsize)
     size_t fa_gemm_work_bytes(int elsize)
-    int fa_gemm_f32(fa_isa isa, const fa_gemm_args *g, const float *a, const float *b,
-                    float *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
-    int fa_gemm_f64(fa_isa isa, const fa_gemm_args *g, const double *a, const double *b,
-                    double *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
+    int fa_gemm(fa_isa isa, int elsize, const fa_gemm_args *g, const void *a, const void *b,
+                void *c, fa_idx i0, fa_idx i1, fa_idx j0, fa_idx j1, void *work)
     size_t fa_softmax_work_bytes(fa_idx n, int elsize)
-    int fa_softmax_row_f32(fa_isa isa, fa_idx n, const float *x, fa_idx xs, fa_mask_kind mk,
-                           const void *mask, fa_idx ms, float *out, fa_idx os, void *work)
-    int fa_softmax_row_f64(fa_isa isa, fa_idx n, const double *x, fa_idx xs, fa_mask_kind mk,
-                           const void *mask, fa_idx ms, double *out, fa_idx os, void *work)
+    int fa_softmax_row(fa_isa isa, int elsize, fa_idx n, const void *x, fa_idx xs,
+                       fa_mask_kind mk, const void *mask, fa_idx ms, void *out, fa_idx os,
+                       void *work)
     enum: FA_ATTN_MAX_FEATURES
     fa_idx fa_attn_query_block(int elsize)
     size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
@@ -113,43 +110,27 @@ cdef extern from "fastattn.h" nogil:
         const void *k
         const void *v
         fa_idx i0, i1
-    int fa_attn_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                    const void *v, const void *mask, float *out, float *w, float *lse,
-                    fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
-    int fa_attn_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                    const double *v, const void *mask, double *out, double *w, double *lse,
-                    fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work)
+    int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const void *k,
+                const void *v, const void *mask, void *out, void *w, void *lse, fa_idx i0,
+                fa_idx i1, const fa_attn_next *next, void *work)
     fa_idx fa_attn_splits(const fa_attn_args *a)
     fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
-    int fa_attn_part_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                         const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
-                         fa_idx s_hi, float *state, void *work)
-    int fa_attn_part_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                         const double *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
-                         fa_idx s_hi, double *state, void *work)
-    int fa_attn_merge_f32(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const float *states,
-                          float *out, float *ml, fa_idx i0, fa_idx i1)
-    int fa_attn_merge_f64(fa_isa isa, const fa_attn_args *a, fa_idx nsplit, const double *states,
-                          double *out, double *ml, fa_idx i0, fa_idx i1)
-    int fa_attn_repair_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                           const void *v, const void *mask, fa_idx nsplit, const float *states,
-                           float *out, float *lse, fa_idx i0, fa_idx i1, void *work)
-    int fa_attn_repair_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                           const double *v, const void *mask, fa_idx nsplit, const double *states,
-                           double *out, double *lse, fa_idx i0, fa_idx i1, void *work)
-    int fa_attn_weights_f32(fa_isa isa, const fa_attn_args *a, const void *q, const void *k,
-                            const void *mask, const float *ml, float *w, fa_idx i0, fa_idx i1,
-                            void *work)
-    int fa_attn_weights_f64(fa_isa isa, const fa_attn_args *a, const double *q, const double *k,
-                            const void *mask, const double *ml, double *w, fa_idx i0, fa_idx i1,
-                            void *work)
+    int fa_attn_part(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
+                     const void *k, const void *v, const void *mask, fa_idx i0, fa_idx i1,
+                     fa_idx s_lo, fa_idx s_hi, void *state, void *work)
+    int fa_attn_merge(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx nsplit,
+                      const void *states, void *out, void *ml, fa_idx i0, fa_idx i1)
+    int fa_attn_weights(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
+                        const void *k, const void *mask, const void *ml, void *w, fa_idx i0,
+                        fa_idx i1, void *work)
+    int fa_attn_repair(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
+                       const void *k, const void *v, const void *mask, fa_idx nsplit,
+                       const void *states, void *out, void *lse, fa_idx i0, fa_idx i1,
+                       void *work)
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
-    int fa_rotary_f32(fa_idx n, fa_idx half, int interleaved, const float *x, fa_idx xs,
-                      const float *c, const float *s, float *y, fa_idx ys)
-    int fa_rotary_f64(fa_idx n, fa_idx half, int interleaved, const double *x, fa_idx xs,
-                      const double *c, const double *s, double *y, fa_idx ys)
-    void fa_exp_f32(fa_isa isa, fa_idx n, const float *x, float *y, int mode)
-    void fa_exp_f64(fa_isa isa, fa_idx n, const double *x, double *y, int mode)
+    int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x,
+                  fa_idx xs, const void *c, const void *s, void *y, fa_idx ys)
+    int fa_exp(fa_isa isa, int elsize, fa_idx n, const void *x, void *y, int mode)
 
 DEF MAXDIM = 64
 
@@ -475,15 +456,9 @@ cdef int attn_task(int isa, const fa_attn_args *a, const Operands *o, const Batc
     if o.ahead and t + nthreads < ntasks:
         nxt = task_rows(o, b, t + nthreads, nqb, qb, a.L, ascending)
         hint = &nxt
-    if o.elsize == 4:
-        return fa_attn_f32(<fa_isa>isa, &ai, <float *>cur.q, <float *>cur.k,
-                           <float *>cur.v, m_at(o, b, item),
-                           <float *>o_at(o, b, item), <float *>w_at(o, b, item),
-                           <float *>lse_at(o, b, item), cur.i0, cur.i1, hint, work)
-    return fa_attn_f64(<fa_isa>isa, &ai, <double *>cur.q, <double *>cur.k,
-                       <double *>cur.v, m_at(o, b, item),
-                       <double *>o_at(o, b, item), <double *>w_at(o, b, item),
-                       <double *>lse_at(o, b, item), cur.i0, cur.i1, hint, work)
+    return fa_attn(<fa_isa>isa, o.elsize, &ai, cur.q, cur.k, cur.v, m_at(o, b, item),
+                   o_at(o, b, item), w_at(o, b, item), lse_at(o, b, item), cur.i0, cur.i1,
+                   hint, work)
 
 
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
@@ -669,16 +644,9 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
             s_lo = piece * chunk
             s_hi = s_lo + chunk if s_lo + chunk < a.S else a.S
             ai = item_args(a, o, b, item)
-            if es == 4:
-                rc = fa_attn_part_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
-                                      <float *>k_at(o, b, item), <float *>v_at(o, b, item),
-                                      m_at(o, b, item), 0, a.L, s_lo, s_hi,
-                                      <float *>(states + es * t * slen), work)
-            else:
-                rc = fa_attn_part_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
-                                      <double *>k_at(o, b, item), <double *>v_at(o, b, item),
-                                      m_at(o, b, item), 0, a.L, s_lo, s_hi,
-                                      <double *>(states + es * t * slen), work)
+            rc = fa_attn_part(<fa_isa>isa, es, &ai, q_at(o, b, item), k_at(o, b, item),
+                              v_at(o, b, item), m_at(o, b, item), 0, a.L, s_lo, s_hi,
+                              states + es * t * slen, work)
             if rc != 0:
                 errp[0] = 2
         free(work)
@@ -696,37 +664,17 @@ cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const O
                     continue
                 mlrow = <void *>(ml + es * item * rows * 2) if ml != NULL else NULL
                 ai = item_args(a, o, b, item)
-                if es == 4:
-                    rc = fa_attn_merge_f32(<fa_isa>isa, a, nsplit,
-                                           <float *>(states + es * item * nsplit * slen),
-                                           <float *>o_at(o, b, item), <float *>mlrow, 0, a.L)
-                    if rc == 0:
-                        rc = fa_attn_repair_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
-                                                <float *>k_at(o, b, item), <float *>v_at(o, b, item),
-                                                m_at(o, b, item), nsplit,
-                                                <float *>(states + es * item * nsplit * slen),
-                                                <float *>o_at(o, b, item), NULL, 0, a.L, work)
-                else:
-                    rc = fa_attn_merge_f64(<fa_isa>isa, a, nsplit,
-                                           <double *>(states + es * item * nsplit * slen),
-                                           <double *>o_at(o, b, item), <double *>mlrow, 0, a.L)
-                    if rc == 0:
-                        rc = fa_attn_repair_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
-                                                <double *>k_at(o, b, item), <double *>v_at(o, b, item),
-                                                m_at(o, b, item), nsplit,
-                                                <double *>(states + es * item * nsplit * slen),
-                                                <double *>o_at(o, b, item), NULL, 0, a.L, work)
+                rc = fa_attn_merge(<fa_isa>isa, es, a, nsplit,
+                                   states + es * item * nsplit * slen, o_at(o, b, item), mlrow,
+                                   0, a.L)
+                if rc == 0:
+                    rc = fa_attn_repair(<fa_isa>isa, es, &ai, q_at(o, b, item), k_at(o, b, item),
+                                        v_at(o, b, item), m_at(o, b, item), nsplit,
+                                        states + es * item * nsplit * slen, o_at(o, b, item),
+                                        NULL, 0, a.L, work)
                 if rc == 0 and o.w != NULL:
-                    if es == 4:
-                        rc = fa_attn_weights_f32(<fa_isa>isa, &ai, <float *>q_at(o, b, item),
-                                                 <float *>k_at(o, b, item), m_at(o, b, item),
-                                                 <float *>mlrow, <float *>w_at(o, b, item), 0, a.L,
-                                                 work)
-                    else:
-                        rc = fa_attn_weights_f64(<fa_isa>isa, &ai, <double *>q_at(o, b, item),
-                                                 <double *>k_at(o, b, item), m_at(o, b, item),
-                                                 <double *>mlrow, <double *>w_at(o, b, item), 0, a.L,
-                                                 work)
+                    rc = fa_attn_weights(<fa_isa>isa, es, &ai, q_at(o, b, item), k_at(o, b, item),
+                                         m_at(o, b, item), mlrow, w_at(o, b, item), 0, a.L, work)
                 if rc != 0:
                     errp[0] = 2
                 if o.lse != NULL:  # row i: head i // L, query i % L
@@ -828,29 +776,17 @@ cdef int ragged_run(int isa, const Ragged *p, const RaggedTask *t, char *states,
     cdef void *ml = <void *>mlf if p.es == 4 else <void *>mld
     cdef int rc
     if not merge and st == NULL:
-        if p.es == 4:
-            return fa_attn_f32(<fa_isa>isa, &ai, q, k, v, NULL, <float *>o, NULL, <float *>lse,
-                               t.i0, t.i1, NULL, work)
-        return fa_attn_f64(<fa_isa>isa, &ai, <double *>q, <double *>k, <double *>v, NULL,
-                           <double *>o, NULL, <double *>lse, t.i0, t.i1, NULL, work)
+        return fa_attn(<fa_isa>isa, p.es, &ai, q, k, v, NULL, o, NULL, lse, t.i0, t.i1, NULL,
+                       work)
     if not merge:
-        if p.es == 4:
-            return fa_attn_part_f32(<fa_isa>isa, &ai, q, k, v, NULL, 0, ai.L, t.s_lo, t.s_hi,
-                                    <float *>st, work)
-        return fa_attn_part_f64(<fa_isa>isa, &ai, <double *>q, <double *>k, <double *>v, NULL, 0,
-                                ai.L, t.s_lo, t.s_hi, <double *>st, work)
+        return fa_attn_part(<fa_isa>isa, p.es, &ai, q, k, v, NULL, 0, ai.L, t.s_lo, t.s_hi, st,
+                            work)
     # as split_attention does: merged, the rows that came out non-finite
     # computed again, then each row's lse from the merged maximum and sum
-    if p.es == 4:
-        rc = fa_attn_merge_f32(<fa_isa>isa, &ai, t.nsplit, <float *>st, <float *>o, mlf, 0, ai.L)
-        if rc == 0:
-            rc = fa_attn_repair_f32(<fa_isa>isa, &ai, q, k, v, NULL, t.nsplit, <float *>st,
-                                    <float *>o, NULL, 0, ai.L, work)
-    else:
-        rc = fa_attn_merge_f64(<fa_isa>isa, &ai, t.nsplit, <double *>st, <double *>o, mld, 0, ai.L)
-        if rc == 0:
-            rc = fa_attn_repair_f64(<fa_isa>isa, &ai, <double *>q, <double *>k, <double *>v, NULL,
-                                    t.nsplit, <double *>st, <double *>o, NULL, 0, ai.L, work)
+    rc = fa_attn_merge(<fa_isa>isa, p.es, &ai, t.nsplit, st, o, ml, 0, ai.L)
+    if rc == 0:
+        rc = fa_attn_repair(<fa_isa>isa, p.es, &ai, q, k, v, NULL, t.nsplit, st, o, NULL, 0, ai.L,
+                            work)
     if lse != NULL:  # row i of head g of the task: ml's row g L + i
         for i in range(ai.L * t.heads):
             row_lse(p.es, ml, i, lse, i // ai.L * p.lh + i % ai.L * ai.lse_s)
@@ -1083,14 +1019,9 @@ def rotary(cnp.ndarray x, const cnp.int64_t[::1] positions, cnp.ndarray cos, cnp
         for t in prange(n, schedule="static", num_threads=min(nthreads, n)):
             p = positions[t] * half
             for h in range(H):
-                if es == 4:
-                    if fa_rotary_f32(D, half, interleaved, <float *>xp + t * x_ts + h * x_hs, x_es,
-                                     <float *>cp + p, <float *>sp + p,
-                                     <float *>op + t * o_ts + h * o_hs, o_es) != 0:
-                        errp[0] = 2
-                elif fa_rotary_f64(D, half, interleaved, <double *>xp + t * x_ts + h * x_hs, x_es,
-                                   <double *>cp + p, <double *>sp + p,
-                                   <double *>op + t * o_ts + h * o_hs, o_es) != 0:
+                if fa_rotary(es, D, half, interleaved, xp + es * (t * x_ts + h * x_hs), x_es,
+                             cp + es * p, sp + es * p, op + es * (t * o_ts + h * o_hs),
+                             o_es) != 0:
                     errp[0] = 2
     raise_on(err, "rotary")
 
@@ -1139,14 +1070,10 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
             if work == NULL or stopped(&stop):
                 continue
             mrow = at(mp, msize, &b, ms, r, 1)
-            if elsize == 4:
-                fa_softmax_row_f32(<fa_isa>isa, n, <float *>at(xp, 4, &b, xs, r, 1), x_s,
-                                   <fa_mask_kind>mask_kind, mrow, m_s,
-                                   <float *>at(op, 4, &b, os, r, 1), o_s, work)
-            else:
-                fa_softmax_row_f64(<fa_isa>isa, n, <double *>at(xp, 8, &b, xs, r, 1), x_s,
-                                   <fa_mask_kind>mask_kind, mrow, m_s,
-                                   <double *>at(op, 8, &b, os, r, 1), o_s, work)
+            if fa_softmax_row(<fa_isa>isa, elsize, n, at(xp, elsize, &b, xs, r, 1), x_s,
+                              <fa_mask_kind>mask_kind, mrow, m_s, at(op, elsize, &b, os, r, 1),
+                              o_s, work) != 0:
+                errp[0] = 2
         free(work)
     stop_raise(&stop)
     raise_on(err, "softmax")
@@ -1181,7 +1108,6 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
     cdef void *work
     cdef int err = 0
     cdef int *errp = &err
-    cdef int rc
     cdef fa_stop stop
     if ntasks == 0:
         return
@@ -1200,17 +1126,9 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
             j0 = (rest % nnb) * nc
             i1 = i0 + mc if i0 + mc < g.M else g.M
             j1 = j0 + nc if j0 + nc < g.N else g.N
-            if elsize == 4:
-                rc = fa_gemm_f32(<fa_isa>isa, &g, <float *>at(ap, 4, &b, as_, item, 1),
-                                 <float *>at(bp, 4, &b, bs, item, 1),
-                                 <float *>at(op, 4, &b, os, item, 1),
-                                 i0, i1, j0, j1, work)
-            else:
-                rc = fa_gemm_f64(<fa_isa>isa, &g, <double *>at(ap, 8, &b, as_, item, 1),
-                                 <double *>at(bp, 8, &b, bs, item, 1),
-                                 <double *>at(op, 8, &b, os, item, 1),
-                                 i0, i1, j0, j1, work)
-            if rc != 0:
+            if fa_gemm(<fa_isa>isa, elsize, &g, at(ap, elsize, &b, as_, item, 1),
+                       at(bp, elsize, &b, bs, item, 1), at(op, elsize, &b, os, item, 1),
+                       i0, i1, j0, j1, work) != 0:
                 errp[0] = 2
         free(work)
     stop_raise(&stop)
@@ -1277,7 +1195,4 @@ def exp(int isa, cnp.ndarray x not None, cnp.ndarray out not None, int mode=0):
         raise ValueError(f"out must have x's shape {(<object>x).shape}, got {(<object>out).shape}")
     if not (x.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):
         raise ValueError("x and out must be C-contiguous and out writeable")
-    if x.dtype.itemsize == 4:
-        fa_exp_f32(<fa_isa>isa, n, <float *>cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(out), mode)
-    else:
-        fa_exp_f64(<fa_isa>isa, n, <double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(out), mode)
+    fa_exp(<fa_isa>isa, x.dtype.itemsize, n, cnp.PyArray_DATA(x), cnp.PyArray_DATA(out), mode)
