@@ -171,7 +171,7 @@ cdef extern from *:
     long fa_l2_bytes()
 
 
-# Operands beyond the L2 of the threads used get prefetch hints (Operands.ahead).
+# Operands beyond the L2 of the threads used get prefetch hints (Ragged.ahead).
 cdef Py_ssize_t L2_BYTES = fa_l2_bytes()
 
 
@@ -244,19 +244,13 @@ cdef int fill_strides(fa_idx *dst, cnp.ndarray a, int nd) except -1:
     return 0
 
 
-cdef inline fa_idx nd_offset(const Batch *b, const fa_idx *strides, fa_idx flat,
-                             int last_div) noexcept nogil:
-    """Element offset of batch item `flat`; the index of the last batch axis
-    is divided by last_div (grouped-query attention maps query head h to
-    key/value head h // group)."""
-    cdef fa_idx off = 0, i
+cdef inline fa_idx nd_offset(const Batch *b, const fa_idx *strides, fa_idx flat) noexcept nogil:
+    """Element offset of batch item `flat`."""
+    cdef fa_idx off = 0
     cdef int d
     for d in range(b.nd - 1, -1, -1):
-        i = flat % b.shape[d]
+        off += (flat % b.shape[d]) * strides[d]
         flat = flat // b.shape[d]
-        if d == b.nd - 1:
-            i = i // last_div
-        off += i * strides[d]
     return off
 
 
@@ -309,288 +303,137 @@ cdef int raise_on(int err, str what) except -1:
     return 0
 
 
-cdef struct Operands:
-    # Where the operands of one attention call start (mask and weights NULL
-    # when absent) and their element strides over the batch axes.
-    char *q
-    char *k
-    char *v
-    char *m
-    char *o
-    char *w
-    char *lse      # (..., L): each row's log-sum-exp
-    char *slope    # float64 per item: ALiBi slopes
-    char *sink     # float64 per item: sink logits
-    char *ksc      # float32 per key/value item and position: int8 key scales
-    char *vsc      # and value scales
-    bint ahead     # operands beyond the threads' L2: hints for the next task
-    fa_idx qs[MAXDIM]
-    fa_idx ks[MAXDIM]
-    fa_idx vs[MAXDIM]
-    fa_idx ms[MAXDIM]
-    fa_idx os[MAXDIM]
-    fa_idx ws[MAXDIM]
-    fa_idx lses[MAXDIM]
-    fa_idx slopes[MAXDIM]
-    fa_idx sinks[MAXDIM]
-    fa_idx kscs[MAXDIM]
-    fa_idx vscs[MAXDIM]
-    int elsize   # of out, weights and lse: the kernel's type
-    int qsize    # of q, and of k and v: their storage
-    int kvsize
-    int msize    # of the mask
-    fa_idx group  # query heads per key/value head
-
-
-cdef inline void *at(char *base, int size, const Batch *b, const fa_idx *strides, fa_idx item,
-                     int div) noexcept nogil:
+cdef inline void *at(char *base, int size, const Batch *b, const fa_idx *strides,
+                     fa_idx item) noexcept nogil:
     """Start of batch item `item` of an operand; NULL stays NULL."""
     if base == NULL:
         return NULL
-    return base + size * nd_offset(b, strides, item, div)
+    return base + size * nd_offset(b, strides, item)
 
 
-cdef inline void *q_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.q, o.qsize, b, o.qs, item, 1)
+cdef struct Operand:
+    # One array of an attention call: its start (NULL: absent), element
+    # size, and element strides over the sequences' axes and the heads.
+    char *base
+    int size
+    fa_idx head
+    fa_idx seq[MAXDIM]
 
 
-cdef inline void *k_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.k, o.kvsize, b, o.ks, item, o.group)
+cdef int operand(Operand *x, cnp.ndarray a, int nseq, int head_axis) except -1:
+    """x (zeroed: absent) from a, unless a is None: its first nseq axes are
+    the sequences' axes, head_axis (-1: none) its heads'."""
+    if a is None:
+        return 0
+    x.base = <char *>cnp.PyArray_DATA(a)
+    x.size = cnp.PyArray_ITEMSIZE(a)
+    fill_strides(x.seq, a, nseq)
+    x.head = estride(a, head_axis) if head_axis >= 0 else 0
+    return 0
 
 
-cdef inline void *v_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.v, o.kvsize, b, o.vs, item, o.group)
+cdef struct Ragged:
+    # The operands of one attention call, dense or ragged: the arguments its
+    # sequences and heads share and where each starts.  Sequence b's
+    # operands start at its offsets over `seqs` (a dense call's batch axes
+    # before the heads; a ragged call's B sequences), plus in a ragged call
+    # its first query row cu_q[b] and its keys' first row kv_start[b] or
+    # block table row; query head h at h head strides from there, and
+    # key/value head h // group.
+    fa_attn_args a
+    Batch seqs
+    Operand q, k, v, m, o, w, lse, ksc, vsc, slope, sink
+    const int32_t *table          # (B, table_s) block ids, or NULL: keys contiguous
+    const cnp.int64_t *kv_start   # or NULL: every sequence's keys from row 0
+    const cnp.int64_t *cu_q       # or NULL: a.L rows from row 0
+    const cnp.int64_t *seq_lens   # or NULL: a.S keys
+    fa_idx table_s, Hq, group
+    fa_idx kv_row_bytes   # a key row's and a value row's bytes
+    fa_idx align_offset   # query i of a sequence is at key position i + this
+    bint lower_right      # ... plus S - L of the sequence
+    bint ahead_blocks     # FA_PREFETCH_BLOCKS for sequences beyond L2
+    bint ahead            # fa_attn_next hints: the operands exceed the threads' L2
+    bint can_group        # query heads may share their key/value head's reads
+    int es                # of out, weights and lse: the kernels' type
 
 
-cdef inline void *m_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.m, o.msize, b, o.ms, item, 1)
+cdef struct RaggedTask:
+    # Rows i0..i1-1 of query heads head..head+heads-1 of a sequence (heads
+    # that share a key/value head, computed together so that its keys and
+    # values are read once); when the item's keys are split (nsplit > 1),
+    # its keys s_lo..s_hi-1 into the state at `state` (elements from the
+    # start of the call's states).  cost: of its whole item; order: when made.
+    fa_idx seq, head, heads, i0, i1, s_lo, s_hi, nsplit, state, order
+    double cost
 
 
-cdef inline void *o_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.o, o.elsize, b, o.os, item, 1)
+cdef int costlier_first(const void *x, const void *y) noexcept nogil:
+    """qsort's order of tasks: costlier items first, then as made (qsort is
+    not stable), so that an item's tasks, and the heads of one key/value
+    head, stay together and in order."""
+    cdef const RaggedTask *s = <const RaggedTask *>x
+    cdef const RaggedTask *t = <const RaggedTask *>y
+    if s.cost != t.cost:
+        return -1 if s.cost > t.cost else 1
+    return -1 if s.order < t.order else (1 if s.order > t.order else 0)
 
 
-cdef inline void *w_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.w, o.elsize, b, o.ws, item, 1)
+cdef inline char *start(const Operand *x, const Ragged *p, fa_idx b, fa_idx h, fa_idx row,
+                        fa_idx row_stride) noexcept nogil:
+    """Where operand x of sequence b, head h, row `row` starts; NULL when absent."""
+    if x.base == NULL:
+        return NULL
+    return x.base + x.size * (nd_offset(&p.seqs, x.seq, b) + h * x.head + row * row_stride)
 
 
-cdef inline void *lse_at(const Operands *o, const Batch *b, fa_idx item) noexcept nogil:
-    return at(o.lse, o.elsize, b, o.lses, item, 1)
+cdef inline fa_idx q_row(const Ragged *p, fa_idx b) noexcept nogil:
+    return p.cu_q[b] if p.cu_q != NULL else 0
 
 
-cdef inline fa_attn_args item_args(const fa_attn_args *a, const Operands *o, const Batch *b,
-                                   fa_idx item) noexcept nogil:
-    """The arguments of one (batch, head) item: a's, with its ALiBi slope,
-    sink and int8 scales."""
-    cdef fa_attn_args r = a[0]
-    if o.ksc != NULL:
-        r.k_scale = <const float *>at(o.ksc, 4, b, o.kscs, item, o.group)
-        r.v_scale = <const float *>at(o.vsc, 4, b, o.vscs, item, o.group)
-    if o.slope != NULL:
-        r.alibi_slope = (<double *>at(o.slope, 8, b, o.slopes, item, 1))[0]
-        r.head_slopes = <double *>at(o.slope, 8, b, o.slopes, item, 1) if r.heads > 1 else NULL
-    if o.sink != NULL:
-        r.sink = (<double *>at(o.sink, 8, b, o.sinks, item, 1))[0]
-        r.head_sinks = <double *>at(o.sink, 8, b, o.sinks, item, 1) if r.heads > 1 else NULL
+cdef inline fa_idx kv_row(const Ragged *p, fa_idx b) noexcept nogil:
+    return p.kv_start[b] if p.kv_start != NULL else 0
+
+
+cdef inline fa_attn_args ragged_args(const Ragged *p, fa_idx b, fa_idx h,
+                                    fa_idx heads) noexcept nogil:
+    """The arguments of sequence b, query heads h..h+heads-1 (of one
+    key/value head): its L and S (the queries its last L positions), block
+    table row, scales, slopes and sinks."""
+    cdef fa_attn_args r = p.a
+    cdef const double *x
+    if p.cu_q != NULL:
+        r.L = p.cu_q[b + 1] - p.cu_q[b]
+    if p.seq_lens != NULL:
+        r.S = p.seq_lens[b]
+    r.causal_offset = (r.S - r.L if p.lower_right else 0) + p.align_offset
+    r.block_table = p.table + b * p.table_s if p.table != NULL else NULL
+    r.heads = heads
+    if p.ahead_blocks and r.S * p.kv_row_bytes > L2_BYTES:
+        r.prefetch |= FA_PREFETCH_BLOCKS
+    if p.ksc.base != NULL:
+        r.k_scale = <const float *>start(&p.ksc, p, b, h // p.group, kv_row(p, b), r.ksc_s)
+        r.v_scale = <const float *>start(&p.vsc, p, b, h // p.group, kv_row(p, b), r.vsc_s)
+    if p.slope.base != NULL:
+        x = <const double *>start(&p.slope, p, b, h, 0, 0)
+        r.alibi_slope = x[0]
+        r.head_slopes = x if heads > 1 else NULL
+    if p.sink.base != NULL:
+        x = <const double *>start(&p.sink, p, b, h, 0, 0)
+        r.sink = x[0]
+        r.head_sinks = x if heads > 1 else NULL
     return r
 
 
-cdef fa_idx group_heads(fa_attn_args *a, Batch *b, Operands *o, int nd) noexcept nogil:
-    """Decoding with grouped-query attention: the query heads of a key/value
-    head computed together, `together` of them per item (a divisor of the
-    group, as many as the row kernel's 4 rows hold), so that its keys and
-    values are read once for them all (fa_attn_args' heads): the last batch
-    axis counts chunks of heads from here on.  Only without a mask or
-    weights, with per-head slopes and sinks one element apart.  Returns the
-    heads per item (1: unchanged).  Each head keeps the bits of a call of
-    its own."""
-    cdef fa_idx together = min(o.group, 4 // a.L) if 0 < a.L <= 2 else 1
-    while together > 1 and o.group % together:
-        together -= 1
-    if (together < 2 or nd < 1 or a.mask_kind != FA_MASK_NONE or o.w != NULL
-            or (o.slope != NULL and o.slopes[nd - 1] != 1)
-            or (o.sink != NULL and o.sinks[nd - 1] != 1)):
-        return 1
-    a.heads = together
-    a.q_hs, a.o_hs, a.lse_hs = o.qs[nd - 1], o.os[nd - 1], o.lses[nd - 1]
-    b.shape[nd - 1] //= together
-    b.count //= together
-    o.group //= together
-    o.qs[nd - 1] *= together
-    o.os[nd - 1] *= together
-    o.lses[nd - 1] *= together
-    o.slopes[nd - 1] *= together
-    o.sinks[nd - 1] *= together
-    return together
-
-
-# Task t of the attention loop: head by head, so that the threads share one
-# head's keys and values in cache; within a head the largest causal blocks
-# come first, except under a window's left bound (ascending), where blocks
-# cost about the same and the keys new to each block then continue the
-# ascending stream of the one before, which the hardware prefetcher follows.
-cdef inline fa_attn_next task_rows(const Operands *o, const Batch *b, fa_idx t, fa_idx nqb,
-                                   fa_idx qb, fa_idx L, bint ascending) noexcept nogil:
+cdef inline fa_attn_next task_rows(const Ragged *p, const RaggedTask *t,
+                                   const fa_attn_args *a) noexcept nogil:
+    """Where task t reads its queries, keys and values."""
     cdef fa_attn_next r
-    cdef fa_idx item = t // nqb
-    r.q = q_at(o, b, item)
-    r.k = k_at(o, b, item)
-    r.v = v_at(o, b, item)
-    r.i0 = (t % nqb if ascending else nqb - 1 - t % nqb) * qb
-    r.i1 = r.i0 + qb if r.i0 + qb < L else L
+    cdef fa_idx b = t.seq, kvh = t.head // p.group
+    r.q = start(&p.q, p, b, t.head, q_row(p, b), a.q_ls)
+    r.k = start(&p.k, p, b, kvh, kv_row(p, b), a.k_ss)
+    r.v = start(&p.v, p, b, kvh, kv_row(p, b), a.v_ss)
+    r.i0, r.i1 = t.i0, t.i1
     return r
-
-
-cdef int attn_task(int isa, const fa_attn_args *a, const Operands *o, const Batch *b, fa_idx t,
-                   fa_idx nqb, fa_idx qb, fa_idx ntasks, int nthreads,
-                   void *work) noexcept nogil:
-    """Task t of the attention loop (task_rows); the kernel's return code."""
-    cdef fa_idx item = t // nqb
-    cdef bint ascending = a.window_left >= 0
-    cdef fa_attn_next cur = task_rows(o, b, t, nqb, qb, a.L, ascending)
-    cdef fa_attn_next nxt
-    cdef const fa_attn_next *hint = NULL
-    cdef fa_attn_args ai = item_args(a, o, b, item)
-    # the task this thread most likely takes next: prefetched as this one
-    # ends (only a hint; no result depends on it)
-    if o.ahead and t + nthreads < ntasks:
-        nxt = task_rows(o, b, t + nthreads, nqb, qb, a.L, ascending)
-        hint = &nxt
-    return fa_attn(<fa_isa>isa, o.elsize, &ai, cur.q, cur.k, cur.v, m_at(o, b, item),
-                   o_at(o, b, item), w_at(o, b, item), lse_at(o, b, item), cur.i0, cur.i1,
-                   hint, work)
-
-
-def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
-              cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
-              double scale, int nthreads, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES,
-              fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
-              object slopes=None, object sinks=None, object lse=None,
-              int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
-              object v_scale=None, bint ahead_blocks=True):
-    """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
-
-    All arrays have the same number of dimensions; the axes before the last
-    two are batch axes, equal to out's except that k and v have out's last
-    batch axis divided by group.  slopes and sinks (float64) have out's
-    batch shape, lse (out's dtype) its batch shape and L.  q, and k and v,
-    are stored as q_store and kv_store (out float32 unless both are native);
-    with int8 and float8_e4m3fn, k_scale and v_scale (float32) have k's
-    batch shape and S; Q4 rows are blocks of bytes (fa_common.h), so Ev is
-    out's last axis, not v's.  prefetch: fa_attn_args' (fastattn/_tuning.py
-    chooses it); ahead_blocks: FA_PREFETCH_BLOCKS joins it where one item's
-    keys and values exceed L2.  No result depends on either."""
-    cdef int nd = q.ndim - 2
-    cdef Batch b
-    cdef Operands o
-    cdef fa_attn_args a
-    cdef cnp.ndarray m_arr, w_arr, x_arr
-    memset(&o, 0, sizeof(o))
-    memset(&a, 0, sizeof(a))
-    a.prefetch = prefetch
-    # one item's keys and values beyond L2: the block kernel asks for each
-    # next key block while it computes one (FA_PREFETCH_BLOCKS)
-    if ahead_blocks and (k.shape[nd] * (k.shape[nd + 1] + v.shape[nd + 1]) *
-                         cnp.PyArray_ITEMSIZE(k) > L2_BYTES):
-        a.prefetch |= FA_PREFETCH_BLOCKS
-    fill_batch(&b, out, nd)
-    o.q, o.k, o.v, o.o = (<char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(k),
-                          <char *>cnp.PyArray_DATA(v), <char *>cnp.PyArray_DATA(out))
-    o.elsize, o.msize, o.group = cnp.PyArray_ITEMSIZE(out), 1, group
-    o.qsize, o.kvsize = cnp.PyArray_ITEMSIZE(q), cnp.PyArray_ITEMSIZE(k)
-    a.q_store, a.kv_store = <fa_store>q_store, <fa_store>kv_store
-    fill_strides(o.qs, q, nd)
-    fill_strides(o.ks, k, nd)
-    fill_strides(o.vs, v, nd)
-    fill_strides(o.os, out, nd)
-    a.L = q.shape[nd]
-    a.E = q.shape[nd + 1]
-    a.S = k.shape[nd]
-    a.Ev = out.shape[nd + 1]  # v's last axis counts bytes for Q4
-    a.q_ls, a.q_es = estride(q, nd), estride(q, nd + 1)
-    a.k_ss, a.k_es = estride(k, nd), estride(k, nd + 1)
-    a.v_ss, a.v_es = estride(v, nd), estride(v, nd + 1)
-    a.o_ls, a.o_es = estride(out, nd), estride(out, nd + 1)
-    a.mask_kind = <fa_mask_kind>mask_kind
-    if mask_kind != MASK_NONE:
-        m_arr = mask
-        o.m = <char *>cnp.PyArray_DATA(m_arr)
-        o.msize = cnp.PyArray_ITEMSIZE(m_arr)
-        fill_strides(o.ms, m_arr, nd)
-        a.m_ls, a.m_ss = estride(m_arr, nd), estride(m_arr, nd + 1)
-    if weights is not None:
-        w_arr = weights
-        o.w = <char *>cnp.PyArray_DATA(w_arr)
-        fill_strides(o.ws, w_arr, nd)
-        a.w_ls, a.w_ss = estride(w_arr, nd), estride(w_arr, nd + 1)
-    a.causal = causal
-    a.causal_offset = causal_offset
-    a.scale = scale
-    a.window_left, a.window_right, a.softcap, a.sink = window_left, window_right, softcap, -INFINITY
-    if slopes is not None:
-        x_arr = slopes
-        o.slope = <char *>cnp.PyArray_DATA(x_arr)
-        fill_strides(o.slopes, x_arr, nd)
-    if sinks is not None:
-        x_arr = sinks
-        o.sink = <char *>cnp.PyArray_DATA(x_arr)
-        fill_strides(o.sinks, x_arr, nd)
-    if lse is not None:
-        x_arr = lse
-        o.lse = <char *>cnp.PyArray_DATA(x_arr)
-        fill_strides(o.lses, x_arr, nd)
-        a.lse_s = estride(x_arr, nd)
-    if k_scale is not None:
-        x_arr = k_scale
-        o.ksc = <char *>cnp.PyArray_DATA(x_arr)
-        fill_strides(o.kscs, x_arr, nd)
-        a.ksc_s = estride(x_arr, nd)
-        x_arr = v_scale
-        o.vsc = <char *>cnp.PyArray_DATA(x_arr)
-        fill_strides(o.vscs, x_arr, nd)
-        a.vsc_s = estride(x_arr, nd)
-
-    group_heads(&a, &b, &o, nd)
-    cdef fa_idx qb = fa_attn_query_block(o.elsize)
-    cdef fa_idx nqb = (a.L + qb - 1) // qb
-    cdef fa_idx ntasks = nqb * b.count
-    cdef size_t work_bytes = fa_attn_work_bytes(&a, o.elsize)
-    cdef fa_idx t
-    cdef void *work
-    cdef int err = 0
-    cdef int *errp = &err
-    cdef fa_stop stop
-    if ntasks == 0:
-        return
-    cdef fa_idx nsplit = fa_attn_splits(&a)
-    if nsplit > 1:
-        split_attention(isa, &a, &b, &o, nsplit, work_bytes, nthreads)
-        return
-    nthreads = min(nthreads, ntasks)  # do not wake threads that would get no work
-    o.ahead = q.nbytes + k.nbytes + v.nbytes + out.nbytes > L2_BYTES * nthreads
-    stop_init(&stop)
-    if nthreads == 1:  # the same tasks in order, without a parallel region: entering one
-        with nogil:    # costs a tenth of a small call (threads-and-speed.md, "Small calls")
-            work = malloc(work_bytes)
-            err = 1 if work == NULL else 0
-            t = 0
-            while err == 0 and t < ntasks and not stopped(&stop):
-                err = 2 if attn_task(isa, &a, &o, &b, t, nqb, qb, ntasks, 1, work) != 0 else 0
-                t += 1
-            free(work)
-    else:
-        with nogil, parallel(num_threads=nthreads):
-            work = malloc(work_bytes)
-            if work == NULL:
-                errp[0] = 1
-            for t in prange(ntasks, schedule="dynamic"):
-                if work == NULL or stopped(&stop):
-                    continue
-                if attn_task(isa, &a, &o, &b, t, nqb, qb, ntasks, nthreads, work) != 0:
-                    errp[0] = 2
-            free(work)
-    stop_raise(&stop)
-    raise_on(err, "attention")
 
 
 cdef inline void row_lse(int es, void *ml, fa_idx i, void *lse, fa_idx at) noexcept nogil:
@@ -604,200 +447,63 @@ cdef inline void row_lse(int es, void *ml, fa_idx i, void *lse, fa_idx at) noexc
         (<double *>lse)[at] = -INFINITY if l == 0 else m + log(l)
 
 
-cdef int split_attention(int isa, const fa_attn_args *a, const Batch *b, const Operands *o,
-                         fa_idx nsplit, size_t work_bytes, int nthreads) except -1:
-    """Decoding (a few query rows, many keys): every item's keys in nsplit
-    pieces computed in parallel, then merged (csrc/fastattn.h); the weights,
-    when wanted, from each row's merged maximum and sum, so that asking for
-    them does not change the output."""
-    cdef int es = o.elsize
-    cdef fa_idx chunk = (a.S + nsplit - 1) // nsplit
-    cdef fa_idx slen = fa_attn_state_len(a, 0, a.L)
-    cdef fa_idx ntasks = b.count * nsplit
-    cdef fa_idx t, item, piece, s_lo, s_hi
-    cdef char *states = <char *>malloc(ntasks * slen * es)
-    cdef bint want_ml = o.w != NULL or o.lse != NULL
-    cdef fa_idx rows = a.L * (a.heads if a.heads > 1 else 1)  # of an item (group_heads)
-    cdef char *ml = <char *>malloc(b.count * rows * 2 * es) if want_ml else NULL
-    cdef void *work
-    cdef void *mlrow
-    cdef int err = 0
-    cdef int *errp = &err
-    cdef int rc
-    cdef fa_stop stop
-    cdef fa_attn_args ai
-    cdef fa_idx i
-    if states == NULL or (want_ml and ml == NULL):
-        free(states)
-        free(ml)
-        raise MemoryError("fastattn: cannot allocate the split-attention state")
-    stop_init(&stop)
-    with nogil, parallel(num_threads=min(nthreads, ntasks)):
-        work = malloc(work_bytes)
-        if work == NULL:
-            errp[0] = 1
-        for t in prange(ntasks, schedule="dynamic"):
-            if work == NULL or stopped(&stop):
-                continue
-            item = t // nsplit
-            piece = t % nsplit
-            s_lo = piece * chunk
-            s_hi = s_lo + chunk if s_lo + chunk < a.S else a.S
-            ai = item_args(a, o, b, item)
-            rc = fa_attn_part(<fa_isa>isa, es, &ai, q_at(o, b, item), k_at(o, b, item),
-                              v_at(o, b, item), m_at(o, b, item), 0, a.L, s_lo, s_hi,
-                              states + es * t * slen, work)
-            if rc != 0:
-                errp[0] = 2
-        free(work)
-    # merged, then the rows that came out non-finite where a key's weight may
-    # be 0 against the row's maximum but not against its piece's computed
-    # again without the split (fa_attn_repair), then the weights from the
-    # merged maximum and sum
-    if err == 0 and stop.flag == 0:
-        with nogil, parallel(num_threads=min(nthreads, b.count)):
-            work = malloc(work_bytes)
-            if work == NULL:
-                errp[0] = 1
-            for item in prange(b.count, schedule="static"):
-                if work == NULL:
-                    continue
-                mlrow = <void *>(ml + es * item * rows * 2) if ml != NULL else NULL
-                ai = item_args(a, o, b, item)
-                rc = fa_attn_merge(<fa_isa>isa, es, a, nsplit,
-                                   states + es * item * nsplit * slen, o_at(o, b, item), mlrow,
-                                   0, a.L)
-                if rc == 0:
-                    rc = fa_attn_repair(<fa_isa>isa, es, &ai, q_at(o, b, item), k_at(o, b, item),
-                                        v_at(o, b, item), m_at(o, b, item), nsplit,
-                                        states + es * item * nsplit * slen, o_at(o, b, item),
-                                        NULL, 0, a.L, work)
-                if rc == 0 and o.w != NULL:
-                    rc = fa_attn_weights(<fa_isa>isa, es, &ai, q_at(o, b, item), k_at(o, b, item),
-                                         m_at(o, b, item), mlrow, w_at(o, b, item), 0, a.L, work)
-                if rc != 0:
-                    errp[0] = 2
-                if o.lse != NULL:  # row i: head i // L, query i % L
-                    for i in range(rows):
-                        row_lse(es, mlrow, i, lse_at(o, b, item),
-                                i // a.L * a.lse_hs + i % a.L * a.lse_s)
-            free(work)
-    free(states)
-    free(ml)
-    stop_raise(&stop)
-    return raise_on(err, "split attention")
-
-
-cdef struct Ragged:
-    # The operands of one ragged() call: the arguments shared by its
-    # sequences and heads, and where each sequence's and head's start.
-    fa_attn_args a
-    char *q
-    char *k
-    char *v
-    char *o
-    char *lse
-    const float *ksc
-    const float *vsc
-    const int32_t *table          # (B, table_s) block ids, or NULL: keys contiguous
-    const cnp.int64_t *kv_start   # without a table, each sequence's first key row
-    const cnp.int64_t *cu_q
-    const cnp.int64_t *seq_lens
-    const double *slope   # (B, Hq) or NULL
-    const double *sink    # (Hq,) or NULL
-    fa_idx table_s, Hq, group, qh, kh, vh, oh, lh, ksch, vsch
-    fa_idx kv_row_bytes   # a key row's and a value row's bytes
-    fa_idx align_offset   # query i of a sequence is at key position i + this
-    bint lower_right      # ... plus S - L of the sequence
-    bint ahead_blocks     # FA_PREFETCH_BLOCKS for sequences beyond L2
-    int qsize, kvsize, es
-
-
-cdef struct RaggedTask:
-    # Rows i0..i1-1 of query heads head..head+heads-1 of a sequence (heads
-    # that share a key/value head, computed together so that its keys and
-    # values are read once); when the item's keys are split (nsplit > 1),
-    # its keys s_lo..s_hi-1 into the state at `state` (elements from the
-    # start of the call's states).  order: when made.
-    fa_idx seq, head, heads, i0, i1, s_lo, s_hi, nsplit, state, order
-    double cost
-
-
-cdef int costlier_first(const void *x, const void *y) noexcept nogil:
-    """qsort's order of tasks: costlier first, then as made (qsort is not
-    stable), so that the heads of one key/value head stay together."""
-    cdef const RaggedTask *s = <const RaggedTask *>x
-    cdef const RaggedTask *t = <const RaggedTask *>y
-    if s.cost != t.cost:
-        return -1 if s.cost > t.cost else 1
-    return -1 if s.order < t.order else (1 if s.order > t.order else 0)
-
-
-cdef inline fa_attn_args ragged_args(const Ragged *p, fa_idx b, fa_idx h,
-                                    fa_idx heads) noexcept nogil:
-    """The arguments of sequence b, query heads h..h+heads-1 (of one
-    key/value head): its L and S (the queries its last L positions), block
-    table row, scales, slopes and sinks."""
-    cdef fa_attn_args r = p.a
-    r.L = p.cu_q[b + 1] - p.cu_q[b]
-    r.S = p.seq_lens[b]
-    r.causal_offset = (r.S - r.L if p.lower_right else 0) + p.align_offset
-    r.block_table = p.table + b * p.table_s if p.table != NULL else NULL
-    r.heads = heads
-    if p.ahead_blocks and r.S * p.kv_row_bytes > L2_BYTES:  # as attention() decides
-        r.prefetch |= FA_PREFETCH_BLOCKS
-    if p.ksc != NULL:
-        r.k_scale = p.ksc + (h // p.group) * p.ksch
-        r.v_scale = p.vsc + (h // p.group) * p.vsch
-    if p.slope != NULL:
-        r.alibi_slope = p.slope[b * p.Hq + h]
-        r.head_slopes = p.slope + b * p.Hq + h
-    if p.sink != NULL:
-        r.sink = p.sink[h]
-        r.head_sinks = p.sink + h
-    return r
-
-
-cdef int ragged_run(int isa, const Ragged *p, const RaggedTask *t, char *states, bint merge,
-                   void *work) noexcept nogil:
-    """Task t of ragged(), or (merge) the merge of its item's split pieces,
-    their repair and lse; the kernels' return code."""
-    cdef fa_idx b = t.seq, h = t.head, i
-    cdef fa_attn_args ai = ragged_args(p, b, h, t.heads)
-    cdef char *q = p.q + p.qsize * (p.cu_q[b] * ai.q_ls + h * p.qh)
-    cdef fa_idx row0 = p.kv_start[b] if p.kv_start != NULL else 0
-    cdef char *k = p.k + p.kvsize * ((h // p.group) * p.kh + row0 * ai.k_ss)
-    cdef char *v = p.v + p.kvsize * ((h // p.group) * p.vh + row0 * ai.v_ss)
-    cdef char *o = p.o + p.es * (p.cu_q[b] * ai.o_ls + h * p.oh)
-    cdef char *lse = p.lse + p.es * (h * p.lh + p.cu_q[b] * ai.lse_s) if p.lse != NULL else NULL
-    cdef char *st = states + p.es * t.state if t.nsplit > 1 else NULL
+cdef int ragged_run(int isa, const Ragged *p, const RaggedTask *tasks, fa_idx t, fa_idx ntasks,
+                    int nthreads, char *states, bint merge, void *work) noexcept nogil:
+    """Task t of the list, or (merge) the merge of its item's split pieces,
+    their repair, weights and lse; the kernels' return code."""
+    cdef const RaggedTask *x = &tasks[t]
+    cdef fa_idx b = x.seq, h = x.head, i
+    cdef fa_attn_args ai = ragged_args(p, b, h, x.heads)
+    cdef fa_attn_next cur = task_rows(p, x, &ai)
+    cdef fa_attn_next nxt
+    cdef const fa_attn_next *hint = NULL
+    cdef const RaggedTask *n
+    cdef void *m = start(&p.m, p, b, h, 0, 0)
+    cdef void *o = start(&p.o, p, b, h, q_row(p, b), ai.o_ls)
+    cdef void *w = start(&p.w, p, b, h, 0, 0)
+    cdef void *lse = start(&p.lse, p, b, h, q_row(p, b), ai.lse_s)
+    cdef void *st = states + p.es * x.state if x.nsplit > 1 else NULL
     cdef float mlf[2 * 4]   # the merged maximum and sum of at most FA_ROWS_MAX rows
     cdef double mld[2 * 4]
     cdef void *ml = <void *>mlf if p.es == 4 else <void *>mld
     cdef int rc
     if not merge and st == NULL:
-        return fa_attn(<fa_isa>isa, p.es, &ai, q, k, v, NULL, o, NULL, lse, t.i0, t.i1, NULL,
-                       work)
+        # the task this thread most likely takes next, when its rows suit
+        # this call: prefetched as this one ends (only a hint)
+        if p.ahead and t + nthreads < ntasks:
+            n = &tasks[t + nthreads]
+            if n.nsplit == 1 and n.i1 <= ai.L and (ai.heads <= 1 or ai.heads * (n.i1 - n.i0) <= 4):
+                nxt = task_rows(p, n, &ai)
+                hint = &nxt
+        return fa_attn(<fa_isa>isa, p.es, &ai, cur.q, cur.k, cur.v, m, o, w, lse, x.i0, x.i1,
+                       hint, work)
     if not merge:
-        return fa_attn_part(<fa_isa>isa, p.es, &ai, q, k, v, NULL, 0, ai.L, t.s_lo, t.s_hi, st,
-                            work)
-    # as split_attention does: merged, the rows that came out non-finite
-    # computed again, then each row's lse from the merged maximum and sum
-    rc = fa_attn_merge(<fa_isa>isa, p.es, &ai, t.nsplit, st, o, ml, 0, ai.L)
+        return fa_attn_part(<fa_isa>isa, p.es, &ai, cur.q, cur.k, cur.v, m, 0, ai.L, x.s_lo,
+                            x.s_hi, st, work)
+    # merged, then the rows that came out non-finite where a key's weight
+    # may be 0 against the row's maximum but not against its piece's
+    # computed again without the split (fa_attn_repair), then the weights
+    # and each row's lse from the merged maximum and sum, so that asking for
+    # them does not change the output
+    rc = fa_attn_merge(<fa_isa>isa, p.es, &ai, x.nsplit, st, o, ml, 0, ai.L)
     if rc == 0:
-        rc = fa_attn_repair(<fa_isa>isa, p.es, &ai, q, k, v, NULL, t.nsplit, st, o, NULL, 0, ai.L,
-                            work)
+        rc = fa_attn_repair(<fa_isa>isa, p.es, &ai, cur.q, cur.k, cur.v, m, x.nsplit, st, o,
+                            NULL, 0, ai.L, work)
+    if rc == 0 and w != NULL:
+        rc = fa_attn_weights(<fa_isa>isa, p.es, &ai, cur.q, cur.k, m, ml, w, 0, ai.L, work)
     if lse != NULL:  # row i of head g of the task: ml's row g L + i
-        for i in range(ai.L * t.heads):
-            row_lse(p.es, ml, i, lse, i // ai.L * p.lh + i % ai.L * ai.lse_s)
+        for i in range(ai.L * x.heads):
+            row_lse(p.es, ml, i, lse, i // ai.L * p.lse.head + i % ai.L * ai.lse_s)
     return rc
 
 
-cdef inline fa_idx grouped(const fa_attn_args *a, fa_idx group) noexcept nogil:
+cdef inline fa_idx grouped(const Ragged *p, const fa_attn_args *a) noexcept nogil:
     """Query heads of one key/value head computed together for a sequence
     of a->L queries: as many as the row kernel's 4 rows hold (1 when its
-    L > 4 rows go to the block kernel)."""
-    return max(1, min(group, 4 // a.L)) if a.L <= 4 else 1
+    L > 4 rows go to the block kernel, or the call cannot group)."""
+    if not p.can_group or a.L > 4:
+        return 1
+    return max(1, min(p.group, 4 // a.L))
 
 
 cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
@@ -811,6 +517,198 @@ cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo
     if a.window_left >= 0:
         lo = max(lo, a.causal_offset + i0 - a.window_left)
     return <double>max(hi - lo, 0) * <double>(i1 - i0 + 8)
+
+
+cdef int run_tasks(int isa, const Ragged *p, const RaggedTask *tasks, fa_idx n, char *states,
+                   bint merge, int nthreads, fa_stop *stop) except -1:
+    """Tasks 0..n-1 (or their merges) over nthreads threads; a single
+    thread without a parallel region: entering one costs a tenth of a
+    small call (threads-and-speed.md, "Small calls")."""
+    cdef size_t work_bytes = fa_attn_work_bytes(&p.a, p.es)
+    cdef fa_idx t
+    cdef void *work
+    cdef int err = 0
+    cdef int *errp = &err
+    nthreads = min(nthreads, n)
+    if nthreads <= 1:
+        with nogil:
+            work = malloc(work_bytes)
+            err = 1 if work == NULL else 0
+            t = 0
+            while err == 0 and t < n and not stopped(stop):
+                err = 2 if ragged_run(isa, p, tasks, t, n, 1, states, merge, work) != 0 else 0
+                t += 1
+            free(work)
+    else:
+        with nogil, parallel(num_threads=nthreads):
+            work = malloc(work_bytes)
+            if work == NULL:
+                errp[0] = 1
+            for t in prange(n, schedule="dynamic"):
+                if work == NULL or stopped(stop):
+                    continue
+                if ragged_run(isa, p, tasks, t, n, nthreads, states, merge, work) != 0:
+                    errp[0] = 2
+            free(work)
+    return err
+
+
+cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except -1:
+    """The call's tasks: every (sequence, head) split as
+    scaled_dot_product_attention on that sequence alone splits it
+    (fa_attn_splits), so that its bits are that call's: a task per block of
+    query rows, of the sequence's own length, or per piece of its keys,
+    merged after; a few rows (decoding) of the query heads of one key/value
+    head together (fa_attn_args' heads: the keys read once for all).
+    Costlier items first; within an item the largest causal blocks first,
+    except under a window's left bound (ascending), where blocks cost about
+    the same and the keys new to each block continue the ascending stream
+    of the one before, which the hardware prefetcher follows."""
+    cdef fa_idx qb = fa_attn_query_block(p.es)
+    cdef fa_idx nseq = p.seqs.count, b, h, h0, piece, nqb, chunk, nsplit, together, first
+    cdef fa_idx ntasks = 0, nitems = 0, nstate = 0, t, slen, k
+    cdef bint ascending = p.a.window_left >= 0
+    cdef double cost
+    cdef fa_attn_args ai
+    cdef RaggedTask *x
+    for b in range(nseq):
+        ai = ragged_args(p, b, 0, 1)
+        if ai.L == 0:
+            continue
+        nsplit = fa_attn_splits(&ai)
+        together = grouped(p, &ai)
+        k = (p.Hq // p.group) * ((p.group + together - 1) // together)
+        ntasks += k * (nsplit if nsplit > 1 else (ai.L + qb - 1) // qb)
+        nitems += k if nsplit > 1 else 0
+    if ntasks == 0:
+        return 0
+    cdef RaggedTask *tasks = <RaggedTask *>malloc((ntasks + nitems) * sizeof(RaggedTask))
+    if tasks == NULL:
+        raise MemoryError("fastattn: cannot allocate the task list")
+    cdef RaggedTask *items = tasks + ntasks  # the split items, to merge
+    t = 0
+    nitems = 0
+    for b in range(nseq):
+        ai = ragged_args(p, b, 0, 1)
+        if ai.L == 0:
+            continue
+        nsplit = fa_attn_splits(&ai)
+        together = grouped(p, &ai)
+        nqb = (ai.L + qb - 1) // qb
+        chunk = (ai.S + nsplit - 1) // nsplit
+        for h0 in range(p.Hq):  # chunks of `together` heads of one key/value head
+            if h0 % p.group % together:
+                continue
+            h = min(together, p.group - h0 % p.group)
+            ai.heads = h
+            slen = fa_attn_state_len(&ai, 0, ai.L)
+            if nsplit > 1:
+                items[nitems] = RaggedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit, nstate, nitems, 0)
+                nitems += 1
+            first, cost = t, 0
+            for piece in range(nsplit if nsplit > 1 else nqb):
+                x = &tasks[t]
+                x.seq, x.head, x.heads, x.nsplit, x.order = b, h0, h, nsplit, t
+                if nsplit > 1:
+                    x.i0, x.i1, x.s_lo = 0, ai.L, piece * chunk
+                    x.s_hi = min(x.s_lo + chunk, ai.S)
+                    x.state = nstate
+                    nstate += slen
+                else:
+                    x.i0 = (piece if ascending else nqb - 1 - piece) * qb
+                    x.i1 = min(x.i0 + qb, ai.L)
+                    x.s_lo, x.s_hi, x.state = 0, ai.S, 0
+                cost += ragged_cost(&ai, x.i0, x.i1, x.s_lo, x.s_hi) * h
+                t += 1
+            for k in range(first, t):
+                tasks[k].cost = cost
+    qsort(tasks, ntasks, sizeof(RaggedTask), costlier_first)
+
+    cdef char *states = <char *>malloc(max(nstate, 1) * p.es)
+    if states == NULL:
+        free(tasks)
+        raise MemoryError("fastattn: cannot allocate the split-attention state")
+    p.ahead = p.table == NULL and operand_bytes > <size_t>L2_BYTES * min(nthreads, ntasks)
+    cdef fa_stop stop
+    stop_init(&stop)
+    cdef int err = run_tasks(isa, p, tasks, ntasks, states, False, nthreads, &stop)
+    if err == 0 and stop.flag == 0 and nitems > 0:
+        err = run_tasks(isa, p, items, nitems, states, True, nthreads, &stop)
+    free(states)
+    free(tasks)
+    stop_raise(&stop)
+    return raise_on(err, "attention")
+
+
+def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
+              cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
+              double scale, int nthreads, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES,
+              fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
+              object slopes=None, object sinks=None, object lse=None,
+              int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
+              object v_scale=None, bint ahead_blocks=True):
+    """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
+
+    All arrays have the same number of dimensions; the axes before the last
+    two are batch axes, equal to out's except that k and v have out's last
+    batch axis (the heads) divided by group.  slopes and sinks (float64)
+    have out's batch shape, lse (out's dtype) its batch shape and L.  q,
+    and k and v, are stored as q_store and kv_store (out float32 unless both
+    are native); with int8 and float8_e4m3fn, k_scale and v_scale (float32)
+    have k's batch shape and S; Q4 rows are blocks of bytes (fa_common.h),
+    so Ev is out's last axis, not v's.  prefetch: fa_attn_args'
+    (fastattn/_tuning.py chooses it); ahead_blocks: FA_PREFETCH_BLOCKS joins
+    it for items whose keys and values exceed L2.  No result depends on
+    either.  The tasks: schedule()'s, every item of the batch a sequence."""
+    cdef int nd = q.ndim - 2
+    cdef int ns = nd - 1 if nd > 0 else 0   # the sequences' axes: the batch axes but the heads
+    cdef int ha = nd - 1                    # the heads' axis, or -1
+    cdef Ragged p
+    memset(&p, 0, sizeof(p))
+    fill_batch(&p.seqs, out, ns)
+    p.Hq = out.shape[ha] if nd > 0 else 1
+    p.group = group if nd > 0 else 1
+    p.es = cnp.PyArray_ITEMSIZE(out)
+    operand(&p.q, q, ns, ha)
+    operand(&p.k, k, ns, ha)
+    operand(&p.v, v, ns, ha)
+    operand(&p.o, out, ns, ha)
+    operand(&p.m, mask if mask_kind != MASK_NONE else None, ns, ha)
+    operand(&p.w, weights, ns, ha)
+    operand(&p.lse, lse, ns, ha)
+    operand(&p.slope, slopes, ns, ha)
+    operand(&p.sink, sinks, ns, ha)
+    operand(&p.ksc, k_scale, ns, ha)
+    operand(&p.vsc, v_scale, ns, ha)
+    p.a.L, p.a.E, p.a.S = q.shape[nd], q.shape[nd + 1], k.shape[nd]
+    p.a.Ev = out.shape[nd + 1]  # v's last axis counts bytes for Q4
+    p.a.q_ls, p.a.q_es = estride(q, nd), estride(q, nd + 1)
+    p.a.k_ss, p.a.k_es = estride(k, nd), estride(k, nd + 1)
+    p.a.v_ss, p.a.v_es = estride(v, nd), estride(v, nd + 1)
+    p.a.o_ls, p.a.o_es = estride(out, nd), estride(out, nd + 1)
+    p.a.q_hs, p.a.o_hs, p.a.lse_hs = p.q.head, p.o.head, p.lse.head
+    p.a.mask_kind = <fa_mask_kind>mask_kind
+    if p.m.base != NULL:
+        p.a.m_ls, p.a.m_ss = estride(mask, nd), estride(mask, nd + 1)
+    if p.w.base != NULL:
+        p.a.w_ls, p.a.w_ss = estride(weights, nd), estride(weights, nd + 1)
+    if p.lse.base != NULL:
+        p.a.lse_s = estride(lse, nd)
+    if p.ksc.base != NULL:
+        p.a.ksc_s, p.a.vsc_s = estride(k_scale, nd), estride(v_scale, nd)
+    p.a.causal, p.align_offset = causal, causal_offset
+    p.a.scale, p.a.softcap = scale, softcap
+    p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
+    p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
+    p.a.prefetch = prefetch
+    p.kv_row_bytes = (k.shape[nd + 1] + v.shape[nd + 1]) * cnp.PyArray_ITEMSIZE(k)
+    p.ahead_blocks = ahead_blocks
+    # heads share their key/value head's reads only without a mask or
+    # weights, with per-head slopes and sinks one element apart
+    p.can_group = (p.m.base == NULL and p.w.base == NULL and
+                   (p.slope.base == NULL or p.slope.head == 1) and
+                   (p.sink.base == NULL or p.sink.head == 1))
+    schedule(isa, &p, q.nbytes + k.nbytes + v.nbytes + out.nbytes, nthreads)
 
 
 def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache,
@@ -831,39 +729,47 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
     block_table None, rows kv_start[b].. (int64 (B,)) of the one block of
     key_cache and value_cache (packed sequences: varlen).  Query i of a
     sequence sits at key position i + align_offset, plus S - L with
-    lower_right.  slopes (B, Hq) and sinks (Hq,) float64 or None.
-
-    One task list for the whole ragged batch: a task per block of query
-    rows of each (sequence, head), of the sequence's own length, or, where
-    scaled_dot_product_attention splits a sequence's keys (decoding), a
-    task per piece, merged after; costlier tasks first.  prefetch and
-    ahead_blocks as in attention(), per sequence."""
+    lower_right.  slopes (B, Hq) and sinks (Hq,) float64 or None.  The
+    tasks: schedule()'s; prefetch and ahead_blocks as in attention()."""
     cdef Ragged p
     cdef const int32_t[:, ::1] table
     cdef const cnp.int64_t[::1] starts
-    cdef fa_idx nseq = cu_q.shape[0] - 1, Hq = out.shape[1]
-    cdef fa_idx b, h, i0, nqb, piece, chunk, nsplit, ntasks = 0, nitems = 0, nstate = 0
-    cdef fa_idx t, slen
-    cdef cnp.ndarray x_arr
+    cdef fa_idx nseq = cu_q.shape[0] - 1
     memset(&p, 0, sizeof(p))
+    p.seqs.nd, p.seqs.shape[0], p.seqs.count = 1, nseq, nseq
+    p.Hq, p.group = out.shape[1], group
     p.es = cnp.PyArray_ITEMSIZE(out)
-    p.qsize, p.kvsize = cnp.PyArray_ITEMSIZE(q), cnp.PyArray_ITEMSIZE(key_cache)
+    operand(&p.q, q, 0, 1)
+    operand(&p.k, key_cache, 0, 1)
+    operand(&p.v, value_cache, 0, 1)
+    operand(&p.o, out, 0, 1)
+    operand(&p.lse, lse, 0, 0)
+    operand(&p.slope, slopes, 1, 1)
+    operand(&p.sink, sinks, 0, 0)
+    operand(&p.ksc, k_scale, 0, 1)
+    operand(&p.vsc, v_scale, 0, 1)
     p.a.E, p.a.Ev = q.shape[2], out.shape[2]  # the caches' last axes count bytes for Q4
     p.a.q_ls, p.a.q_es = estride(q, 0), estride(q, 2)
     p.a.k_bs, p.a.k_ss, p.a.k_es = estride(key_cache, 0), estride(key_cache, 2), estride(key_cache, 3)
     p.a.v_bs, p.a.v_ss, p.a.v_es = (estride(value_cache, 0), estride(value_cache, 2),
                                     estride(value_cache, 3))
     p.a.o_ls, p.a.o_es = estride(out, 0), estride(out, 2)
-    p.a.q_hs, p.a.o_hs = estride(q, 1), estride(out, 1)
+    p.a.q_hs, p.a.o_hs, p.a.lse_hs = p.q.head, p.o.head, p.lse.head
+    if p.lse.base != NULL:
+        p.a.lse_s = estride(lse, 1)
+    if p.ksc.base != NULL:
+        p.a.ksc_bs, p.a.ksc_s = estride(k_scale, 0), estride(k_scale, 2)
+        p.a.vsc_bs, p.a.vsc_s = estride(v_scale, 0), estride(v_scale, 2)
     p.a.mask_kind = FA_MASK_NONE
     p.a.prefetch = prefetch
     p.a.scale, p.a.softcap, p.a.causal = scale, softcap, causal
     p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
     p.a.block_size = key_cache.shape[2]
-    p.kv_row_bytes = (key_cache.shape[3] + value_cache.shape[3]) * p.kvsize
+    p.kv_row_bytes = (key_cache.shape[3] + value_cache.shape[3]) * cnp.PyArray_ITEMSIZE(key_cache)
     p.ahead_blocks = ahead_blocks
     p.lower_right, p.align_offset = lower_right, align_offset
+    p.can_group = True
     if block_table is not None:
         table = block_table
         if table.shape[0] > 0 and table.shape[1] > 0:
@@ -872,128 +778,10 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
         starts = kv_start
         p.kv_start = &starts[0]
     p.a.block_table = p.table  # (fa_attn_work_bytes: paged reads need tile buffers)
-    p.q, p.k = <char *>cnp.PyArray_DATA(q), <char *>cnp.PyArray_DATA(key_cache)
-    p.v, p.o = <char *>cnp.PyArray_DATA(value_cache), <char *>cnp.PyArray_DATA(out)
-    p.qh, p.kh, p.vh, p.oh = estride(q, 1), estride(key_cache, 1), estride(value_cache, 1), estride(out, 1)
     p.cu_q, p.seq_lens = &cu_q[0], (&seq_lens[0] if nseq > 0 else NULL)
-    p.Hq, p.group = Hq, group
-    if k_scale is not None:
-        x_arr = k_scale
-        p.ksc = <const float *>cnp.PyArray_DATA(x_arr)
-        p.a.ksc_bs, p.ksch, p.a.ksc_s = estride(x_arr, 0), estride(x_arr, 1), estride(x_arr, 2)
-        p.a.k_scale = p.ksc
-        x_arr = v_scale
-        p.vsc = <const float *>cnp.PyArray_DATA(x_arr)
-        p.a.vsc_bs, p.vsch, p.a.vsc_s = estride(x_arr, 0), estride(x_arr, 1), estride(x_arr, 2)
-        p.a.v_scale = p.vsc
-    if lse is not None:
-        x_arr = lse
-        p.lse = <char *>cnp.PyArray_DATA(x_arr)
-        p.lh, p.a.lse_s = estride(x_arr, 0), estride(x_arr, 1)
-        p.a.lse_hs = p.lh
-    if slopes is not None:
-        x_arr = slopes  # C-contiguous (B, Hq)
-        p.slope = <const double *>cnp.PyArray_DATA(x_arr)
-    if sinks is not None:
-        x_arr = sinks   # C-contiguous (Hq,)
-        p.sink = <const double *>cnp.PyArray_DATA(x_arr)
-    if (p.table == NULL and p.kv_start == NULL) or Hq == 0:
+    if (p.table == NULL and p.kv_start == NULL) or p.Hq == 0:
         return
-
-    # the tasks: every (sequence, head) as scaled_dot_product_attention on
-    # that sequence alone splits it (fa_attn_splits), so its bits are that
-    # call's; a few rows (decoding) of the query heads of one key/value head
-    # together (fa_attn_args' heads: the keys read once for all); then
-    # sorted costlier first
-    cdef fa_idx qb = fa_attn_query_block(p.es)
-    cdef fa_idx together, nchunks, h0
-    cdef fa_attn_args ai
-    for b in range(nseq):
-        ai = ragged_args(&p, b, 0, 1)
-        if ai.L == 0:
-            continue
-        nsplit = fa_attn_splits(&ai)
-        together = grouped(&ai, group)
-        nchunks = (Hq // group) * ((group + together - 1) // together)
-        ntasks += nchunks * (nsplit if nsplit > 1 else (ai.L + qb - 1) // qb)
-        nitems += nchunks if nsplit > 1 else 0
-    if ntasks == 0:
-        return
-    cdef RaggedTask *tasks = <RaggedTask *>malloc((ntasks + nitems) * sizeof(RaggedTask))
-    if tasks == NULL:
-        raise MemoryError("fastattn: cannot allocate the task list")
-    cdef RaggedTask *items = tasks + ntasks  # the split items, to merge
-    cdef RaggedTask *x
-    t = 0
-    nitems = 0
-    for b in range(nseq):
-        ai = ragged_args(&p, b, 0, 1)
-        if ai.L == 0:
-            continue
-        nsplit = fa_attn_splits(&ai)
-        together = grouped(&ai, group)
-        nqb = (ai.L + qb - 1) // qb
-        chunk = (ai.S + nsplit - 1) // nsplit
-        for h0 in range(Hq):  # chunks of `together` heads of one key/value head
-            if h0 % group % together:
-                continue
-            h = min(together, group - h0 % group)
-            ai.heads = h
-            slen = fa_attn_state_len(&ai, 0, ai.L)
-            if nsplit > 1:
-                items[nitems] = RaggedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit, nstate, nitems, 0)
-                nitems += 1
-            for piece in range(nsplit if nsplit > 1 else nqb):
-                x = &tasks[t]
-                x.seq, x.head, x.heads, x.nsplit, x.order = b, h0, h, nsplit, t
-                if nsplit > 1:
-                    x.i0, x.i1, x.s_lo = 0, ai.L, piece * chunk
-                    x.s_hi = min(x.s_lo + chunk, ai.S)
-                    x.state = nstate
-                    nstate += slen
-                else:
-                    x.i0 = piece * qb
-                    x.i1 = min(x.i0 + qb, ai.L)
-                    x.s_lo, x.s_hi, x.state = 0, ai.S, 0
-                x.cost = ragged_cost(&ai, x.i0, x.i1, x.s_lo, x.s_hi) * h
-                t += 1
-    qsort(tasks, ntasks, sizeof(RaggedTask), costlier_first)
-
-    cdef char *states = <char *>malloc(max(nstate, 1) * p.es)
-    if states == NULL:
-        free(tasks)
-        raise MemoryError("fastattn: cannot allocate the split-attention state")
-    cdef size_t work_bytes = fa_attn_work_bytes(&p.a, p.es)
-    cdef void *work
-    cdef int err = 0
-    cdef int *errp = &err
-    cdef fa_stop stop
-    stop_init(&stop)
-    with nogil, parallel(num_threads=min(nthreads, ntasks)):
-        work = malloc(work_bytes)
-        if work == NULL:
-            errp[0] = 1
-        for t in prange(ntasks, schedule="dynamic"):
-            if work == NULL or stopped(&stop):
-                continue
-            if ragged_run(isa, &p, &tasks[t], states, False, work) != 0:
-                errp[0] = 2
-        free(work)
-    if err == 0 and stop.flag == 0 and nitems > 0:
-        with nogil, parallel(num_threads=min(nthreads, nitems)):
-            work = malloc(work_bytes)
-            if work == NULL:
-                errp[0] = 1
-            for t in prange(nitems, schedule="dynamic"):
-                if work == NULL:
-                    continue
-                if ragged_run(isa, &p, &items[t], states, True, work) != 0:
-                    errp[0] = 2
-            free(work)
-    free(states)
-    free(tasks)
-    stop_raise(&stop)
-    raise_on(err, "ragged attention")
+    schedule(isa, &p, q.nbytes + key_cache.nbytes + value_cache.nbytes + out.nbytes, nthreads)
 
 
 def rotary(cnp.ndarray x, const cnp.int64_t[::1] positions, cnp.ndarray cos, cnp.ndarray sin,
@@ -1069,9 +857,9 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
         for r in prange(b.count, schedule="static"):
             if work == NULL or stopped(&stop):
                 continue
-            mrow = at(mp, msize, &b, ms, r, 1)
-            if fa_softmax_row(<fa_isa>isa, elsize, n, at(xp, elsize, &b, xs, r, 1), x_s,
-                              <fa_mask_kind>mask_kind, mrow, m_s, at(op, elsize, &b, os, r, 1),
+            mrow = at(mp, msize, &b, ms, r)
+            if fa_softmax_row(<fa_isa>isa, elsize, n, at(xp, elsize, &b, xs, r), x_s,
+                              <fa_mask_kind>mask_kind, mrow, m_s, at(op, elsize, &b, os, r),
                               o_s, work) != 0:
                 errp[0] = 2
         free(work)
@@ -1126,8 +914,8 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
             j0 = (rest % nnb) * nc
             i1 = i0 + mc if i0 + mc < g.M else g.M
             j1 = j0 + nc if j0 + nc < g.N else g.N
-            if fa_gemm(<fa_isa>isa, elsize, &g, at(ap, elsize, &b, as_, item, 1),
-                       at(bp, elsize, &b, bs, item, 1), at(op, elsize, &b, os, item, 1),
+            if fa_gemm(<fa_isa>isa, elsize, &g, at(ap, elsize, &b, as_, item),
+                       at(bp, elsize, &b, bs, item), at(op, elsize, &b, os, item),
                        i0, i1, j0, j1, work) != 0:
                 errp[0] = 2
         free(work)
