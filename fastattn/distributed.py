@@ -42,7 +42,8 @@ except ImportError as exc:  # pragma: no cover - the tests skip without Ray
                       "(or pip install ray)") from exc
 
 from . import _checks as C
-from . import _runtime, _storage, _variants
+from . import _cache, _runtime, _storage, _variants
+from ._cache import Layout
 from ._dispatch import StoredKV, checked_attention, require_qkv
 from ._storage import narrow
 from ._typing import Alignment, Float, NDArray
@@ -468,14 +469,13 @@ class ShardedKVCache:
                  num_threads: Optional[int] = None, timeout: float = 60.0) -> None:
         self._lock = threading.RLock()  # one call at a time (_one_at_a_time)
         self._num_shards = C.check_index(num_shards, "num_shards", 1)
-        self._num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
-        self._head_dim = C.check_index(head_dim, "head_dim", 0)
-        self._value_dim = (self._head_dim if value_dim is None
-                           else C.check_index(value_dim, "value_dim", 0))
+        self._core = _cache.Core("ShardedKVCache", num_kv_heads, head_dim, value_dim, dtype,
+                                 storage)
+        self._num_kv_heads, self._dtype = self._core.num_kv_heads, self._core.dtype
+        self._head_dim, self._value_dim = self._core.head_dim, self._core.value_dim
+        self._storage = self._core.storage
         self._capacity = C.check_index(capacity_per_shard, "capacity_per_shard", 1)
         self._chunk = C.check_index(chunk_size, "chunk_size", 1)
-        self._dtype = _storage.cache_dtype(dtype, "ShardedKVCache")
-        self._storage = _storage.check(storage, self._dtype, "ShardedKVCache")
         if placement not in _PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(map(repr, _PLACEMENTS))}, "
                              f"got {placement!r}")
@@ -485,9 +485,7 @@ class ShardedKVCache:
         self._timeout = _timeout(timeout)
         self._threads = (max(1, int(cpus)) if num_threads is None
                          else _runtime.resolve_threads(num_threads))
-        stored = _storage.storage_dtype(self._storage).itemsize
-        if not C.addressable((self._num_kv_heads, self._capacity,
-                              max(self._head_dim, self._value_dim, 1)), stored):
+        if not self._core.fits((1, self._num_kv_heads, self._capacity)):
             raise ValueError(f"capacity_per_shard={self._capacity} would need buffers larger "
                              "than any address space; lower it or add shards")
         if not ray.is_initialized():
@@ -606,20 +604,12 @@ class ShardedKVCache:
             ``length`` and ``shard_lengths`` are as before it.
         """
         self._check_alive()
-        for name, a, last, last_name in (("key", key, self._head_dim, "head_dim"),
-                                         ("value", value, self._value_dim, "value_dim")):
-            C.require_array(a, name)
-            if a.dtype != self._dtype:
-                raise TypeError(f"{name} has dtype {a.dtype}; this ShardedKVCache holds "
-                                f"{self._dtype}")
-            if a.ndim != 3 or a.shape[0] != self._num_kv_heads or a.shape[2] != last:
-                raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
-                                 f"(num_kv_heads, n, {last_name}) = ({self._num_kv_heads}, "
-                                 f"n, {last})")
-        n, start = key.shape[1], self.length
-        if value.shape[1] != n:
-            raise ValueError(f"key and value must hold the same number of positions, got "
-                             f"{n} and {value.shape[1]}")
+        Hkv = self._num_kv_heads
+        n = self._core.check_rows(
+            key, value, Layout(("num_kv_heads", "n", "head_dim"), (Hkv, None, self._head_dim)),
+            Layout(("num_kv_heads", "n", "value_dim"), (Hkv, None, self._value_dim)),
+            "positions")
+        start = self.length
         pieces: list[list[tuple[int, Any, Any]]] = [[] for _ in self._actors]
         g = start
         while g < start + n:  # chunk by chunk
@@ -692,16 +682,9 @@ class ShardedKVCache:
         """
         self._check_alive()
         start = time.perf_counter()
-        C.require_array(query, "query")
-        half = C.is_half(query.dtype) and query.dtype.isnative and self._dtype == np.float32
-        if query.dtype != self._dtype and not half:
-            raise TypeError(f"query has dtype {query.dtype}; this ShardedKVCache holds "
-                            f"{self._dtype} (float16 and bfloat16 queries with float32)")
-        if query.ndim != 3 or query.shape[2] != self._head_dim:
-            raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
-                             f"(Hq, L, head_dim) = (Hq, L, {self._head_dim})")
+        half = self._core.check_query(
+            query, Layout(("Hq", "L", "head_dim"), (None, None, self._head_dim)), 0)
         Hq, L = query.shape[:2]
-        C.check_head_groups(Hq, self._num_kv_heads)
         length = self.length
         causal = C.check_bool(is_causal, "is_causal")
         lse_wanted = C.check_bool(return_lse, "return_lse")

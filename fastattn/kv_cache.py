@@ -2,13 +2,13 @@
 generating one step at a time."""
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Mapping, Optional, cast, overload
 
 import numpy as np
 
 from . import _checks as C
-from . import _masks, _runtime, _storage
+from . import _cache, _masks, _runtime, _storage
+from ._cache import Layout
 from ._dispatch import StoredKV, route
 from ._typing import DTypeLike, Float, MaskArray, NDArray, Result
 
@@ -122,40 +122,23 @@ class KVCache:
                  value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
                  storage: Optional[str] = None) -> None:
         batch_size = C.check_index(batch_size, "batch_size", 1)
-        num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
+        core = _cache.Core("KVCache", num_kv_heads, head_dim, value_dim, dtype, storage)
         capacity = C.check_index(capacity, "capacity", 1)
-        head_dim = C.check_index(head_dim, "head_dim", 0)
-        value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
-        dtype = _storage.cache_dtype(dtype, "KVCache")
-        storage = _storage.check(storage, dtype, "KVCache")
-        stored = _storage.storage_dtype(storage)
-        shapes = [(batch_size, num_kv_heads, capacity, _storage.width(storage, head_dim)),
-                  (batch_size, num_kv_heads, capacity, _storage.width(storage, value_dim)),
-                  (batch_size, capacity)]
-        scaled = storage in _storage.SCALED
-        scales = 2 * 4 * batch_size * num_kv_heads * capacity if scaled else 0
-        nbytes = (sum(math.prod(s) for s in shapes[:2]) * stored.itemsize + math.prod(shapes[2])
-                  + scales)
-        sizes = (f"batch_size={batch_size}, num_kv_heads={num_kv_heads}, capacity={capacity}, "
-                 f"head_dim={head_dim}, value_dim={value_dim}, {dtype.name}, storage={storage}")
-        if not all(C.addressable(s, max(stored.itemsize, 4)) for s in shapes):  # scales: 4 bytes
-            raise ValueError(f"KVCache of {sizes} would need buffers larger than any address "
-                             f"space; lower capacity")
-        self._dtype = dtype
-        self._storage = storage
-        self._head_dim, self._value_dim = head_dim, value_dim
-        try:  # zeros, so that unused slots hold finite numbers (calloc: no page is touched yet)
-            self._key: NDArray[Any] = np.zeros(shapes[0], stored)
-            self._value: NDArray[Any] = np.zeros(shapes[1], stored)
-            self._real: NDArray[np.bool_] = np.zeros(shapes[2], bool)  # True = a real token, may be attended
-            # int8, float8_e4m3fn: the scale of each (sequence, head, position) row
-            self._key_scale: Optional[NDArray[np.float32]] = (
-                np.zeros(shapes[0][:3], np.float32) if scaled else None)
-            self._value_scale: Optional[NDArray[np.float32]] = (
-                np.zeros(shapes[1][:3], np.float32) if scaled else None)
-        except MemoryError:
-            raise MemoryError(f"KVCache of {sizes} needs {nbytes / 2**30:.1f} GiB, which could "
-                              f"not be allocated; lower capacity") from None
+        sizes = (f"batch_size={batch_size}, num_kv_heads={core.num_kv_heads}, "
+                 f"capacity={capacity}, head_dim={core.head_dim}, value_dim={core.value_dim}, "
+                 f"{core.dtype.name}, storage={core.storage}")
+        # real: True = a real token, may be attended
+        rows, (real,) = core.allocate((batch_size, core.num_kv_heads, capacity), sizes,
+                                      "capacity", [((batch_size, capacity), bool)])
+        self._core = core
+        self._dtype, self._storage = core.dtype, core.storage
+        self._head_dim, self._value_dim = core.head_dim, core.value_dim
+        self._key: NDArray[Any] = rows.key
+        self._value: NDArray[Any] = rows.value
+        self._real: NDArray[np.bool_] = real
+        # int8, float8_e4m3fn: the scale of each (sequence, head, position) row
+        self._key_scale: Optional[NDArray[np.float32]] = rows.key_scale
+        self._value_scale: Optional[NDArray[np.float32]] = rows.value_scale
         self._length = 0
         self._padded = False
 
@@ -288,20 +271,10 @@ class KVCache:
         Nothing is written when an error is raised.
         """
         B, Hkv, D, Dv = self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim
-        for name, a, last, last_name in (("key", key, D, "head_dim"),
-                                         ("value", value, Dv, "value_dim")):
-            C.require_array(a, name)
-            if a.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {a.dtype}; this KVCache holds "
-                                f"{self.dtype}{self._half_hint(a.dtype, name)}")
-            if a.ndim != 4 or a.shape[:2] != (B, Hkv) or a.shape[3] != last:
-                raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
-                                 f"(batch_size, num_kv_heads, L, {last_name}) = "
-                                 f"({B}, {Hkv}, L, {last})")
-        L = key.shape[2]
-        if value.shape[2] != L:
-            raise ValueError(f"key and value must hold the same number of positions, got "
-                             f"{L} and {value.shape[2]}")
+        L = self._core.check_rows(
+            key, value, Layout(("batch_size", "num_kv_heads", "L", "head_dim"), (B, Hkv, None, D)),
+            Layout(("batch_size", "num_kv_heads", "L", "value_dim"), (B, Hkv, None, Dv)),
+            "positions")
         if key_padding_mask is not None:
             C.require_array(key_padding_mask, "key_padding_mask")
             if key_padding_mask.dtype != np.bool_:
@@ -330,10 +303,6 @@ class KVCache:
             np.logical_not(key_padding_mask, out=self._real[:, n:n + L])
             self._padded = self._padded or bool(key_padding_mask.any())
         self._length = n + L
-
-    def _half_hint(self, dtype: np.dtype[Any], name: str) -> str:
-        """The fix for 16-bit arrays given to a cache, to end a dtype error."""
-        return _storage.half_hint(dtype, self.dtype, name, "KVCache")
 
     def _encode(self, x: NDArray[np.floating[Any]], name: str
                 ) -> tuple[NDArray[Any], Optional[NDArray[np.float32]]]:
@@ -416,16 +385,9 @@ class KVCache:
             hide the missing append); and those of
             ``scaled_dot_product_attention``.
         """
-        C.require_array(query, "query")
-        half = C.is_half(query.dtype) and query.dtype.isnative and self.dtype == np.float32
-        if query.dtype != self.dtype and not half:
-            raise TypeError(f"query has dtype {query.dtype}; this KVCache holds "
-                            f"{self.dtype}{self._half_hint(query.dtype, 'query')}")
-        if query.ndim != 4 or query.shape[0] != self.batch_size or query.shape[3] != self.head_dim:
-            raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected "
-                             f"(batch_size, Hq, L, head_dim) = ({self.batch_size}, Hq, L, "
-                             f"{self.head_dim})")
-        C.check_head_groups(query.shape[1], self.num_kv_heads)
+        self._core.check_query(
+            query, Layout(("batch_size", "Hq", "L", "head_dim"),
+                          (self.batch_size, None, None, self.head_dim)), 1)
         if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
             raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
                              f"holds {self._length}: with is_causal the queries are the last "

@@ -2,14 +2,14 @@
 pool, for serving requests that arrive and finish at different times."""
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _checks as C
-from . import _runtime, _storage
+from . import _cache, _runtime, _storage
+from ._cache import Layout
 from ._dispatch import ragged
 from ._storage import narrow, query_store
 from ._typing import DTypeLike, Float, NDArray
@@ -90,30 +90,17 @@ class PagedKVCache:
             raise ValueError(f"num_blocks = {num_blocks}; at most 2**31 = {C.INT32_MAX + 1} "
                              "blocks (block tables hold int32 ids)")
         block_size = C.check_index(block_size, "block_size", 1)
-        num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
-        head_dim = C.check_index(head_dim, "head_dim", 0)
-        value_dim = head_dim if value_dim is None else C.check_index(value_dim, "value_dim", 0)
-        self._dtype = _storage.cache_dtype(dtype, "PagedKVCache")
-        self._storage = _storage.check(storage, self._dtype, "PagedKVCache")
-        stored = _storage.storage_dtype(self._storage)
-        shapes = [(num_blocks, num_kv_heads, block_size, _storage.width(self._storage, head_dim)),
-                  (num_blocks, num_kv_heads, block_size, _storage.width(self._storage, value_dim))]
-        self._head_dim, self._value_dim = head_dim, value_dim
-        if not all(C.addressable(s, max(stored.itemsize, 4)) for s in shapes):
-            raise ValueError(f"a pool of {num_blocks} blocks of {block_size} positions would need "
-                             "arrays larger than any address space; lower num_blocks")
-        scaled = self._storage in _storage.SCALED
-        try:  # zeros, so that every slot holds a finite number (calloc: no page touched yet)
-            self._key: NDArray[Any] = np.zeros(shapes[0], stored)
-            self._value: NDArray[Any] = np.zeros(shapes[1], stored)
-            self._k_scale = np.zeros(shapes[0][:3], np.float32) if scaled else None
-            self._v_scale = np.zeros(shapes[0][:3], np.float32) if scaled else None
-            self._refs = np.zeros(num_blocks, np.int64)  # sequences holding each block
-        except MemoryError:
-            nbytes = sum(math.prod(s) for s in shapes) * stored.itemsize + 8 * num_blocks
-            raise MemoryError(f"a pool of {num_blocks} blocks of {block_size} positions needs "
-                              f"{nbytes / 2**30:.1f} GiB, which could not be allocated; lower "
-                              "num_blocks") from None
+        core = _cache.Core("PagedKVCache", num_kv_heads, head_dim, value_dim, dtype, storage)
+        sizes = f"{num_blocks} blocks of {block_size} positions"
+        rows, (refs,) = core.allocate((num_blocks, core.num_kv_heads, block_size), sizes,
+                                      "num_blocks", [((num_blocks,), np.int64)])
+        self._core = core
+        self._dtype, self._storage = core.dtype, core.storage
+        self._head_dim, self._value_dim = core.head_dim, core.value_dim
+        self._key: NDArray[Any] = rows.key
+        self._value: NDArray[Any] = rows.value
+        self._k_scale, self._v_scale = rows.key_scale, rows.value_scale
+        self._refs = refs  # sequences holding each block
         # free blocks: those given back (taken again last in, first out), then
         # the never used ones from _fresh up, so that no list of every block is built
         self._free: list[int] = []
@@ -365,20 +352,9 @@ class PagedKVCache:
             ids = self._ids(seq_ids, distinct=True)
             before = [self._lens[s] for s in ids]
         Hkv, D, Dv = self.num_kv_heads, self.head_dim, self.value_dim
-        for name, a, last, last_name in (("key", key, D, "head_dim"),
-                                         ("value", value, Dv, "value_dim")):
-            C.require_array(a, name)
-            if a.dtype != self._dtype:
-                raise TypeError(f"{name} has dtype {a.dtype}; this PagedKVCache holds "
-                                f"{self._dtype}"
-                                f"{_storage.half_hint(a.dtype, self._dtype, name, 'PagedKVCache')}")
-            if a.ndim != 3 or a.shape[1:] != (Hkv, last):
-                raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected (n, "
-                                 f"num_kv_heads, {last_name}) = (n, {Hkv}, {last})")
-        n = key.shape[0]
-        if value.shape[0] != n:
-            raise ValueError(f"key and value must hold the same number of tokens, got {n} and "
-                             f"{value.shape[0]}")
+        n = self._core.check_rows(key, value, Layout(("n", "num_kv_heads", "head_dim"), (None, Hkv, D)),
+                                  Layout(("n", "num_kv_heads", "value_dim"), (None, Hkv, Dv)),
+                                  "tokens")
         cu = self._cu(cu_seqlens, "cu_seqlens", len(ids), n)
         counts = [int(c) for c in cu[1:] - cu[:-1]]
         nthreads = _runtime.resolve_threads(num_threads)
@@ -525,16 +501,8 @@ class PagedKVCache:
             ids = self._ids(seq_ids, distinct=True)
             lens = np.array([self._lens[s] for s in ids], np.int64)
             table = self._table(ids)
-        C.require_array(query, "query")
-        half = C.is_half(query.dtype) and query.dtype.isnative and self._dtype == np.float32
-        if query.dtype != self._dtype and not half:
-            raise TypeError(f"query has dtype {query.dtype}; this PagedKVCache holds "
-                            f"{self._dtype}"
-                            f"{_storage.half_hint(query.dtype, self._dtype, 'query', 'PagedKVCache')}")
-        if query.ndim != 3 or query.shape[2] != self.head_dim:
-            raise ValueError(f"query has shape {C.shape_str(query.shape)}; expected (total_q, Hq, "
-                             f"head_dim) = (total_q, Hq, {self.head_dim})")
-        C.check_head_groups(query.shape[1], self.num_kv_heads)
+        half = self._core.check_query(
+            query, Layout(("total_q", "Hq", "head_dim"), (None, None, self.head_dim)), 1)
         check_features(self.head_dim, self._value_dim)
         caller_query = query  # out must not overlap it, rotated or not
         cu = self._cu(cu_seqlens_q, "cu_seqlens_q", len(ids), query.shape[0])

@@ -210,6 +210,12 @@ BAD_CACHE = [
     ("attend", (k4[..., :4],), {}, ValueError, "query has shape (2, 3, 4, 4); expected"),
     ("attend", (np.zeros((2, 4, 1, 8), np.float32),), {}, ValueError,
      "query heads (4) must be a multiple of key/value heads (3)"),
+    # (batch, length, heads, features), as Hugging Face and FlashAttention hold them
+    ("append", (k4.transpose(0, 2, 1, 3).copy(), k4), {}, ValueError,
+     "key has shape (2, 4, 3, 8); expected (batch_size, num_kv_heads, L, head_dim) = "
+     "(2, 3, L, 8); if its axes are in another order, pass key.transpose(0, 2, 1, 3)"),
+    ("attend", (np.zeros((2, 1, 3, 4), np.float32),), {}, ValueError,
+     "query has shape (2, 1, 3, 4); expected (batch_size, Hq, L, head_dim) = (2, Hq, L, 8)"),
 ]
 
 
@@ -298,3 +304,4 @@ def test_16_bit_dtype_says_how_to_store_16_bits():
         fastattn.KVCache(1, 1, 4, 8, dtype=np.float16)
     with pytest.raises(TypeError, match="storage='float16'"):
         fastattn.PagedKVCache(4, 4, 1, 8, dtype=np.float16)
+

@@ -283,6 +283,10 @@ def test_views_are_read_only_and_sizes():
     (lambda c: c.attend([0], np.zeros((1, Hq, D), np.float32), kv_cache_dtype="int4"),
      TypeError, "unexpected keyword argument 'kv_cache_dtype'"),
     (lambda c: c.fork(5), ValueError, "seq_id = 5 is not a live sequence"),
+    (lambda c: c.append([0], np.zeros((Hkv, 1, D), np.float32), np.zeros((1, Hkv, Dv),
+                                                                         np.float32)),
+     ValueError, f"key has shape ({Hkv}, 1, {D}); expected (n, num_kv_heads, head_dim) = "
+     f"(n, {Hkv}, {D}); if its axes are in another order, pass key.transpose(1, 0, 2)"),
     (lambda c: fastattn.PagedKVCache(0, 4, 1, 8), ValueError, "num_blocks must be >= 1"),
     (lambda c: fastattn.PagedKVCache(1, 4, 1, 8, storage="int2"), ValueError, "storage must be"),
 ])
@@ -502,3 +506,4 @@ def test_a_pool_of_2_31_blocks_is_cheap_to_make():
     cache.append([b], empty[:1], empty[:1])
     assert cache.block_table([b]).tolist() == [[2, 1]]
     assert cache.num_free_blocks == 2**31 - 2
+

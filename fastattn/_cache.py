@@ -1,0 +1,138 @@
+"""The core the caches share (KVCache, PagedKVCache, ShardedKVCache): their
+sizes, dtype and storage, the buffers of stored rows with their scales and
+the one error when they cannot be had, and the checks of the rows appended
+and of the queries, whose messages name each cache's layout."""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from . import _checks as C
+from . import _storage
+from ._typing import DTypeLike, NDArray
+
+
+class Rows(NamedTuple):
+    """The stored rows of a cache: keys and values (lead + (width,)) and,
+    for int8 and float8_e4m3fn, a float32 scale per row (lead)."""
+    key: NDArray[Any]
+    value: NDArray[Any]
+    key_scale: Optional[NDArray[np.float32]]
+    value_scale: Optional[NDArray[np.float32]]
+
+
+class Layout(NamedTuple):
+    """The axes of an array a cache takes: their names, and the sizes they
+    must have (None: any, the positions or tokens)."""
+    names: tuple[str, ...]
+    sizes: tuple[Optional[int], ...]
+
+    def __str__(self) -> str:
+        """"(batch_size, num_kv_heads, L, head_dim) = (2, 8, L, 64)"."""
+        given = (str(n) if s is None else str(s) for n, s in zip(self.names, self.sizes))
+        return f"({', '.join(self.names)}) = ({', '.join(given)})"
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.sizes) and all(
+            s is None or s == n for s, n in zip(self.sizes, shape))
+
+    def require(self, a: NDArray[Any], name: str) -> None:
+        """ValueError unless a has this layout, saying how to reorder its
+        leading axes when that would give it (the caller's layout is then
+        another library's, say (batch, length, heads, features))."""
+        if self.fits(a.shape):
+            return
+        hint = ""
+        lead = range(a.ndim - 1) if a.ndim == len(self.sizes) <= 5 else None
+        for axes in itertools.permutations(lead) if lead else ():
+            axes += (a.ndim - 1,)
+            if self.fits(tuple(a.shape[i] for i in axes)):
+                hint = (f"; if its axes are in another order, pass "
+                        f"{name}.transpose{tuple(axes)}")
+                break
+        raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {self}{hint}")
+
+
+class Core:
+    """A cache's sizes, dtype and storage, checked; its owner's name (the
+    class) for messages."""
+
+    def __init__(self, owner: str, num_kv_heads: int, head_dim: int, value_dim: Optional[int],
+                 dtype: DTypeLike, storage: Optional[str]) -> None:
+        self.owner = owner
+        self.num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = C.check_index(head_dim, "head_dim", 0)
+        self.value_dim = (self.head_dim if value_dim is None
+                          else C.check_index(value_dim, "value_dim", 0))
+        self.dtype = _storage.cache_dtype(dtype, owner)
+        self.storage = _storage.check(storage, self.dtype, owner)
+        self.stored = _storage.storage_dtype(self.storage)
+
+    def fits(self, lead: tuple[int, ...]) -> bool:
+        """Whether NumPy can make the rows of these leading axes (and 4-byte scales)."""
+        widths = (_storage.width(self.storage, n) for n in (self.head_dim, self.value_dim))
+        return all(C.addressable(lead + (w,), max(self.stored.itemsize, 4)) for w in widths)
+
+    def allocate(self, lead: tuple[int, ...], sizes: str, lower: str,
+                 extra: Sequence[tuple[tuple[int, ...], DTypeLike]] = ()
+                 ) -> tuple[Rows, list[NDArray[Any]]]:
+        """Zeroed rows of leading axes lead (calloc: no page touched until
+        written, and unused slots hold finite numbers), and zeroed arrays of
+        the extra (shape, dtype)s; ValueError beyond any address space,
+        MemoryError when they cannot be had, both naming sizes and what to
+        lower."""
+        if not self.fits(lead) or not all(C.addressable(s, np.dtype(d).itemsize)
+                                          for s, d in extra):
+            raise ValueError(f"{self.owner} of {sizes} would need buffers larger than any "
+                             f"address space; lower {lower}")
+        widths = [_storage.width(self.storage, n) for n in (self.head_dim, self.value_dim)]
+        scaled = self.storage in _storage.SCALED
+        try:
+            rows = Rows(np.zeros(lead + (widths[0],), self.stored),
+                        np.zeros(lead + (widths[1],), self.stored),
+                        np.zeros(lead, np.float32) if scaled else None,
+                        np.zeros(lead, np.float32) if scaled else None)
+            arrays = [np.zeros(s, d) for s, d in extra]
+        except MemoryError:
+            nbytes = (math.prod(lead) * (sum(widths) * self.stored.itemsize + (8 if scaled else 0))
+                      + sum(math.prod(s) * np.dtype(d).itemsize for s, d in extra))
+            raise MemoryError(f"{self.owner} of {sizes} needs {nbytes / 2**30:.1f} GiB, which "
+                              f"could not be allocated; lower {lower}") from None
+        return rows, arrays
+
+    def check_rows(self, key: object, value: object, layout: Layout, value_layout: Layout,
+                   unit: str) -> int:
+        """key and value as appended: arrays of the cache's dtype in these
+        layouts, with as many units (positions, tokens) along their free
+        axis; that count."""
+        counts = []
+        for name, a, want in (("key", key, layout), ("value", value, value_layout)):
+            arr = C.require_array(a, name)
+            if arr.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {arr.dtype}; this {self.owner} holds "
+                                f"{self.dtype}"
+                                f"{_storage.half_hint(arr.dtype, self.dtype, name, self.owner)}")
+            want.require(arr, name)
+            counts.append(int(arr.shape[want.sizes.index(None)]))
+        n, nv = counts
+        if nv != n:
+            raise ValueError(f"key and value must hold the same number of {unit}, got {n} "
+                             f"and {nv}")
+        return n
+
+    def check_query(self, query: object, layout: Layout, heads_axis: int) -> bool:
+        """query as attended: an array of the cache's dtype, or 16-bit for a
+        float32 cache (True then), in this layout, whose heads (axis
+        heads_axis) share the cache's key/value heads in equal groups."""
+        q = C.require_array(query, "query")
+        half = C.is_half(q.dtype) and q.dtype.isnative and self.dtype == np.float32
+        if q.dtype != self.dtype and not half:
+            raise TypeError(f"query has dtype {q.dtype}; this {self.owner} holds "
+                            f"{self.dtype}"
+                            f"{_storage.half_hint(q.dtype, self.dtype, 'query', self.owner)}")
+        layout.require(q, "query")
+        C.check_head_groups(q.shape[heads_axis], self.num_kv_heads)
+        return half
