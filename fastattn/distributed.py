@@ -185,7 +185,7 @@ class _Shard:
         return self._cache.length
 
     def truncate(self, length: int, runs: list[tuple[int, int, int]]) -> None:
-        self._cache._truncate(length)
+        self._cache.truncate(length)
         self._runs = runs
 
     def attend(self, query: NDArray[Any], q0: int, opts: _Options,

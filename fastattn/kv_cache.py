@@ -229,11 +229,25 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept for the next sequence)."""
-        self._truncate(0)
+        self.truncate(0)
 
-    def _truncate(self, length: int) -> None:
-        """Forget the positions from length on: a step that failed after its
-        append (Ctrl-C during the attention) leaves the cache as before it."""
+    def truncate(self, length: int) -> None:
+        """Forget the positions from length on, as if never appended: the
+        rejected draft tokens of speculative decoding, or a step that
+        failed after its append (MultiHeadAttention rolls back so after a
+        Ctrl-C during the attention).
+
+        Raises
+        ------
+        TypeError
+            length not an int.
+        ValueError
+            length below 0 or above the positions held.
+        """
+        length = C.check_index(length, "length", 0)
+        if length > self._length:
+            raise ValueError(f"length = {length}; the cache holds {self._length} positions: "
+                             "truncate keeps a prefix of them")
         self._real[:, length:] = False
         self._length = length
         self._padded = not bool(self._real[:, :length].all())
@@ -463,4 +477,4 @@ class KVCache:
         n = self._check_state(state)
         for name, buf, saved in self._state_pairs(state):
             (buf[:, :n] if buf.ndim == 2 else buf[:, :, :n]).view(saved.dtype)[...] = saved
-        self._truncate(n)
+        self.truncate(n)

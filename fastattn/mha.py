@@ -500,7 +500,7 @@ class MultiHeadAttention:
                                       need_weights=need_weights, out=out_h,
                                       num_threads=num_threads, **variants)
             except BaseException:  # KeyboardInterrupt: the step did not happen
-                cache._truncate(length)
+                cache.truncate(length)
                 raise
         else:
             if kpm is not None:
@@ -541,7 +541,8 @@ class MultiHeadAttention:
             raise ValueError(f"cache {cache!r} does not fit this layer: it needs num_kv_heads="
                              f"{self.num_kv_heads}, head_dim=value_dim={self.head_dim}, "
                              f"dtype={self._compute.name}")
-        ids = cache._ids(seq_ids, distinct=True)
+        before = cache.seq_lens_of(cast("Sequence[int]", seq_ids))  # (checks the ids)
+        ids = cast("Sequence[int]", seq_ids)
         shape = query.shape
         if query.ndim == 3:  # (N, L, E) or (L, N, E): L tokens for each sequence
             if cu_seqlens is not None:
@@ -559,7 +560,6 @@ class MultiHeadAttention:
         q, k, v = self._project(x, x, x, True)
         total, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         concat = np.empty((total, self.embed_dim), self._compute)
-        before = [cache.seq_lens[s] for s in ids]
         cache.append(ids, k.reshape(total, Hkv, D), v.reshape(total, Hkv, D), cu_seqlens,
                      rotary=rotary, rotary_interleaved=rotary_interleaved,
                      num_threads=num_threads)
@@ -568,7 +568,7 @@ class MultiHeadAttention:
                          rotary=rotary, rotary_interleaved=rotary_interleaved,
                          out=concat.reshape(total, H, D), num_threads=num_threads, **variants)
         except BaseException:  # KeyboardInterrupt: the step did not happen
-            cache._truncate(ids, before)
+            cache.truncate(ids, [int(n) for n in before])
             raise
         w = self._weights
         output = _linear(concat, w["out_proj.weight"], w.get("out_proj.bias"))

@@ -258,6 +258,13 @@ class PagedKVCache:
                              "with all its new tokens")
         return ids
 
+    def seq_lens_of(self, seq_ids: SeqIds) -> NDArray[np.int64]:
+        """Positions held by each of seq_ids, int64 (len(seq_ids),):
+        ``paged_attention``'s seq_lens for these sequences.  TypeError or
+        ValueError for seq_ids that are not live sequences."""
+        with self._lock:
+            return np.array([self._lens[s] for s in self._ids(seq_ids)], np.int64)
+
     def block_table(self, seq_ids: SeqIds) -> NDArray[np.int32]:
         """(len(seq_ids), max_blocks) int32: row b lists the blocks of
         seq_ids[b] in order, -1 past them (``paged_attention``'s block_table)."""
@@ -410,13 +417,35 @@ class PagedKVCache:
                 "(free(seq_id)) or create the cache with more blocks")
         return plans
 
-    def _truncate(self, seq_ids: list[int], lengths: list[int]) -> None:
-        """seq_ids back to these lengths, their blocks past them returned: a
-        step that failed after its append (Ctrl-C during the attention)
-        leaves the sequences as before it (a copied shared block stays
-        copied, which changes nothing read)."""
+    def truncate(self, seq_ids: SeqIds, lengths: Sequence[int]) -> None:
+        """Forget the positions of each seq_ids[b] from lengths[b] on, as if
+        never appended, their blocks past it given back to the pool: the
+        rejected draft tokens of speculative decoding, or a step that
+        failed after its append (MultiHeadAttention rolls back so after a
+        Ctrl-C during the attention).  A block still shared with a fork
+        stays shared and is copied by the first append into it.
+
+        Raises
+        ------
+        TypeError
+            seq_ids or lengths not ints.
+        ValueError
+            A sequence that is not live or named twice, as many lengths as
+            sequences missing, or a length below 0 or above the positions
+            the sequence holds; nothing is changed then.
+        """
+        counts = [C.check_index(n, f"lengths[{i}]", 0) for i, n in enumerate(lengths)]
         with self._lock:
-            for s, n in zip(seq_ids, lengths):
+            ids = self._ids(seq_ids, distinct=True)
+            if len(counts) != len(ids):
+                raise ValueError(f"lengths has {len(counts)} entries; expected one per "
+                                 f"sequence ({len(ids)})")
+            for s, n in zip(ids, counts):
+                if n > self._lens[s]:
+                    raise ValueError(f"lengths[{ids.index(s)}] = {n}; sequence {s} holds "
+                                     f"{self._lens[s]} positions: truncate keeps a prefix "
+                                     "of them")
+            for s, n in zip(ids, counts):
                 blocks = self._blocks[s]
                 keep = -(-n // self.block_size)
                 self._give_back(blocks[keep:])

@@ -216,6 +216,9 @@ BAD_CACHE = [
      "(2, 3, L, 8); if its axes are in another order, pass key.transpose(0, 2, 1, 3)"),
     ("attend", (np.zeros((2, 1, 3, 4), np.float32),), {}, ValueError,
      "query has shape (2, 1, 3, 4); expected (batch_size, Hq, L, head_dim) = (2, Hq, L, 8)"),
+    ("truncate", (1,), {}, ValueError, "length = 1; the cache holds 0 positions"),
+    ("truncate", (-1,), {}, ValueError, "length must be >= 0, got -1"),
+    ("truncate", (1.0,), {}, TypeError, "length must be an int, got float"),
 ]
 
 
@@ -305,3 +308,27 @@ def test_16_bit_dtype_says_how_to_store_16_bits():
     with pytest.raises(TypeError, match="storage='float16'"):
         fastattn.PagedKVCache(4, 4, 1, 8, dtype=np.float16)
 
+
+@pytest.mark.parametrize("storage", ["float32", "int8", "int4"])
+def test_truncate_is_as_if_never_appended(storage):
+    """Rejected draft tokens: a cache truncated back to a prefix, then fed
+    other tokens, attends as one that only ever held the prefix and those
+    tokens, bit for bit, padding flags included."""
+    rng = np.random.default_rng(11)
+    B, H, D = 2, 2, 32
+    kv = [rng.standard_normal((B, H, n, D)).astype(np.float32) for n in (5, 3, 2)]
+    pad = np.zeros((B, 3), bool)
+    pad[1, 0] = True
+    spec, plain = (fastattn.KVCache(B, H, 16, D, storage=storage) for _ in range(2))
+    spec.append(kv[0], kv[0])
+    spec.append(kv[1], kv[1], key_padding_mask=pad)  # the drafts, one of them padding
+    assert spec.attn_mask is not None
+    spec.truncate(5)
+    assert spec.length == 5 and spec.attn_mask is None
+    spec.append(kv[2], kv[2])
+    plain.append(kv[0], kv[0])
+    plain.append(kv[2], kv[2])
+    q = rng.standard_normal((B, 4, 2, D)).astype(np.float32)
+    np.testing.assert_array_equal(spec.attend(q), plain.attend(q))
+    spec.truncate(spec.length)  # keeping everything changes nothing
+    np.testing.assert_array_equal(spec.attend(q), plain.attend(q))

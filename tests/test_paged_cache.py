@@ -287,6 +287,12 @@ def test_views_are_read_only_and_sizes():
                                                                          np.float32)),
      ValueError, f"key has shape ({Hkv}, 1, {D}); expected (n, num_kv_heads, head_dim) = "
      f"(n, {Hkv}, {D}); if its axes are in another order, pass key.transpose(1, 0, 2)"),
+    (lambda c: c.truncate([0], [1]), ValueError,
+     "lengths[0] = 1; sequence 0 holds 0 positions: truncate keeps a prefix"),
+    (lambda c: c.truncate([0], [0, 0]), ValueError, "lengths has 2 entries; expected one"),
+    (lambda c: c.truncate([0, 0], [0, 0]), ValueError, "names a sequence twice"),
+    (lambda c: c.truncate([3], [0]), ValueError, "seq_ids[0] = 3 is not a live sequence"),
+    (lambda c: c.seq_lens_of([1]), ValueError, "seq_ids[0] = 1 is not a live sequence"),
     (lambda c: fastattn.PagedKVCache(0, 4, 1, 8), ValueError, "num_blocks must be >= 1"),
     (lambda c: fastattn.PagedKVCache(1, 4, 1, 8, storage="int2"), ValueError, "storage must be"),
 ])
@@ -507,3 +513,31 @@ def test_a_pool_of_2_31_blocks_is_cheap_to_make():
     assert cache.block_table([b]).tolist() == [[2, 1]]
     assert cache.num_free_blocks == 2**31 - 2
 
+
+def test_truncate_gives_blocks_back_and_keeps_forks_whole():
+    """Rejected draft tokens of a sequence whose prompt a fork shares: the
+    sequence is as if it never held them (its next tokens attend bit for bit
+    as a twin's that never did), the blocks past it are free again, and the
+    fork, which shares the block cut into, keeps every position."""
+    rng = np.random.default_rng(21)
+    cache = fastattn.PagedKVCache(12, 4, Hkv, D, value_dim=Dv)
+    parent = cache.add_sequence()
+    twins = {parent: Twin("float32")}
+    step(rng, cache, twins, {parent: 6})  # blocks: 4 + 2 of 4
+    child = cache.fork(parent)
+    twins[child] = Twin("float32", twins[parent].keys, twins[parent].values)
+    free = cache.num_free_blocks
+    k = rng.standard_normal((7, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((7, Hkv, Dv)).astype(np.float32)
+    cache.append([parent], k, v, np.array([0, 7]))  # drafts: the shared block copied, 2 more
+    assert cache.seq_lens_of([parent, child]).tolist() == [13, 6]
+    cache.truncate([parent], [5])  # into the first two blocks, shared with the child
+    assert cache.seq_lens_of([parent, child]).tolist() == [5, 6]
+    assert cache.num_free_blocks == free - 1  # the parent's copy of block 2 is kept
+    twins[parent] = Twin("float32", [twins[parent].keys[0][:5]], [twins[parent].values[0][:5]])
+    step(rng, cache, twins, {parent: 3, child: 2})
+    q = rng.standard_normal((1, Hq, D)).astype(np.float32)
+    for s in (parent, child):
+        np.testing.assert_array_equal(cache.attend([s], q), twins[s].attend(q))
+    cache.truncate([parent, child], [0, 0])
+    assert cache.num_free_blocks == 12
