@@ -423,7 +423,8 @@ class PagedKVCache:
         rejected draft tokens of speculative decoding, or a step that
         failed after its append (MultiHeadAttention rolls back so after a
         Ctrl-C during the attention).  A block still shared with a fork
-        stays shared and is copied by the first append into it.
+        stays shared and is copied by the first append into it.  As with
+        ``free``, truncate no sequence another thread is attending.
 
         Raises
         ------
