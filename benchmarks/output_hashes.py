@@ -48,7 +48,8 @@ def dense_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
     sdpa = fastattn.scaled_dot_product_attention
     dtypes = [np.float32, np.float64, np.float16] + ([ml_dtypes.bfloat16] if ml_dtypes else [])
     shapes = {"prefill": (2, 4, 2, 77, 77, 64), "cross": (1, 8, 8, 33, 300, 40),
-              "decode-split": (1, 8, 2, 1, 8192, 128), "rows4": (2, 8, 2, 4, 600, 32)}
+              "decode-split": (1, 8, 2, 1, 8192, 128), "rows4": (2, 8, 2, 4, 600, 32),
+              "split-odd-group": (2, 6, 2, 2, 2100, 32)}
     for (name, (B, Hq, Hkv, L, S, E)), dt in ((s, d) for s in shapes.items() for d in dtypes):
         q = rng.standard_normal((B, Hq, L, E)).astype(dt)
         k, v = (rng.standard_normal((B, Hkv, S, E)).astype(dt) for _ in range(2))

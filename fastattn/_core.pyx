@@ -248,6 +248,8 @@ cdef inline fa_idx nd_offset(const Batch *b, const fa_idx *strides, fa_idx flat)
     """Element offset of batch item `flat`."""
     cdef fa_idx off = 0
     cdef int d
+    if b.nd == 1:  # (a ragged call's sequences: no division per operand and task)
+        return flat * strides[0]
     for d in range(b.nd - 1, -1, -1):
         off += (flat % b.shape[d]) * strides[d]
         flat = flat // b.shape[d]
@@ -447,17 +449,68 @@ cdef inline void row_lse(int es, void *ml, fa_idx i, void *lse, fa_idx at) noexc
         (<double *>lse)[at] = -INFINITY if l == 0 else m + log(l)
 
 
-cdef int ragged_run(int isa, const Ragged *p, const RaggedTask *tasks, fa_idx t, fa_idx ntasks,
+cdef struct Plan:
+    # A call's task list: ntasks tasks, then nitems merges of split items.
+    # Explicit (tasks: ragged calls, whose sequences differ and are sorted
+    # costlier first), or, when tasks is NULL, implicit: a dense call's
+    # items are alike, so task t is computed from t in the order made,
+    # in constant memory whatever the batch.
+    RaggedTask *tasks
+    fa_idx ntasks, nitems, nstate
+    # the implicit list: per item per_item tasks (nsplit pieces of chunk
+    # keys, or nqb blocks of rows); per sequence `chunks` items of at most
+    # `together` heads, cpk of them per key/value head; slen: the state of
+    # a piece of `together` heads
+    fa_idx per_item, nsplit, chunk, nqb, chunks, cpk, together, slen, L, S
+    bint ascending
+
+
+cdef inline void implicit_item(const Ragged *p, const Plan *pl, fa_idx item,
+                               RaggedTask *x) noexcept nogil:
+    """The sequence and heads of item `item` of an implicit plan."""
+    cdef fa_idx c = item % pl.chunks, j
+    j = c % pl.cpk
+    x.seq = item // pl.chunks
+    x.head = (c // pl.cpk) * p.group + j * pl.together
+    x.heads = min(pl.together, p.group - j * pl.together)
+    x.nsplit = pl.nsplit
+    x.i0, x.i1, x.s_lo, x.s_hi = 0, pl.L, 0, pl.S
+
+
+cdef inline void plan_task(const Ragged *p, const Plan *pl, fa_idx t, bint merge,
+                           RaggedTask *x) noexcept nogil:
+    """Task t of the plan, or (merge) its merge t."""
+    cdef fa_idx piece
+    if pl.tasks != NULL:
+        x[0] = pl.tasks[pl.ntasks + t if merge else t]
+        return
+    if merge:
+        implicit_item(p, pl, t, x)
+        x.state = t * pl.per_item * pl.slen
+        return
+    implicit_item(p, pl, t // pl.per_item, x)
+    piece = t % pl.per_item
+    if pl.nsplit > 1:  # an item's pieces one after another, each of its heads' length
+        x.s_lo = piece * pl.chunk
+        x.s_hi = min(x.s_lo + pl.chunk, pl.S)
+        x.state = (t - piece) * pl.slen + piece * (pl.slen // pl.together) * x.heads
+    else:
+        x.i0 = (piece if pl.ascending else pl.nqb - 1 - piece) * fa_attn_query_block(p.es)
+        x.i1 = min(x.i0 + fa_attn_query_block(p.es), pl.L)
+        x.state = 0
+
+
+cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n,
                     int nthreads, char *states, bint merge, void *work) noexcept nogil:
-    """Task t of the list, or (merge) the merge of its item's split pieces,
+    """Task t of the plan, or (merge) the merge of split item t's pieces,
     their repair, weights and lse; the kernels' return code."""
-    cdef const RaggedTask *x = &tasks[t]
+    cdef RaggedTask x, nx
+    plan_task(p, pl, t, merge, &x)
     cdef fa_idx b = x.seq, h = x.head, i
     cdef fa_attn_args ai = ragged_args(p, b, h, x.heads)
-    cdef fa_attn_next cur = task_rows(p, x, &ai)
+    cdef fa_attn_next cur = task_rows(p, &x, &ai)
     cdef fa_attn_next nxt
     cdef const fa_attn_next *hint = NULL
-    cdef const RaggedTask *n
     cdef void *m = start(&p.m, p, b, h, 0, 0)
     cdef void *o = start(&p.o, p, b, h, q_row(p, b), ai.o_ls)
     cdef void *w = start(&p.w, p, b, h, 0, 0)
@@ -470,10 +523,10 @@ cdef int ragged_run(int isa, const Ragged *p, const RaggedTask *tasks, fa_idx t,
     if not merge and st == NULL:
         # the task this thread most likely takes next, when its rows suit
         # this call: prefetched as this one ends (only a hint)
-        if p.ahead and t + nthreads < ntasks:
-            n = &tasks[t + nthreads]
-            if n.nsplit == 1 and n.i1 <= ai.L and (ai.heads <= 1 or ai.heads * (n.i1 - n.i0) <= 4):
-                nxt = task_rows(p, n, &ai)
+        if p.ahead and t + nthreads < n:
+            plan_task(p, pl, t + nthreads, False, &nx)
+            if nx.nsplit == 1 and nx.i1 <= ai.L and (ai.heads <= 1 or ai.heads * (nx.i1 - nx.i0) <= 4):
+                nxt = task_rows(p, &nx, &ai)
                 hint = &nxt
         return fa_attn(<fa_isa>isa, p.es, &ai, cur.q, cur.k, cur.v, m, o, w, lse, x.i0, x.i1,
                        hint, work)
@@ -519,11 +572,11 @@ cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo
     return <double>max(hi - lo, 0) * <double>(i1 - i0 + 8)
 
 
-cdef int run_tasks(int isa, const Ragged *p, const RaggedTask *tasks, fa_idx n, char *states,
+cdef int run_tasks(int isa, const Ragged *p, const Plan *pl, fa_idx n, char *states,
                    bint merge, int nthreads, fa_stop *stop) except -1:
-    """Tasks 0..n-1 (or their merges) over nthreads threads; a single
-    thread without a parallel region: entering one costs a tenth of a
-    small call (threads-and-speed.md, "Small calls")."""
+    """Tasks 0..n-1 of the plan (or its merges) over nthreads threads; a
+    single thread without a parallel region: entering one costs a tenth of
+    a small call (threads-and-speed.md, "Small calls")."""
     cdef size_t work_bytes = fa_attn_work_bytes(&p.a, p.es)
     cdef fa_idx t
     cdef void *work
@@ -536,7 +589,7 @@ cdef int run_tasks(int isa, const Ragged *p, const RaggedTask *tasks, fa_idx n, 
             err = 1 if work == NULL else 0
             t = 0
             while err == 0 and t < n and not stopped(stop):
-                err = 2 if ragged_run(isa, p, tasks, t, n, 1, states, merge, work) != 0 else 0
+                err = 2 if ragged_run(isa, p, pl, t, n, 1, states, merge, work) != 0 else 0
                 t += 1
             free(work)
     else:
@@ -547,27 +600,42 @@ cdef int run_tasks(int isa, const Ragged *p, const RaggedTask *tasks, fa_idx n, 
             for t in prange(n, schedule="dynamic"):
                 if work == NULL or stopped(stop):
                     continue
-                if ragged_run(isa, p, tasks, t, n, nthreads, states, merge, work) != 0:
+                if ragged_run(isa, p, pl, t, n, nthreads, states, merge, work) != 0:
                     errp[0] = 2
             free(work)
     return err
 
 
-cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except -1:
-    """The call's tasks: every (sequence, head) split as
-    scaled_dot_product_attention on that sequence alone splits it
-    (fa_attn_splits), so that its bits are that call's: a task per block of
-    query rows, of the sequence's own length, or per piece of its keys,
-    merged after; a few rows (decoding) of the query heads of one key/value
-    head together (fa_attn_args' heads: the keys read once for all).
-    Costlier items first; within an item the largest causal blocks first,
-    except under a window's left bound (ascending), where blocks cost about
-    the same and the keys new to each block continue the ascending stream
-    of the one before, which the hardware prefetcher follows."""
+cdef void implicit_plan(const Ragged *p, Plan *pl) noexcept nogil:
+    """A dense call's plan: its sequences all of a.L rows over a.S keys."""
+    cdef fa_attn_args ai
+    cdef fa_idx qb = fa_attn_query_block(p.es)
+    if p.seqs.count == 0 or p.Hq == 0:
+        return
+    ai = ragged_args(p, 0, 0, 1)
+    if ai.L == 0:
+        return
+    pl.L, pl.S = ai.L, ai.S
+    pl.nsplit = fa_attn_splits(&ai)
+    pl.together = grouped(p, &ai)
+    pl.cpk = (p.group + pl.together - 1) // pl.together
+    pl.chunks = (p.Hq // p.group) * pl.cpk
+    pl.nqb = (ai.L + qb - 1) // qb
+    pl.chunk = (ai.S + pl.nsplit - 1) // pl.nsplit
+    pl.per_item = pl.nsplit if pl.nsplit > 1 else pl.nqb
+    pl.ntasks = p.seqs.count * pl.chunks * pl.per_item
+    ai.heads = pl.together
+    pl.slen = fa_attn_state_len(&ai, 0, ai.L)
+    if pl.nsplit > 1:
+        pl.nitems = p.seqs.count * pl.chunks
+        pl.nstate = pl.ntasks * pl.slen
+
+
+cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
+    """A ragged call's plan, sorted; 1 when the list cannot be allocated."""
     cdef fa_idx qb = fa_attn_query_block(p.es)
     cdef fa_idx nseq = p.seqs.count, b, h, h0, piece, nqb, chunk, nsplit, together, first
     cdef fa_idx ntasks = 0, nitems = 0, nstate = 0, t, slen, k
-    cdef bint ascending = p.a.window_left >= 0
     cdef double cost
     cdef fa_attn_args ai
     cdef RaggedTask *x
@@ -582,13 +650,15 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except
         nitems += k if nsplit > 1 else 0
     if ntasks == 0:
         return 0
-    cdef RaggedTask *tasks = <RaggedTask *>malloc((ntasks + nitems) * sizeof(RaggedTask))
-    if tasks == NULL:
-        raise MemoryError("fastattn: cannot allocate the task list")
-    cdef RaggedTask *items = tasks + ntasks  # the split items, to merge
+    pl.tasks = <RaggedTask *>malloc((ntasks + nitems) * sizeof(RaggedTask))
+    if pl.tasks == NULL:
+        return 1
+    pl.ntasks = ntasks
     t = 0
     nitems = 0
     for b in range(nseq):
+        if b % 4096 == 0 and stopped(stop):  # a list of millions takes seconds
+            return 0
         ai = ragged_args(p, b, 0, 1)
         if ai.L == 0:
             continue
@@ -603,11 +673,12 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except
             ai.heads = h
             slen = fa_attn_state_len(&ai, 0, ai.L)
             if nsplit > 1:
-                items[nitems] = RaggedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit, nstate, nitems, 0)
+                pl.tasks[ntasks + nitems] = RaggedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit,
+                                                       nstate, nitems, 0)
                 nitems += 1
             first, cost = t, 0
             for piece in range(nsplit if nsplit > 1 else nqb):
-                x = &tasks[t]
+                x = &pl.tasks[t]
                 x.seq, x.head, x.heads, x.nsplit, x.order = b, h0, h, nsplit, t
                 if nsplit > 1:
                     x.i0, x.i1, x.s_lo = 0, ai.L, piece * chunk
@@ -615,27 +686,59 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except
                     x.state = nstate
                     nstate += slen
                 else:
-                    x.i0 = (piece if ascending else nqb - 1 - piece) * qb
+                    x.i0 = (piece if pl.ascending else nqb - 1 - piece) * qb
                     x.i1 = min(x.i0 + qb, ai.L)
                     x.s_lo, x.s_hi, x.state = 0, ai.S, 0
                 cost += ragged_cost(&ai, x.i0, x.i1, x.s_lo, x.s_hi) * h
                 t += 1
             for k in range(first, t):
-                tasks[k].cost = cost
-    qsort(tasks, ntasks, sizeof(RaggedTask), costlier_first)
+                pl.tasks[k].cost = cost
+    pl.nitems, pl.nstate = nitems, nstate
+    qsort(pl.tasks, ntasks, sizeof(RaggedTask), costlier_first)
+    return 0
 
-    cdef char *states = <char *>malloc(max(nstate, 1) * p.es)
-    if states == NULL:
-        free(tasks)
-        raise MemoryError("fastattn: cannot allocate the split-attention state")
-    p.ahead = p.table == NULL and operand_bytes > <size_t>L2_BYTES * min(nthreads, ntasks)
+
+cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except -1:
+    """The call's tasks: every (sequence, head) split as
+    scaled_dot_product_attention on that sequence alone splits it
+    (fa_attn_splits), so that its bits are that call's: a task per block of
+    query rows, of the sequence's own length, or per piece of its keys,
+    merged after; a few rows (decoding) of the query heads of one key/value
+    head together (fa_attn_args' heads: the keys read once for all).
+    Costlier items first (a dense call's are alike: as made); within an
+    item the largest causal blocks first, except under a window's left
+    bound (ascending), where blocks cost about the same and the keys new to
+    each block continue the ascending stream of the one before, which the
+    hardware prefetcher follows."""
+    cdef Plan pl
     cdef fa_stop stop
+    cdef int err = 0
+    cdef char *states = NULL
+    memset(&pl, 0, sizeof(pl))
+    pl.ascending = p.a.window_left >= 0
     stop_init(&stop)
-    cdef int err = run_tasks(isa, p, tasks, ntasks, states, False, nthreads, &stop)
-    if err == 0 and stop.flag == 0 and nitems > 0:
-        err = run_tasks(isa, p, items, nitems, states, True, nthreads, &stop)
+    with nogil:
+        if p.cu_q == NULL:
+            implicit_plan(p, &pl)
+        else:
+            err = explicit_plan(p, &pl, &stop)
+        if err == 0 and stop.flag == 0 and pl.ntasks > 0:
+            states = <char *>malloc(max(pl.nstate, 1) * p.es)
+            err = 3 if states == NULL else 0
+    if err != 0 or stop.flag != 0 or pl.ntasks == 0:
+        free(pl.tasks)
+        stop_raise(&stop)
+        if err == 1:
+            raise MemoryError("fastattn: cannot allocate the task list")
+        if err == 3:
+            raise MemoryError("fastattn: cannot allocate the split-attention state")
+        return 0
+    p.ahead = p.table == NULL and operand_bytes > <size_t>L2_BYTES * min(nthreads, pl.ntasks)
+    err = run_tasks(isa, p, &pl, pl.ntasks, states, False, nthreads, &stop)
+    if err == 0 and stop.flag == 0 and pl.nitems > 0:
+        err = run_tasks(isa, p, &pl, pl.nitems, states, True, nthreads, &stop)
     free(states)
-    free(tasks)
+    free(pl.tasks)
     stop_raise(&stop)
     return raise_on(err, "attention")
 
