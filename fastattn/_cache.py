@@ -36,8 +36,12 @@ class Layout(NamedTuple):
         return f"({', '.join(self.names)}) = ({', '.join(given)})"
 
     def fits(self, shape: tuple[int, ...]) -> bool:
-        return len(shape) == len(self.sizes) and all(
-            s is None or s == n for s, n in zip(self.sizes, shape))
+        if len(shape) != len(self.sizes):
+            return False
+        for want, n in zip(self.sizes, shape):  # a loop: decoding calls this every step
+            if want is not None and want != n:
+                return False
+        return True
 
     def require(self, a: NDArray[Any], name: str) -> None:
         """ValueError unless a has this layout, saying how to reorder its

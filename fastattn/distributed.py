@@ -474,6 +474,10 @@ class ShardedKVCache:
         self._num_kv_heads, self._dtype = self._core.num_kv_heads, self._core.dtype
         self._head_dim, self._value_dim = self._core.head_dim, self._core.value_dim
         self._storage = self._core.storage
+        Hkv, D, Dv = self._num_kv_heads, self._head_dim, self._value_dim
+        self._layouts = (Layout(("num_kv_heads", "n", "head_dim"), (Hkv, None, D)),
+                         Layout(("num_kv_heads", "n", "value_dim"), (Hkv, None, Dv)),
+                         Layout(("Hq", "L", "head_dim"), (None, None, D)))
         self._capacity = C.check_index(capacity_per_shard, "capacity_per_shard", 1)
         self._chunk = C.check_index(chunk_size, "chunk_size", 1)
         if placement not in _PLACEMENTS:
@@ -604,11 +608,7 @@ class ShardedKVCache:
             ``length`` and ``shard_lengths`` are as before it.
         """
         self._check_alive()
-        Hkv = self._num_kv_heads
-        n = self._core.check_rows(
-            key, value, Layout(("num_kv_heads", "n", "head_dim"), (Hkv, None, self._head_dim)),
-            Layout(("num_kv_heads", "n", "value_dim"), (Hkv, None, self._value_dim)),
-            "positions")
+        n = self._core.check_rows(key, value, self._layouts[0], self._layouts[1], "positions")
         start = self.length
         pieces: list[list[tuple[int, Any, Any]]] = [[] for _ in self._actors]
         g = start
@@ -682,8 +682,7 @@ class ShardedKVCache:
         """
         self._check_alive()
         start = time.perf_counter()
-        half = self._core.check_query(
-            query, Layout(("Hq", "L", "head_dim"), (None, None, self._head_dim)), 0)
+        half = self._core.check_query(query, self._layouts[2], 0)
         Hq, L = query.shape[:2]
         length = self.length
         causal = C.check_bool(is_causal, "is_causal")

@@ -139,6 +139,11 @@ class KVCache:
         # int8, float8_e4m3fn: the scale of each (sequence, head, position) row
         self._key_scale: Optional[NDArray[np.float32]] = rows.key_scale
         self._value_scale: Optional[NDArray[np.float32]] = rows.value_scale
+        B, Hkv, D, Dv = batch_size, core.num_kv_heads, core.head_dim, core.value_dim
+        self._layouts = (Layout(("batch_size", "num_kv_heads", "L", "head_dim"), (B, Hkv, None, D)),
+                         Layout(("batch_size", "num_kv_heads", "L", "value_dim"),
+                                (B, Hkv, None, Dv)),
+                         Layout(("batch_size", "Hq", "L", "head_dim"), (B, None, None, D)))
         self._length = 0
         self._padded = False
 
@@ -284,11 +289,8 @@ class KVCache:
         -----
         Nothing is written when an error is raised.
         """
-        B, Hkv, D, Dv = self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim
-        L = self._core.check_rows(
-            key, value, Layout(("batch_size", "num_kv_heads", "L", "head_dim"), (B, Hkv, None, D)),
-            Layout(("batch_size", "num_kv_heads", "L", "value_dim"), (B, Hkv, None, Dv)),
-            "positions")
+        B = self.batch_size
+        L = self._core.check_rows(key, value, self._layouts[0], self._layouts[1], "positions")
         if key_padding_mask is not None:
             C.require_array(key_padding_mask, "key_padding_mask")
             if key_padding_mask.dtype != np.bool_:
@@ -399,9 +401,7 @@ class KVCache:
             hide the missing append); and those of
             ``scaled_dot_product_attention``.
         """
-        self._core.check_query(
-            query, Layout(("batch_size", "Hq", "L", "head_dim"),
-                          (self.batch_size, None, None, self.head_dim)), 1)
+        self._core.check_query(query, self._layouts[2], 1)
         if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
             raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
                              f"holds {self._length}: with is_causal the queries are the last "

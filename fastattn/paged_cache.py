@@ -101,6 +101,10 @@ class PagedKVCache:
         self._value: NDArray[Any] = rows.value
         self._k_scale, self._v_scale = rows.key_scale, rows.value_scale
         self._refs = refs  # sequences holding each block
+        Hkv, D, Dv = core.num_kv_heads, core.head_dim, core.value_dim
+        self._layouts = (Layout(("n", "num_kv_heads", "head_dim"), (None, Hkv, D)),
+                         Layout(("n", "num_kv_heads", "value_dim"), (None, Hkv, Dv)),
+                         Layout(("total_q", "Hq", "head_dim"), (None, None, D)))
         # free blocks: those given back (taken again last in, first out), then
         # the never used ones from _fresh up, so that no list of every block is built
         self._free: list[int] = []
@@ -358,10 +362,7 @@ class PagedKVCache:
         with self._lock:
             ids = self._ids(seq_ids, distinct=True)
             before = [self._lens[s] for s in ids]
-        Hkv, D, Dv = self.num_kv_heads, self.head_dim, self.value_dim
-        n = self._core.check_rows(key, value, Layout(("n", "num_kv_heads", "head_dim"), (None, Hkv, D)),
-                                  Layout(("n", "num_kv_heads", "value_dim"), (None, Hkv, Dv)),
-                                  "tokens")
+        n = self._core.check_rows(key, value, self._layouts[0], self._layouts[1], "tokens")
         cu = self._cu(cu_seqlens, "cu_seqlens", len(ids), n)
         counts = [int(c) for c in cu[1:] - cu[:-1]]
         nthreads = _runtime.resolve_threads(num_threads)
@@ -531,8 +532,7 @@ class PagedKVCache:
             ids = self._ids(seq_ids, distinct=True)
             lens = np.array([self._lens[s] for s in ids], np.int64)
             table = self._table(ids)
-        half = self._core.check_query(
-            query, Layout(("total_q", "Hq", "head_dim"), (None, None, self.head_dim)), 1)
+        half = self._core.check_query(query, self._layouts[2], 1)
         check_features(self.head_dim, self._value_dim)
         caller_query = query  # out must not overlap it, rotated or not
         cu = self._cu(cu_seqlens_q, "cu_seqlens_q", len(ids), query.shape[0])
