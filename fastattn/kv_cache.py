@@ -253,6 +253,10 @@ class KVCache:
         if length > self._length:
             raise ValueError(f"length = {length}; the cache holds {self._length} positions: "
                              "truncate keeps a prefix of them")
+        self._hold(length)
+
+    def _hold(self, length: int) -> None:
+        """The positions before length are the ones held."""
         self._real[:, length:] = False
         self._length = length
         self._padded = not bool(self._real[:, :length].all())
@@ -477,4 +481,4 @@ class KVCache:
         n = self._check_state(state)
         for name, buf, saved in self._state_pairs(state):
             (buf[:, :n] if buf.ndim == 2 else buf[:, :, :n]).view(saved.dtype)[...] = saved
-        self.truncate(n)
+        self._hold(n)
