@@ -212,7 +212,7 @@ class _Shard:
     def save(self, folder: str, snapshot_id: str) -> str:
         """Writes its file of a snapshot into folder, with the snapshot's id
         and its own index, synced to disk; returns the file's sha256."""
-        state = self._cache._state()
+        state = self._cache.state_dict()
         state["runs"] = np.array(self._runs, np.int64).reshape(-1, 3)
         name = os.path.join(folder, _shard_file(self._index))
         try:
@@ -253,7 +253,7 @@ class _Shard:
             raise ValueError(f"{name} is damaged: its sha256 is {digest}, cache.json records "
                              f"{sha256}")
         try:
-            n = self._cache._check_state(state)
+            n = self._cache.check_state_dict(state)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         if held != [tuple(r) for r in runs] or n != length:
@@ -267,7 +267,7 @@ class _Shard:
             raise RuntimeError(f"shard {self._index}: commit with no file staged")
         state, runs = self._staged
         self._staged = None
-        self._cache._load_state(state)
+        self._cache.load_state_dict(state)
         self._runs = runs
         return self._cache.length
 

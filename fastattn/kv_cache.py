@@ -433,22 +433,32 @@ class KVCache:
                          None if self._value_scale is None else self._value_scale[:, :, rows],
                          self._value_dim))
 
-    def _state(self) -> dict[str, NDArray[Any]]:
-        """The positions held, as stored (codes and scales, bit for bit), with
-        each element's bits as an unsigned int of its size: NumPy's files
-        know no bfloat16."""
+    def state_dict(self) -> dict[str, NDArray[Any]]:
+        """The positions held, as stored, bit for bit, to save and load into
+        a cache of the same sizes and storage (PyTorch's ``state_dict``
+        idea): "key" and "value" (batch_size, num_kv_heads, length, width),
+        "real" (batch_size, length), True = a real token, not padding, and
+        for int8 and float8_e4m3fn storage "key_scale" and "value_scale"
+        (batch_size, num_kv_heads, length).  Each element's bits come as an
+        unsigned int of its size (NumPy's files know no bfloat16), in
+        read-only views of the buffers: ``np.savez(path,
+        **cache.state_dict())`` saves them, and ``load_state_dict`` of what
+        ``np.load`` gives takes them back."""
         n = self._length
         state = {"key": self._key[:, :, :n], "value": self._value[:, :, :n],
                  "real": self._real[:, :n]}
         if self._key_scale is not None and self._value_scale is not None:
             state.update(key_scale=self._key_scale[:, :, :n],
                          value_scale=self._value_scale[:, :, :n])
-        return {name: a.view(f"u{a.itemsize}") for name, a in state.items()}
+        return {name: _storage.read_only(a.view(f"u{a.itemsize}")) for name, a in state.items()}
 
     def _state_pairs(self, state: Mapping[str, NDArray[Any]]
                      ) -> list[tuple[str, NDArray[Any], NDArray[Any]]]:
         """(name, buffer, saved array) of each buffer this cache has;
-        ValueError when state lacks one."""
+        TypeError for a state that is no mapping, ValueError when it lacks one."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping of names to arrays (what state_dict "
+                            f"gives, or np.load's file of it), got {type(state).__name__}")
         pairs = []
         for name, buf in (("key", self._key), ("value", self._value), ("real", self._real),
                           ("key_scale", self._key_scale), ("value_scale", self._value_scale)):
@@ -458,9 +468,12 @@ class KVCache:
                 pairs.append((name, buf, np.asarray(state[name])))
         return pairs
 
-    def _check_state(self, state: Mapping[str, NDArray[Any]]) -> int:
-        """The positions of what _state gave, for a cache of this shape and
-        storage; ValueError for anything else.  Changes nothing."""
+    def check_state_dict(self, state: Mapping[str, NDArray[Any]]) -> int:
+        """The positions state holds, when it is what ``state_dict`` gives
+        for a cache of this one's sizes and storage (up to its capacity);
+        ValueError naming what differs otherwise.  Changes nothing: what
+        ``load_state_dict`` checks first, for callers that check several
+        caches before loading any."""
         pairs = self._state_pairs(state)
         n = np.shape(state["key"])[2] if np.ndim(state["key"]) == 4 else -1
         if not 0 <= n <= self.capacity:
@@ -469,16 +482,27 @@ class KVCache:
         for name, buf, saved in pairs:
             # the positions are axis 2 of the keys, values and scales, 1 of real
             want = buf.shape[:2] + (n,) + buf.shape[3:] if buf.ndim > 2 else (buf.shape[0], n)
-            if saved.shape != want or saved.dtype != np.dtype(f"u{buf.dtype.itemsize}"):
+            bits = np.dtype(f"u{buf.dtype.itemsize}")
+            if saved.shape != want or saved.dtype != bits:
                 raise ValueError(f"the saved {name} is {saved.dtype} of shape "
-                                 f"{C.shape_str(saved.shape)}; this cache expects "
-                                 f"u{buf.dtype.itemsize} of shape {C.shape_str(want)}")
+                                 f"{C.shape_str(saved.shape)}; this cache expects {bits} of "
+                                 f"shape {C.shape_str(want)}")
         return n
 
-    def _load_state(self, state: Mapping[str, NDArray[Any]]) -> None:
-        """Holds what _state gave, for a cache of this shape and storage;
-        ValueError, with nothing changed, for anything else."""
-        n = self._check_state(state)
+    def load_state_dict(self, state: Mapping[str, NDArray[Any]]) -> None:
+        """Holds the positions of state (``state_dict``'s, of a cache of this
+        one's sizes and storage) in place of those held, bit for bit.
+
+        Raises
+        ------
+        TypeError
+            state is not a mapping.
+        ValueError
+            state lacks an array this cache keeps, or one's shape or dtype
+            is not what such a cache gives, or it holds more positions than
+            capacity (``check_state_dict``); nothing is changed then.
+        """
+        n = self.check_state_dict(state)
         for name, buf, saved in self._state_pairs(state):
             (buf[:, :n] if buf.ndim == 2 else buf[:, :, :n]).view(saved.dtype)[...] = saved
         self._hold(n)

@@ -332,3 +332,49 @@ def test_truncate_is_as_if_never_appended(storage):
     np.testing.assert_array_equal(spec.attend(q), plain.attend(q))
     spec.truncate(spec.length)  # keeping everything changes nothing
     np.testing.assert_array_equal(spec.attend(q), plain.attend(q))
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8", "int4"])
+def test_state_dict_saved_and_loaded_gives_the_same_bits(tmp_path, storage):
+    """A cache saved with np.savez(**state_dict()) and loaded into a new one
+    of the same sizes attends bit for bit as the original, padding
+    included; it may then grow as the original would."""
+    pytest.importorskip("ml_dtypes") if storage == "bfloat16" else None
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((2, 2, 7, 16)).astype(np.float32)
+    pad = np.zeros((2, 7), bool)
+    pad[0, :2] = True
+    cache, copy = (fastattn.KVCache(2, 2, 12, 16, storage=storage) for _ in range(2))
+    cache.append(k, k, key_padding_mask=pad)
+    np.savez(tmp_path / "cache.npz", **cache.state_dict())
+    with np.load(tmp_path / "cache.npz") as saved:
+        assert copy.check_state_dict(saved) == 7 and copy.length == 0
+        copy.load_state_dict(saved)
+    q = rng.standard_normal((2, 4, 3, 16)).astype(np.float32)
+    np.testing.assert_array_equal(copy.attend(q), cache.attend(q))
+    for c in (cache, copy):
+        c.append(k[:, :, :2], k[:, :, :2])
+    np.testing.assert_array_equal(copy.attend(q), cache.attend(q))
+
+
+def test_load_state_dict_refuses_another_cache_and_changes_nothing():
+    k = np.ones((1, 2, 3, 8), np.float32)
+    small = fastattn.KVCache(1, 2, 2, 8)
+    other = fastattn.KVCache(1, 2, 8, 8, storage="int8")
+    cache = fastattn.KVCache(1, 2, 8, 8)
+    cache.append(k, k)
+    full = fastattn.KVCache(1, 2, 8, 8)
+    full.append(k, k)
+    state = full.state_dict()
+    with pytest.raises(ValueError, match="the saved cache holds 3 positions; this cache holds "
+                                         "0 to 2"):
+        small.load_state_dict(state)
+    with pytest.raises(ValueError, match="the saved cache has no key_scale"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"the saved value is uint32 of shape \(1, 2, 3, 4\); this cache "
+                                         r"expects uint32 of shape \(1, 2, 3, 8\)"):
+        cache.load_state_dict({**state, "value": state["value"][..., :4]})
+    with pytest.raises(TypeError, match="state must be a mapping of names to arrays"):
+        cache.load_state_dict([state["key"]])
+    assert cache.length == 3 and small.length == 0 and other.length == 0
+    assert not state["key"].flags.writeable  # views of the buffers, read-only
