@@ -396,13 +396,13 @@ cdef inline fa_idx kv_row(const Ragged *p, fa_idx b) noexcept nogil:
     return p.kv_start[b] if p.kv_start != NULL else 0
 
 
-cdef inline fa_attn_args ragged_args(const Ragged *p, fa_idx b, fa_idx h,
-                                    fa_idx heads) noexcept nogil:
-    """The arguments of sequence b, query heads h..h+heads-1 (of one
+cdef inline void ragged_args(const Ragged *p, fa_idx b, fa_idx h, fa_idx heads,
+                             fa_attn_args *r) noexcept nogil:
+    """r = the arguments of sequence b, query heads h..h+heads-1 (of one
     key/value head): its L and S (the queries its last L positions), block
     table row, scales, slopes and sinks."""
-    cdef fa_attn_args r = p.a
     cdef const double *x
+    r[0] = p.a
     if p.cu_q != NULL:
         r.L = p.cu_q[b + 1] - p.cu_q[b]
     if p.seq_lens != NULL:
@@ -423,7 +423,6 @@ cdef inline fa_attn_args ragged_args(const Ragged *p, fa_idx b, fa_idx h,
         x = <const double *>start(&p.sink, p, b, h, 0, 0)
         r.sink = x[0]
         r.head_sinks = x if heads > 1 else NULL
-    return r
 
 
 cdef inline fa_attn_next task_rows(const Ragged *p, const RaggedTask *t,
@@ -507,7 +506,8 @@ cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n
     cdef RaggedTask x, nx
     plan_task(p, pl, t, merge, &x)
     cdef fa_idx b = x.seq, h = x.head, i
-    cdef fa_attn_args ai = ragged_args(p, b, h, x.heads)
+    cdef fa_attn_args ai
+    ragged_args(p, b, h, x.heads, &ai)
     cdef fa_attn_next cur = task_rows(p, &x, &ai)
     cdef fa_attn_next nxt
     cdef const fa_attn_next *hint = NULL
@@ -612,7 +612,7 @@ cdef void implicit_plan(const Ragged *p, Plan *pl) noexcept nogil:
     cdef fa_idx qb = fa_attn_query_block(p.es)
     if p.seqs.count == 0 or p.Hq == 0:
         return
-    ai = ragged_args(p, 0, 0, 1)
+    ragged_args(p, 0, 0, 1, &ai)
     if ai.L == 0:
         return
     pl.L, pl.S = ai.L, ai.S
@@ -640,7 +640,7 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
     cdef fa_attn_args ai
     cdef RaggedTask *x
     for b in range(nseq):
-        ai = ragged_args(p, b, 0, 1)
+        ragged_args(p, b, 0, 1, &ai)
         if ai.L == 0:
             continue
         nsplit = fa_attn_splits(&ai)
@@ -659,7 +659,7 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
     for b in range(nseq):
         if b % 4096 == 0 and stopped(stop):  # a list of millions takes seconds
             return 0
-        ai = ragged_args(p, b, 0, 1)
+        ragged_args(p, b, 0, 1, &ai)
         if ai.L == 0:
             continue
         nsplit = fa_attn_splits(&ai)
@@ -717,14 +717,14 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except
     memset(&pl, 0, sizeof(pl))
     pl.ascending = p.a.window_left >= 0
     stop_init(&stop)
-    with nogil:
-        if p.cu_q == NULL:
-            implicit_plan(p, &pl)
-        else:
+    if p.cu_q == NULL:  # a few operations: not worth releasing the GIL
+        implicit_plan(p, &pl)
+    else:
+        with nogil:
             err = explicit_plan(p, &pl, &stop)
-        if err == 0 and stop.flag == 0 and pl.ntasks > 0:
-            states = <char *>malloc(max(pl.nstate, 1) * p.es)
-            err = 3 if states == NULL else 0
+    if err == 0 and stop.flag == 0 and pl.ntasks > 0:
+        states = <char *>malloc(max(pl.nstate, 1) * p.es)
+        err = 3 if states == NULL else 0
     if err != 0 or stop.flag != 0 or pl.ntasks == 0:
         free(pl.tasks)
         stop_raise(&stop)
