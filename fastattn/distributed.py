@@ -757,9 +757,10 @@ class ShardedKVCache:
         _, errors, hung = self._call({k: a.ping.remote() for k, a in enumerate(self._actors)})
         return sorted(set(errors) | set(hung))
 
-    def _shard_died(self, exc: BaseException) -> NoReturn:
-        """Raises ShardLostError when a shard's actor is dead, else exc."""
-        dead = self._dead_shards()
+    def _shard_died(self, exc: BaseException, known: Sequence[int] = ()) -> NoReturn:
+        """Raises ShardLostError when a shard's actor is dead (known: shards
+        whose own call said so), else exc."""
+        dead = sorted(set(self._dead_shards()) | set(known))
         if not dead:
             raise exc
         self._lost, self._lost_kind = sorted(set(self._lost) | set(dead)), ShardLostError
@@ -810,9 +811,11 @@ class ShardedKVCache:
         ShardLostError, or the first shard's own error."""
         if hung:
             self._hung(hung, doing)
-        died = [e for e in errors.values() if isinstance(e, ray.exceptions.RayActorError)]
+        # a shard whose own call found its actor dead is lost, whatever the
+        # pings after it say (pings alone let the raw error escape, rarely)
+        died = {k: e for k, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)}
         if died:
-            self._shard_died(died[0])
+            self._shard_died(next(iter(died.values())), list(died))
         first = next(iter(errors.values()))
         cause = getattr(first, "cause", None)
         raise (cause if isinstance(cause, Exception) else first) from None
