@@ -116,9 +116,7 @@ class Core:
         for name, a, want in (("key", key, layout), ("value", value, value_layout)):
             arr = C.require_array(a, name)
             if arr.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {arr.dtype}; this {self.owner} holds "
-                                f"{self.dtype}"
-                                f"{_storage.half_hint(arr.dtype, self.dtype, name, self.owner)}")
+                raise self._dtype_error(name, arr.dtype)
             want.require(arr, name)
             counts.append(int(arr.shape[want.sizes.index(None)]))
         n, nv = counts
@@ -134,9 +132,12 @@ class Core:
         q = C.require_array(query, "query")
         half = C.is_half(q.dtype) and q.dtype.isnative and self.dtype == np.float32
         if q.dtype != self.dtype and not half:
-            raise TypeError(f"query has dtype {q.dtype}; this {self.owner} holds "
-                            f"{self.dtype}"
-                            f"{_storage.half_hint(q.dtype, self.dtype, 'query', self.owner)}")
+            raise self._dtype_error("query", q.dtype)
         layout.require(q, "query")
         C.check_head_groups(q.shape[heads_axis], self.num_kv_heads)
         return half
+
+    def _dtype_error(self, name: str, dtype: np.dtype[Any]) -> TypeError:
+        """An array of another dtype than the cache's, with the fix for a 16-bit one."""
+        return TypeError(f"{name} has dtype {dtype}; this {self.owner} holds {self.dtype}"
+                         f"{_storage.half_hint(dtype, self.dtype, name, self.owner)}")

@@ -657,7 +657,7 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
     t = 0
     nitems = 0
     for b in range(nseq):
-        if b % 4096 == 0 and stopped(stop):  # a list of millions takes seconds
+        if b % 4096 == 0 and stopped(stop):  # millions of sequences: let Ctrl-C in
             return 0
         ragged_args(p, b, 0, 1, &ai)
         if ai.L == 0:
