@@ -471,9 +471,9 @@ class KVCache:
     def check_state_dict(self, state: Mapping[str, NDArray[Any]]) -> int:
         """The positions state holds, when it is what ``state_dict`` gives
         for a cache of this one's sizes and storage (up to its capacity);
-        ValueError naming what differs otherwise.  Changes nothing: what
-        ``load_state_dict`` checks first, for callers that check several
-        caches before loading any."""
+        ValueError naming what differs otherwise (TypeError when state is
+        not a mapping).  Changes nothing: what ``load_state_dict`` checks
+        first, for callers that check several caches before loading any."""
         pairs = self._state_pairs(state)
         n = np.shape(state["key"])[2] if np.ndim(state["key"]) == 4 else -1
         if not 0 <= n <= self.capacity:
