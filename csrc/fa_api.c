@@ -199,7 +199,8 @@ static int attn_shape_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_a
            -1 <= a->window_left && a->window_left <= FA_MAX_WINDOW && -1 <= a->window_right &&
            a->window_right <= FA_MAX_WINDOW && a->softcap >= 0 &&
            a->sink == a->sink && a->sink < INFINITY &&
-           (a->block_table == NULL || a->block_size >= 1);
+           (a->block_table == NULL || a->block_size >= 1) &&
+           (a->precision == FA_PRECISION_EXACT || a->precision == FA_PRECISION_INT8);
 }
 
 static int attn_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_attn_next *next,

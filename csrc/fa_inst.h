@@ -4,6 +4,7 @@
  * height of the path), and FA_NR_F32 and FA_NR_F64 (its width). */
 #include <math.h>
 #include "fa_prim_store.h"
+#include "fa_idot.h"
 
 #define T float
 #define FA_SFX f32

@@ -36,11 +36,28 @@
 #define FA_VT_COLS 64
 #define FA_GATHER(a) (FA_EP(a) > FA_VT_ROWS * FA_VT_COLS ? FA_EP(a) : FA_VT_ROWS * FA_VT_COLS)
 
-/* Scratch of the row kernel, from a 64-byte aligned start. */
+/* Whether the row kernel takes this call's scores from integer dot
+ * products (fa_idot.h): the int8 mode against int8 or Q4 keys. */
+static FA_ALWAYS_INLINE int FA_NAME(int8_dots)(const fa_attn_args *a)
+{
+    return FA_IS_F32 && a->precision == FA_PRECISION_INT8 && a->E <= FA_IDOT_MAX_E &&
+           (a->kv_store == FA_STORE_I8 || a->kv_store == FA_STORE_Q4);
+}
+
+/* The query's int8 codes per row (E rounded up to a Q4 block) and its
+ * groups of one scale: the whole row against int8 keys, a Q4 block
+ * against Q4 keys, whose scales they multiply. */
+#define FA_Q8_LD(a) ((((a)->E + FA_IDOT_GROUP - 1) / FA_IDOT_GROUP) * FA_IDOT_GROUP)
+#define FA_Q8_GROUPS(a) ((a)->kv_store == FA_STORE_Q4 ? FA_Q8_LD(a) / FA_IDOT_GROUP : 1)
+
+/* Scratch of the row kernel, from a 64-byte aligned start: the int8
+ * query's codes, scales and offsets after the rest, in the int8 mode. */
 static size_t FA_NAME(rows_work)(const fa_attn_args *a)
 {
-    return sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + 2 * FA_EVP(a)) + FA_ROWS_SCALARS +
-                                FA_GATHER(a));
+    const size_t rest = sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + 2 * FA_EVP(a)) +
+                                             FA_ROWS_SCALARS + FA_GATHER(a));
+    if (!FA_NAME(int8_dots)(a)) return rest;
+    return rest + (size_t)FA_ROWS_MAX * (size_t)(FA_Q8_LD(a) + 8 * FA_Q8_GROUPS(a));
 }
 
 /* The row kernel's scratch, carved from work (64-byte aligned). */
@@ -51,6 +68,9 @@ typedef struct {
     T *ob;     /* FA_ROWS_MAX x Ev: a block's part of it (rows_accumulate) */
     T *m, *l;  /* running maximum and sum */
     T *gather; /* a key row or a value tile copied contiguous */
+    int8_t *q8;     /* FA_ROWS_MAX x FA_Q8_LD: the int8 query (int8_dots) */
+    float *qd;      /* FA_ROWS_MAX x FA_Q8_GROUPS: its scales */
+    int32_t *qb;    /* FA_ROWS_MAX x FA_Q8_GROUPS: its offsets against Q4 */
 } FA_NAME(rows_scratch);
 
 static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
@@ -63,6 +83,9 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     w.m = w.ob + FA_ROWS_MAX * FA_EVP(a);
     w.l = w.m + FA_ROWS_MAX;
     w.gather = w.m + FA_ROWS_SCALARS;
+    w.qd = (float *)(w.gather + FA_GATHER(a));
+    w.qb = (int32_t *)(w.qd + FA_ROWS_MAX * FA_Q8_GROUPS(a));
+    w.q8 = (int8_t *)(w.qb + FA_ROWS_MAX * FA_Q8_GROUPS(a));
     return w;
 }
 
@@ -167,6 +190,32 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
     return s == s ? s : scale * d;
 }
 
+#if FA_IS_F32
+/* dots (fa_kern_load.h) from integer products, for the int8 mode
+ * (int8_dots): s[t * FA_RB + r] = the int8 query row t against key row r
+ * of the nr rows from y, rb bytes apart (fa_idot.h), eight rows at a time
+ * asked for ahead as dots asks (fetch_rows). */
+static void FA_NAME(idots)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w, fa_idx nq,
+                           fa_idx nr, const void *y, fa_idx rb, T *s, const fa_ahead_rows *l1,
+                           const fa_ahead_rows *l2)
+{
+    const fa_idx ng = FA_Q8_GROUPS(a), ld = FA_Q8_LD(a);
+    for (fa_idx r0 = 0; r0 < nr; r0 += 8) {
+        const fa_idx m = nr - r0 < 8 ? nr - r0 : 8;
+        const char *rows = (const char *)y + r0 * rb;
+        for (fa_idx r = r0; r < r0 + m; ++r) FA_NAME(fetch_rows)(r, l1, l2);
+        for (fa_idx t = 0; t < nq; ++t) {
+            if (a->kv_store == FA_STORE_Q4)
+                fa_idot_q4(m, ng, w->q8 + t * ld, w->qd + t * ng, w->qb + t * ng,
+                           (const uint8_t *)rows, rb, s + t * FA_RB + r0);
+            else
+                fa_idot_i8(m, a->E, w->q8 + t * ld, w->qd[t], (const int8_t *)rows, rb,
+                           s + t * FA_RB + r0);
+        }
+    }
+}
+#endif
+
 /* s[t, r] = logit of row t (of n positions from i0, of every head) and key
  * s0 + r, for nk keys; w.qs holds the query rows.  What is asked for ahead
  * depends on a->prefetch, as fastattn/_tuning.py measured it pays:
@@ -222,13 +271,27 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
             if (v != NULL && a->v_es == 1 && (a->prefetch & FA_PREFETCH_VALUES))
                 l2[0] = (fa_ahead_rows){(const char *)v + fa_value_at(a, j) * eb, a->v_ss * eb,
                                         FA_NAME(st_row_bytes)(st, a->Ev), n};
-            FA_NAME(dots)(st, nq, n, a->E, w->qs, FA_EP(a), FA_NAME(st_at)(st, k, fa_key_at(a, j)),
-                          a->k_ss, s + r0, FA_RB, &krows, l2);
+            const void *rows = FA_NAME(st_at)(st, k, fa_key_at(a, j));
+#if FA_IS_F32
+            if (FA_NAME(int8_dots)(a)) {
+                FA_NAME(idots)(a, w, nq, n, rows, a->k_ss * eb, s + r0, &krows, l2);
+                continue;
+            }
+#endif
+            FA_NAME(dots)(st, nq, n, a->E, w->qs, FA_EP(a), rows, a->k_ss, s + r0, FA_RB, &krows, l2);
         }
-    } else { /* each key row copied contiguous first */
+    } else { /* each key row copied contiguous first (int8 codes as they are) */
         for (fa_idx r = 0; r < nk; ++r) {
-            FA_NAME(load_row)(st, a->E, FA_NAME(st_at)(st, k, fa_key_at(a, s0 + r)), a->k_es,
-                              w->gather);
+            const char *row = (const char *)FA_NAME(st_at)(st, k, fa_key_at(a, s0 + r));
+#if FA_IS_F32
+            if (FA_NAME(int8_dots)(a)) { /* int8: Q4 rows are contiguous */
+                int8_t *codes = (int8_t *)w->gather;
+                for (fa_idx e = 0; e < a->E; ++e) codes[e] = (int8_t)row[e * a->k_es];
+                FA_NAME(idots)(a, w, nq, 1, codes, 0, s + r, &none, nones);
+                continue;
+            }
+#endif
+            FA_NAME(load_row)(st, a->E, row, a->k_es, w->gather);
             FA_NAME(dots)(FA_STORE_NATIVE, nq, 1, a->E, w->qs, FA_EP(a), w->gather, 0, s + r,
                           FA_RB, &none, nones);
         }
@@ -332,6 +395,13 @@ static void FA_NAME(rows_start)(const fa_attn_args *a, const void *q, fa_idx i0,
         const fa_idx at = (i0 + t % n) * a->q_ls + t / n * a->q_hs;
         FA_NAME(load_row)(a->q_store, a->E, FA_NAME(st_at)(a->q_store, q, at), a->q_es,
                           w->qs + t * FA_EP(a));
+#if FA_IS_F32
+        if (FA_NAME(int8_dots)(a)) {
+            const fa_idx ng = FA_Q8_GROUPS(a);
+            fa_quantise_i8(a->E, w->qs + t * FA_EP(a), FA_Q8_LD(a) / ng, ng, w->q8 + t * FA_Q8_LD(a),
+                           w->qd + t * ng, w->qb + t * ng);
+        }
+#endif
         for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] = 0;
         w->m[t] = -(T)INFINITY;
         w->l[t] = 0;

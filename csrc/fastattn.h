@@ -122,6 +122,9 @@ typedef struct {
      * block kernel, for keys and values beyond L2).  No result depends on
      * it. */
     int prefetch;
+    /* The scores' arithmetic (fa_common.h): EXACT, or INT8, whose scores
+     * differ from the exact ones by the rounding of the query to int8. */
+    fa_precision precision;
 } fa_attn_args;
 
 /* fa_attn_args.prefetch: the row kernel's key rows FA_PREFETCH_BYTES ahead

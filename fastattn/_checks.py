@@ -293,6 +293,20 @@ def check_bool(x: object, name: str) -> bool:
     return bool(x)
 
 
+PRECISIONS = {"exact": _core.PRECISION_EXACT, "int8": _core.PRECISION_INT8}
+
+
+def check_precision(x: object) -> int:
+    """The kernels' precision (fa_precision) for the public ``precision``
+    argument: "exact" (the default) or "int8" (opt-in integer dot products
+    against int8 and int4 caches)."""
+    if not isinstance(x, str):
+        raise TypeError(f'precision must be a str, "exact" or "int8", got {type(x).__name__}')
+    if x not in PRECISIONS:
+        raise ValueError(f'precision must be "exact" or "int8", got {x!r}')
+    return PRECISIONS[x]
+
+
 def check_real(x: object, name: str) -> float:
     """A finite real number (not a bool); a NumPy or ml_dtypes scalar of a
     16-bit float too (ml_dtypes' are not registered as numbers.Real)."""

@@ -20,6 +20,8 @@ STORE_I8: int
 STORE_F8E4M3: int
 STORE_F8E5M2: int
 STORE_Q4: int
+PRECISION_EXACT: int
+PRECISION_INT8: int
 PREFETCH_KEYS: int
 PREFETCH_VALUES: int
 ATTN_MAX_FEATURES: int
@@ -42,7 +44,7 @@ def attention(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
               lse: Optional[NDArray[Any]] = ..., q_store: int = ..., kv_store: int = ...,
               k_scale: Optional[NDArray[np.float32]] = ...,
               v_scale: Optional[NDArray[np.float32]] = ...,
-              ahead_blocks: bool = ...) -> None: ...
+              ahead_blocks: bool = ..., precision: int = ...) -> None: ...
 def ragged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
            k_scale: Optional[NDArray[np.float32]], v_scale: Optional[NDArray[np.float32]],
            block_table: Optional[NDArray[np.int32]], kv_start: Optional[NDArray[np.int64]],
@@ -51,7 +53,8 @@ def ragged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDAr
            align_offset: int, scale: float, nthreads: int, window_left: int,
            window_right: int, softcap: float, slopes: Optional[NDArray[np.float64]],
            sinks: Optional[NDArray[np.float64]], q_store: int, kv_store: int,
-           prefetch: int = ..., ahead_blocks: bool = ...) -> None: ...
+           prefetch: int = ..., ahead_blocks: bool = ...,
+           precision: int = ...) -> None: ...
 def rotary(x: NDArray[Any], positions: NDArray[np.int64], cos: NDArray[Any], sin: NDArray[Any],
            interleaved: bool, out: NDArray[Any], nthreads: int) -> None: ...
 def softmax_rows(isa: int, x: NDArray[Any], mask: Optional[NDArray[Any]], mask_kind: int,

@@ -59,6 +59,9 @@ cdef extern from "fastattn.h" nogil:
         FA_STORE_F8E4M3
         FA_STORE_F8E5M2
         FA_STORE_Q4
+    ctypedef enum fa_precision:
+        FA_PRECISION_EXACT
+        FA_PRECISION_INT8
     ctypedef struct fa_gemm_args:
         fa_idx M, N, K
         fa_idx rs_a, cs_a, rs_b, cs_b, rs_c, cs_c
@@ -83,6 +86,7 @@ cdef extern from "fastattn.h" nogil:
         const double *head_slopes
         const double *head_sinks
         int prefetch
+        fa_precision precision
     enum:
         FA_PREFETCH_KEYS
         FA_PREFETCH_VALUES
@@ -148,6 +152,8 @@ STORE_I8 = <int>FA_STORE_I8
 STORE_F8E4M3 = <int>FA_STORE_F8E4M3
 STORE_F8E5M2 = <int>FA_STORE_F8E5M2
 STORE_Q4 = <int>FA_STORE_Q4
+PRECISION_EXACT = <int>FA_PRECISION_EXACT
+PRECISION_INT8 = <int>FA_PRECISION_INT8
 PREFETCH_KEYS = <int>FA_PREFETCH_KEYS
 PREFETCH_VALUES = <int>FA_PREFETCH_VALUES
 ATTN_MAX_FEATURES = FA_ATTN_MAX_FEATURES
@@ -749,7 +755,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
               fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
               object slopes=None, object sinks=None, object lse=None,
               int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
-              object v_scale=None, bint ahead_blocks=True):
+              object v_scale=None, bint ahead_blocks=True, int precision=PRECISION_EXACT):
     """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
 
     All arrays have the same number of dimensions; the axes before the last
@@ -762,7 +768,8 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     so Ev is out's last axis, not v's.  prefetch: fa_attn_args'
     (fastattn/_tuning.py chooses it); ahead_blocks: FA_PREFETCH_BLOCKS joins
     it for items whose keys and values exceed L2.  No result depends on
-    either.  The tasks: schedule()'s, every item of the batch a sequence."""
+    either.  precision: fa_attn_args' (PRECISION_EXACT or PRECISION_INT8).
+    The tasks: schedule()'s, every item of the batch a sequence."""
     cdef int nd = q.ndim - 2
     cdef int ns = nd - 1 if nd > 0 else 0   # the sequences' axes: the batch axes but the heads
     cdef int ha = nd - 1                    # the heads' axis, or -1
@@ -803,7 +810,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     p.a.scale, p.a.softcap = scale, softcap
     p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
-    p.a.prefetch = prefetch
+    p.a.prefetch, p.a.precision = prefetch, <fa_precision>precision
     p.kv_row_bytes = (k.shape[nd + 1] + v.shape[nd + 1]) * cnp.PyArray_ITEMSIZE(k)
     p.ahead_blocks = ahead_blocks
     # heads share their key/value head's reads only without a mask or
@@ -820,7 +827,8 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
            object lse, fa_idx group, bint causal, bint lower_right, fa_idx align_offset,
            double scale, int nthreads, fa_idx window_left, fa_idx window_right,
            double softcap, object slopes, object sinks, int q_store, int kv_store,
-           int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES, bint ahead_blocks=True):
+           int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES, bint ahead_blocks=True,
+           int precision=PRECISION_EXACT):
     """Attention of a ragged batch of sequences (checked by the caller): q
     (total_q, Hq, E) stored as q_store, key_cache (num_blocks, Hkv,
     block_size, E) and value_cache (..., Ev) as kv_store, with int8 and
@@ -833,7 +841,8 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
     key_cache and value_cache (packed sequences: varlen).  Query i of a
     sequence sits at key position i + align_offset, plus S - L with
     lower_right.  slopes (B, Hq) and sinks (Hq,) float64 or None.  The
-    tasks: schedule()'s; prefetch and ahead_blocks as in attention()."""
+    tasks: schedule()'s; prefetch, ahead_blocks and precision as in
+    attention()."""
     cdef Ragged p
     cdef const int32_t[:, ::1] table
     cdef const cnp.int64_t[::1] starts
@@ -864,7 +873,7 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
         p.a.ksc_bs, p.a.ksc_s = estride(k_scale, 0), estride(k_scale, 2)
         p.a.vsc_bs, p.a.vsc_s = estride(v_scale, 0), estride(v_scale, 2)
     p.a.mask_kind = FA_MASK_NONE
-    p.a.prefetch = prefetch
+    p.a.prefetch, p.a.precision = prefetch, <fa_precision>precision
     p.a.scale, p.a.softcap, p.a.causal = scale, softcap, causal
     p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store

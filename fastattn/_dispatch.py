@@ -142,10 +142,11 @@ def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float
     if out.size:
         isa, q, k, v = _runtime.isa(), C.kernel_view(query), C.kernel_view(key), C.kernel_view(value)
         # a cache's storage: checked_attention's call, the scales as the cache holds them
-        kv_store, k_scale, v_scale = ((_core.STORE_NATIVE, None, None) if stored is None else
-                                      (stored.store, stored.key_scale, stored.value_scale))
+        kv_store, k_scale, v_scale, precision = (
+            (_core.STORE_NATIVE, None, None, _core.PRECISION_EXACT) if stored is None else
+            (stored.store, stored.key_scale, stored.value_scale, stored.precision))
         # nbytes: at least the bytes read (broadcast axes counted once)
-        tkey, nbytes = (isa, nthreads, kv_store, False), key.nbytes + value.nbytes
+        tkey, nbytes = (isa, nthreads, kv_store, False, precision), key.nbytes + value.nbytes
         # a tiny call straight to the kernel, its arguments positional: a
         # closure and a keyword cost it about a sixth of its time
         if L > _tuning.DECODE_ROWS or nbytes < _tuning.MIN_BYTES:
@@ -155,13 +156,13 @@ def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float
             else:
                 _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset,
                                 scale, nthreads, _tuning.current(tkey), kv_store=kv_store,
-                                k_scale=k_scale, v_scale=v_scale)
+                                k_scale=k_scale, v_scale=v_scale, precision=precision)
         else:
             _tuning.run(tkey, _tuning.distinct_bytes(key, value), True,
                         lambda prefetch: _core.attention(
                             isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
                             nthreads, prefetch, kv_store=kv_store, k_scale=k_scale,
-                            v_scale=v_scale))
+                            v_scale=v_scale, precision=precision))
     return out
 
 
@@ -192,12 +193,14 @@ class StoredKV(NamedTuple):
     """How a KVCache stores its keys and values when not in query's dtype:
     the kernels' storage kind (_core.STORE_*), for int8 and float8_e4m3fn
     the float32 scale of every row, shaped like key and value without their
-    last axis, and the elements of a value row (Ev; not value's last axis
-    for int4, whose rows are blocks of bytes)."""
+    last axis, the elements of a value row (Ev; not value's last axis
+    for int4, whose rows are blocks of bytes), and the kernels' precision
+    (C.check_precision's)."""
     store: int
     key_scale: Optional[NDArray[np.float32]] = None
     value_scale: Optional[NDArray[np.float32]] = None
     value_dim: Optional[int] = None
+    precision: int = _core.PRECISION_EXACT
 
 
 def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
@@ -313,7 +316,8 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
             v_scale = C.broadcast_view(stored.value_scale, kv_batch + (S,))
     if result.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         isa = _runtime.isa()
-        _tuning.run((isa, nthreads, kv_store, False), _tuning.distinct_bytes(k, v),
+        precision = _core.PRECISION_EXACT if stored is None else stored.precision
+        _tuning.run((isa, nthreads, kv_store, False, precision), _tuning.distinct_bytes(k, v),
                     L <= _tuning.DECODE_ROWS,
                     lambda prefetch: _core.attention(
                         isa, q, k, v, mask, kind, result, weights, group, causal, offset, scale,
@@ -321,7 +325,7 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
                         window_right=variants.window_right, softcap=variants.softcap,
                         slopes=variants.slopes, sinks=variants.sinks, lse=lse, q_store=store,
                         kv_store=kv_store, k_scale=k_scale, v_scale=v_scale,
-                        prefetch=prefetch))
+                        prefetch=prefetch, precision=precision))
     half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
     out = narrow(result, dtype, nthreads, out) if half else result
     if half and weights is not None:
@@ -354,7 +358,8 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
            scale: Optional[float], window_size: Optional[tuple[int, int]],
            alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
            sinks: Optional[NDArray[Any]], return_lse: bool, out: Optional[NDArray[Any]],
-           num_threads: Optional[int], inputs: Mapping[str, Optional[NDArray[Any]]]
+           num_threads: Optional[int], inputs: Mapping[str, Optional[NDArray[Any]]],
+           precision: int = _core.PRECISION_EXACT
            ) -> Union[NDArray[Any], tuple[NDArray[Any], NDArray[Any]]]:
     """A ragged batch's call once its caches, keys' places, lengths and
     offsets are known good (_core.ragged's arguments: a block table, or
@@ -362,7 +367,7 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
     of the caches; q_lens the queries of each sequence; causal checked):
     the options' checks and the kernel.  paged_attention, varlen_attention
     and PagedKVCache.attend (with its own arrays, which it keeps good) come
-    here.  inputs: what out must not overlap."""
+    here.  inputs: what out must not overlap; precision: C.check_precision's."""
     total_q, Hq, E = query.shape
     Hkv = key_cache.shape[1]
     B = lens.shape[0]
@@ -392,13 +397,13 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
         read = int(lens.sum()) * Hkv * (key_cache.shape[-1] + value_cache.shape[-1]) * \
             key_cache.itemsize
         q, kc, vc = C.kernel_view(query), C.kernel_view(key_cache), C.kernel_view(value_cache)
-        _tuning.run((isa, nthreads, kv_store, table is not None), read,
+        _tuning.run((isa, nthreads, kv_store, table is not None, precision), read,
                     lengths[0] <= _tuning.DECODE_ROWS,
                     lambda prefetch: _core.ragged(
                         isa, q, kc, vc, scales[0], scales[1], table, kv_start, lens, cu_q,
                         result, lse, Hq // Hkv, causal, lower_right, offset, scale, nthreads,
                         variants.window_left,
                         variants.window_right, variants.softcap, slopes, sink, q_store,
-                        kv_store, prefetch=prefetch))
+                        kv_store, prefetch=prefetch, precision=precision))
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result
     return out if lse is None else (out, lse)

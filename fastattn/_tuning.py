@@ -51,7 +51,7 @@ MIN_BYTES = 8 << 20
 # kernel's FA_ROWS_MAX, csrc/fa_internal.h)
 DECODE_ROWS = 4
 
-Key = Tuple[int, int, int, bool]  # SIMD path, threads, key/value storage, paged
+Key = Tuple[int, int, int, bool, int]  # SIMD path, threads, key/value storage, paged, precision
 _NAMES = {"keys": KEYS, "values": VALUES}
 
 

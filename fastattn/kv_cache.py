@@ -336,7 +336,7 @@ class KVCache:
                window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
-               num_threads: Optional[int] = None) -> NDArray[Float]: ...
+               num_threads: Optional[int] = None, precision: str = "exact") -> NDArray[Float]: ...
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
@@ -345,7 +345,7 @@ class KVCache:
                window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
-               num_threads: Optional[int] = None) -> tuple[NDArray[Float], NDArray[Float]]: ...
+               num_threads: Optional[int] = None, precision: str = "exact") -> tuple[NDArray[Float], NDArray[Float]]: ...
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
@@ -353,14 +353,14 @@ class KVCache:
                return_lse: bool = False, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
-               num_threads: Optional[int] = None) -> Result[Float]: ...
+               num_threads: Optional[int] = None, precision: str = "exact") -> Result[Float]: ...
 
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None, need_weights: bool = False,
                return_lse: bool = False, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
-               num_threads: Optional[int] = None) -> Result[Float]:
+               num_threads: Optional[int] = None, precision: str = "exact") -> Result[Float]:
         """Attention of query over every position held (padding hidden).
 
         Parameters
@@ -382,6 +382,10 @@ class KVCache:
             As in ``scaled_dot_product_attention``; window_size and
             alibi_slopes count positions with the same bottom-right
             alignment (query i at position length - L + i).
+        precision : {"exact", "int8"}
+            As in ``paged_attention``: "int8" (opt-in) computes an int8 or
+            int4 cache's scores from integer dot products when L is at
+            most 4 (decoding); the default "exact" reads it exactly.
 
         Returns
         -------
@@ -395,9 +399,10 @@ class KVCache:
         ------
         TypeError
             A query whose dtype is not the cache's (nor 16-bit for a
-            float32 cache); and those of ``scaled_dot_product_attention``.
+            float32 cache); a precision that is not a str; and those of
+            ``scaled_dot_product_attention``.
         ValueError
-            With is_causal, more queries than positions held: the queries
+            A precision other than "exact" and "int8"; with is_causal, more queries than positions held: the queries
             are the last positions, so that would mean their keys were not
             appended (``scaled_dot_product_attention`` with
             ``causal_alignment="lower_right"`` and FlashAttention give such
@@ -406,6 +411,7 @@ class KVCache:
             ``scaled_dot_product_attention``.
         """
         self._core.check_query(query, self._layouts[2], 1)
+        mode = C.check_precision(precision)
         if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
             raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
                              f"holds {self._length}: with is_causal the queries are the last "
@@ -421,7 +427,7 @@ class KVCache:
         return cast("Result[Float]", route(
             query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
             return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads,
-            None if key.dtype == query.dtype else stored))
+            None if key.dtype == query.dtype else stored._replace(precision=mode)))
 
     def _rows(self, start: int, stop: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:
         """Views of the keys and values held at positions start..stop-1, as

@@ -146,6 +146,7 @@ def paged_attention(
         v_scale: Optional[NDArray[np.float32]] = None, kv_cache_dtype: str = "auto",
         value_dim: Optional[int] = None,
         out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+        precision: str = "exact",
 ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """Attention of a ragged batch of sequences over a paged key/value cache,
     in one call: a serving step that mixes prefill chunks, single decoding
@@ -226,6 +227,20 @@ def paged_attention(
     out : ndarray or None, shape (total_q, Hq, Ev), query's dtype
         Written through its strides; must not overlap an input.
     num_threads : int or None
+    precision : {"exact", "int8"}
+        How the scores are computed (the name of JAX's ``precision``
+        argument of its products and of PyTorch's
+        ``set_float32_matmul_precision``).  "exact" (the default): every
+        stored element read exactly.  "int8" (opt-in): against int8 and
+        int4 caches, a sequence's queries of at most four rows per
+        key/value head (decoding) are rounded to int8, one scale per row
+        against int8 keys and per block of 32 against int4 ones, and the
+        scores summed as integer products, llama.cpp's q8_0 dot products
+        and SageAttention's int8 Q Kᵀ (Zhang et al., ICLR 2025).  The
+        output then differs from the exact one by that rounding (README,
+        "The int8 mode", gives the measured error); the same bits for any
+        thread count, layout, block placement and batch, as in the exact
+        mode.  Other caches and longer calls stay exact.
 
     Returns
     -------
@@ -243,9 +258,10 @@ def paged_attention(
         tables, seq_lens or cu_seqlens_q; int8 and float8_e4m3fn caches
         without their scales or scales for other caches; caches that are not
         uint8 (or that float8 dtype) with kv_cache_dtype; flags that are not
-        bools.
+        bools; a precision that is not a str.
     ValueError
-        Shapes that do not agree; Hq not a multiple of Hkv; cu_seqlens_q
+        A precision other than "exact" and "int8"; shapes that do not
+        agree; Hq not a multiple of Hkv; cu_seqlens_q
         not starting at 0, decreasing or not ending at total_q; a seq_lens
         entry below 0 or beyond max_blocks x block_size; a block-table entry
         that a sequence reads and that is not a block of the caches (the
@@ -265,6 +281,7 @@ def paged_attention(
         if a.ndim != len(layout.split(",")):
             raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected {layout}")
     key_cache, value_cache, storage = _byte_caches(key_cache, value_cache, kv_cache_dtype)
+    mode = C.check_precision(precision)
     q_store, kv_store = _cache_dtypes(query, key_cache, value_cache, k_scale, v_scale, storage)
     total_q, Hq, E = query.shape
     num_blocks, Hkv, block_size, Ek = key_cache.shape
@@ -313,4 +330,4 @@ def paged_attention(
               "k_scale": k_scale, "v_scale": v_scale}
     return ragged(query, key_cache, value_cache, table, None, lens, cu_q, q_lens, scales,
                   q_store, kv_store, Ev, causal, True, 0, scale, window_size, alibi_slopes,
-                  softcap, sinks, lse_wanted, out, num_threads, inputs)
+                  softcap, sinks, lse_wanted, out, num_threads, inputs, mode)

@@ -501,7 +501,8 @@ class PagedKVCache:
                is_causal: bool = True, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
-               out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None
+               out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+               precision: str = "exact"
                ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
         """Attention of each sequence's new queries over every position it
         holds: one ``paged_attention`` call.
@@ -520,7 +521,7 @@ class PagedKVCache:
         rotary, rotary_interleaved
             As ``append``'s, at each query's position (its sequence's length
             minus its L queries, plus its row).
-        scale, is_causal, window_size, alibi_slopes, softcap, sinks, return_lse, out, num_threads
+        scale, is_causal, window_size, alibi_slopes, softcap, sinks, return_lse, out, num_threads, precision
             As ``paged_attention``'s (the cache passes its own scales,
             storage and value_dim).
 
@@ -534,6 +535,7 @@ class PagedKVCache:
             table = self._table(ids)
         half = self._core.check_query(query, self._layouts[2], 1)
         check_features(self.head_dim, self._value_dim)
+        mode = C.check_precision(precision)
         caller_query = query  # out must not overlap it, rotated or not
         cu = self._cu(cu_seqlens_q, "cu_seqlens_q", len(ids), query.shape[0])
         counts = cu[1:] - cu[:-1]
@@ -564,7 +566,7 @@ class PagedKVCache:
                         (self._k_scale, self._v_scale), query_store(query.dtype),
                         _storage.store(self._storage), self._value_dim, causal, True, 0,
                         scale, window_size, alibi_slopes, softcap, sinks, return_lse, out,
-                        num_threads, inputs)
+                        num_threads, inputs, mode)
         if rounded_to is None:
             return result
         nthreads = _runtime.resolve_threads(num_threads)

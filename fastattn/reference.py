@@ -168,6 +168,28 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array,
     return np.concatenate(outs) if outs else np.zeros((0, query.shape[1], value_cache.shape[3]))
 
 
+def int8_query(query: Array, group: Optional[int] = None) -> Array:
+    """The query as precision="int8" reads it: each row's groups of `group`
+    features (None: the whole row; 32 against int4 caches) rounded in
+    float32 to int8 codes times their scale max|x| / 127, ties to even, then
+    read back in float64.  Its scores against the decoded keys are those of
+    the int8 mode in exact arithmetic; a group with a NaN or an inf reads
+    back as NaN (codes 0 times a scale of NaN or inf)."""
+    x = np.asarray(query, np.float32)
+    E = x.shape[-1]
+    g = E if group is None else group
+    pad = -E % g if E else 0
+    groups = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(x.shape[:-1] + (-1, g))
+    with np.errstate(invalid="ignore"):
+        d = np.max(np.abs(groups), axis=-1, keepdims=True, initial=0) / np.float32(127)
+        d = np.where(np.isnan(groups).any(axis=-1, keepdims=True), np.float32(np.nan), d)
+        coded = (d > 0) & np.isfinite(d)
+        codes = np.where(coded, np.clip(np.rint(groups / np.where(coded, d, 1)), -127, 127), 0)
+        back = (codes.astype(np.float64) * d.astype(np.float64))
+    back = np.where(np.isfinite(d), back, np.nan)
+    return back.reshape(x.shape[:-1] + (-1,))[..., :E]
+
+
 def self_attention(x: Array, w_q: Array, w_k: Array, w_v: Array, **kwargs: Any) -> Result:
     """Step 1 too: Q = X W_Q, K = X W_K, V = X W_V, then attention."""
     return scaled_dot_product_attention(x @ w_q, x @ w_k, x @ w_v, **kwargs)

@@ -57,7 +57,7 @@ def fake_clock(monkeypatch, durations):
 
 @pytest.mark.parametrize("fastest", range(4))
 def test_the_fastest_way_is_kept(monkeypatch, fresh, fastest):
-    key, nbytes = (1, 1, 0, False), _tuning.MIN_BYTES
+    key, nbytes = (1, 1, 0, False, 0), _tuning.MIN_BYTES
     n = len(_tuning.WAYS)
     ways = []
     # the calls take turns; the fastest way's calls take 1 s, the others'
@@ -82,7 +82,7 @@ def test_small_or_non_decoding_calls_are_not_measured(monkeypatch, fresh):
     for nbytes, decoding in ((_tuning.MIN_BYTES - 1, True), (_tuning.MIN_BYTES, False)):
         for _ in range(len(_tuning.WAYS) * _tuning.TRIALS + 1):
             ways = []
-            _tuning.run((1, 1, 0, False), nbytes, decoding, ways.append)
+            _tuning.run((1, 1, 0, False, 0), nbytes, decoding, ways.append)
             assert ways == [_tuning.DEFAULT]
     assert _tuning.chosen() == {}
 
@@ -102,7 +102,7 @@ def test_a_small_cache_seen_by_many_queries_is_not_measured(monkeypatch, fresh):
 
 def test_one_call_is_timed_at_a_time(monkeypatch, fresh):
     fake_clock(monkeypatch, itertools.repeat(1.0))
-    key, ways = (1, 1, 0, False), []
+    key, ways = (1, 1, 0, False, 0), []
     with _tuning._timing:  # another thread's call is being timed
         _tuning.run(key, _tuning.MIN_BYTES, True, ways.append)
     assert ways == [_tuning.DEFAULT] and _tuning._seconds_per_byte == {}
@@ -116,9 +116,9 @@ def test_a_failed_call_is_not_counted(monkeypatch, fresh):
         raise RuntimeError("the kernel call failed")
 
     with pytest.raises(RuntimeError):
-        _tuning.run((1, 1, 0, False), _tuning.MIN_BYTES, True, fail)
+        _tuning.run((1, 1, 0, False, 0), _tuning.MIN_BYTES, True, fail)
     ways = []
-    _tuning.run((1, 1, 0, False), _tuning.MIN_BYTES, True, ways.append)
+    _tuning.run((1, 1, 0, False, 0), _tuning.MIN_BYTES, True, ways.append)
     assert ways == [_tuning.WAYS[0]]  # still the first turn's way
 
 

@@ -1,0 +1,174 @@
+/* Integer dot products of the opt-in int8 mode (fa_attn_args.precision,
+ * FA_PRECISION_INT8): a query row quantised to int8 against int8 or q4_0
+ * key codes.  The sums are int32 and exact, so every path gives the same
+ * sums; the few float steps after them are spelled out below, in order,
+ * and every path takes them in that order, so every path gives the same
+ * scores too.  AVX2 bodies where the including file is compiled for AVX2
+ * (the AVX2 and AVX-512 paths), plain C elsewhere (the compiler vectorises
+ * it for NEON).  The sign trick and the nibble split follow llama.cpp's
+ * q8_0 dot products (ggml-cpu's quants.c). */
+#ifndef FA_IDOT_H
+#define FA_IDOT_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "fa_prim_store.h"
+
+/* Largest E the integer products take: |sum| <= 128 * 127 * E must stay
+ * an int32.  Beyond it the row kernel keeps the exact products. */
+#define FA_IDOT_MAX_E ((fa_idx)1 << 16)
+/* Query elements per scale against Q4 keys: a Q4 block. */
+#define FA_IDOT_GROUP FA_Q4_BLOCK
+
+/* q8[0..ng * g) = x[0..n) (zeros past n) in int8 with one scale per group
+ * of g elements: qd[i] = max |x| / 127 over group i, code = x / qd rounded
+ * to nearest-even; qb[i] = 8 times the codes' sum (the offset of Q4's
+ * codes, fa_idot_q4).  A group holding a NaN gets qd NaN, one holding an
+ * inf qd inf, and both codes 0, so that its scores come out NaN as the
+ * exact ones would; a group of zeros qd 0. */
+static void fa_quantise_i8(fa_idx n, const float *x, fa_idx g, fa_idx ng, int8_t *q8, float *qd,
+                           int32_t *qb)
+{
+    for (fa_idx i = 0; i < ng; ++i) {
+        const fa_idx lo = i * g, hi = lo + g < n ? lo + g : n;
+        float amax = 0;
+        int nan = 0;
+        for (fa_idx e = lo; e < hi; ++e) {
+            const float v = fabsf(x[e]);
+            nan |= v != v;
+            amax = v > amax ? v : amax;
+        }
+        const float d = nan ? (float)NAN : amax / 127.0f;
+        const int coded = d > 0 && d < (float)INFINITY;
+        int32_t sum = 0;
+        for (fa_idx e = lo; e < lo + g; ++e) {
+            float c = coded && e < hi ? rintf(x[e] / d) : 0;
+            c = c > 127 ? 127 : c < -127 ? -127 : c;
+            q8[e] = (int8_t)c;
+            sum += q8[e];
+        }
+        qd[i] = d;
+        qb[i] = 8 * sum;
+    }
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* acc + the pairwise sums of q . k over 32 bytes: |k| times q with k's
+ * sign, so that the unsigned-by-signed multiply takes a code of -128 too */
+static FA_ALWAYS_INLINE __m256i fa_idot_i8_step(__m256i acc, __m256i q, const int8_t *p)
+{
+    const __m256i k = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(k), _mm256_sign_epi8(q, k));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* The lane sums of a[0..8), one per lane */
+static FA_ALWAYS_INLINE __m256i fa_hsum8_epi32(const __m256i *a)
+{
+    const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
+                            _mm256_permute2x128_si256(t0, t1, 0x31));
+}
+
+/* The 32 codes of a Q4 block's 16 bytes, in order: low nibbles, then high */
+static FA_ALWAYS_INLINE __m256i fa_q4_codes(const uint8_t *p)
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(0x0f));
+}
+#endif
+
+/* The int8 sum of q[0..n) times row k_r (int8 codes) for nr <= 8 rows
+ * k_r = k + r * rb (bytes): isum[r].  Inlined with nr = 8, the compiler
+ * keeps the eight sums in registers. */
+static FA_ALWAYS_INLINE void fa_idot_i8_sums(const fa_idx nr, fa_idx n, const int8_t *q,
+                                             const int8_t *k, fa_idx rb, int32_t *isum)
+{
+    fa_idx e0 = 0;
+#if defined(__AVX2__)
+    e0 = n / 32 * 32;
+    __m256i acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_si256();
+    for (fa_idx e = 0; e < e0; e += 32) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + e));
+        for (fa_idx r = 0; r < nr; ++r) acc[r] = fa_idot_i8_step(acc[r], qv, k + r * rb + e);
+    }
+    _mm256_storeu_si256((__m256i *)isum, fa_hsum8_epi32(acc));
+#else
+    for (fa_idx r = 0; r < nr; ++r) isum[r] = 0;
+#endif
+    for (fa_idx r = 0; e0 < n && r < nr; ++r) {
+        const int8_t *kr = k + r * rb;
+        int32_t sum = 0;
+        for (fa_idx e = e0; e < n; ++e) sum += (int32_t)q[e] * kr[e];
+        isum[r] += sum;
+    }
+}
+
+/* s[r] = qd * (float)(q . k_r) for nr rows of n int8 codes, k_r = k + r * rb
+ * (n <= FA_IDOT_MAX_E). */
+static void fa_idot_i8(fa_idx nr, fa_idx n, const int8_t *q, float qd, const int8_t *k, fa_idx rb,
+                       float *s)
+{
+    int32_t isum[8];
+    for (fa_idx r0 = 0; r0 < nr; r0 += 8) {
+        const fa_idx m = nr - r0 < 8 ? nr - r0 : 8;
+        if (m == 8)
+            fa_idot_i8_sums(8, n, q, k + r0 * rb, rb, isum);
+        else
+            fa_idot_i8_sums(m, n, q, k + r0 * rb, rb, isum);
+        for (fa_idx r = 0; r < m; ++r) s[r0 + r] = qd * (float)isum[r];
+    }
+}
+
+/* For nr Q4 rows k_r = k + r * rb of nb blocks each, whose block b is
+ * d_rb times (codes - 8), against q (nb * 32 codes) with scales qd[b] and
+ * offsets qb[b] (fa_quantise_i8):
+ *   s[r] = sum over b, in order from 0, of (d_rb * qd[b]) * (float)(c_rb . q_b - qb[b])
+ * with each product and sum rounded to float (the order every path keeps). */
+static void fa_idot_q4(fa_idx nr, fa_idx nb, const int8_t *q, const float *qd, const int32_t *qb,
+                       const uint8_t *k, fa_idx rb, float *s)
+{
+    fa_idx r0 = 0;
+#if defined(__AVX2__)
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (; r0 + 8 <= nr; r0 += 8) {
+        const uint8_t *k0 = k + r0 * rb;
+        __m256 acc = _mm256_setzero_ps();
+        for (fa_idx b = 0; b < nb; ++b) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + b * FA_Q4_BLOCK));
+            const uint8_t *blk = k0 + b * FA_Q4_BLOCK_BYTES;
+            __m256i lanes[8];
+            uint16_t d[8];
+            for (int r = 0; r < 8; ++r) {
+                const __m256i pairs = _mm256_maddubs_epi16(fa_q4_codes(blk + r * rb + 2), qv);
+                lanes[r] = _mm256_madd_epi16(pairs, ones);
+                memcpy(d + r, blk + r * rb, sizeof d[r]);
+            }
+            const __m256i x = _mm256_sub_epi32(fa_hsum8_epi32(lanes), _mm256_set1_epi32(qb[b]));
+            const __m256 dq = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)),
+                                            _mm256_set1_ps(qd[b]));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(dq, _mm256_cvtepi32_ps(x)));
+        }
+        _mm256_storeu_ps(s + r0, acc);
+    }
+#endif
+    for (; r0 < nr; ++r0) {
+        float acc = 0;
+        for (fa_idx b = 0; b < nb; ++b) {
+            const uint8_t *blk = k + r0 * rb + b * FA_Q4_BLOCK_BYTES;
+            const int8_t *qv = q + b * FA_Q4_BLOCK;
+            int32_t sum = 0;
+            for (int e = 0; e < FA_Q4_BLOCK / 2; ++e)
+                sum += (int32_t)qv[e] * (blk[2 + e] & 15) + (int32_t)qv[e + 16] * (blk[2 + e] >> 4);
+            acc = acc + (fa_q4_scale(blk) * qd[b]) * (float)(sum - qb[b]);
+        }
+        s[r0] = acc;
+    }
+}
+
+#endif

@@ -1,0 +1,173 @@
+"""precision="int8": integer dot products against int8 and int4 caches.
+
+Against the readable twin, reference.int8_query: the query rounded to int8
+as the kernels round it, read back in float64, then exact attention over
+the keys and values the cache holds (decoded).  What is left between the
+two is float32 rounding after exact integer sums, so the suite's usual
+bound applies (conftest.tolerance).  Against the original float64 data, the
+mode's own error is bounded per storage by what README's table states."""
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference as ref
+
+from conftest import assert_close
+
+STORAGES = ["int8", "int4"]
+# the query's scale groups: one per row against int8, a q4_0 block against int4
+GROUP = {"int8": None, "int4": 32}
+
+
+def filled(rng, storage, B=2, Hkv=2, S=300, E=64, Ev=None):
+    cache = fastattn.KVCache(B, Hkv, S + 8, E, value_dim=Ev, storage=storage)
+    k = rng.standard_normal((B, Hkv, S, E), dtype=np.float32)
+    v = rng.standard_normal((B, Hkv, S, Ev or E), dtype=np.float32)
+    cache.append(k, v)
+    return cache, k, v
+
+
+def twin(cache, query, storage, **options):
+    """The int8 mode's result by the reference: its query, the cache's keys."""
+    q = ref.int8_query(query, GROUP[storage])
+    return ref.scaled_dot_product_attention(
+        q, cache.key.astype(np.float64), cache.value.astype(np.float64), is_causal=True,
+        causal_alignment="lower_right", enable_gqa=True, **options)
+
+
+VARIANTS = {
+    "plain": {},
+    "window": {"window_size": (40, 0)},
+    "softcap": {"softcap": 3.0},
+    "alibi": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625, 0.5, 0.25, 0.125, 0.0625])},
+    "sinks": {"sinks": np.linspace(-1, 2, 8)},
+}
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("E", [64, 80, 128])
+@pytest.mark.parametrize("L", [1, 2])
+def test_matches_the_reference_twin(simd, rng, storage, E, L):
+    cache, _, _ = filled(rng, storage, E=E)
+    q = rng.standard_normal((2, 4, L, E), dtype=np.float32)  # 2 query heads per key/value head
+    out = cache.attend(q, precision="int8")
+    assert_close(out, twin(cache, q, storage), np.float32, E + cache.length)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_variant(rng, storage, variant):
+    cache, _, _ = filled(rng, storage, Hkv=4)
+    q = rng.standard_normal((2, 8, 1, 64), dtype=np.float32)
+    options = VARIANTS[variant]
+    out = cache.attend(q, precision="int8", **options)
+    assert_close(out, twin(cache, q, storage, **options), np.float32, 64 + cache.length)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_split_keys_and_long_rows(rng, storage):
+    """Decoding splits keys past 2048 into pieces merged by their lse."""
+    cache, _, _ = filled(rng, storage, B=1, S=5000)
+    q = rng.standard_normal((1, 2, 1, 64), dtype=np.float32)
+    assert_close(cache.attend(q, precision="int8"), twin(cache, q, storage), np.float32,
+                 64 + 5000)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_same_bits_for_any_threads_blocks_and_batch(rng, storage):
+    cache, k, v = filled(rng, storage, B=1, S=700)
+    q = rng.standard_normal((1, 4, 1, 64), dtype=np.float32)
+    dense = cache.attend(q, precision="int8", num_threads=1)
+    assert np.array_equal(dense, cache.attend(q, precision="int8", num_threads=2))
+    packed_q = q[0].transpose(1, 0, 2).copy()  # (1, Hq, E)
+    for block_size in (16, 48):
+        paged = fastattn.PagedKVCache(num_blocks=200, block_size=block_size, num_kv_heads=2,
+                                      head_dim=64, storage=storage)
+        other = paged.add_sequence()  # a sequence before ours, in blocks between its blocks
+        mine = paged.add_sequence()
+        for start in range(0, 700, 100):
+            rows = slice(start, start + 100)
+            paged.append([other, mine],
+                          np.concatenate([k[0][:, rows].transpose(1, 0, 2)[:50] * 2,
+                                          k[0][:, rows].transpose(1, 0, 2)]),
+                          np.concatenate([v[0][:, rows].transpose(1, 0, 2)[:50],
+                                          v[0][:, rows].transpose(1, 0, 2)]),
+                          cu_seqlens=np.array([0, 50, 150]))
+        alone = paged.attend([mine], packed_q, precision="int8")
+        both = paged.attend([other, mine], np.concatenate([packed_q, packed_q]), precision="int8",
+                            num_threads=2)
+        assert np.array_equal(alone[0], dense[0, :, 0])
+        assert np.array_equal(both[1], dense[0, :, 0])
+
+
+def test_paged_attention_over_a_callers_pool(rng):
+    """vLLM's layout: int8 codes with per-row scales, a block shared."""
+    codes = rng.integers(-128, 128, size=(6, 2, 16, 64), dtype=np.int8)  # -128 too
+    scales = rng.uniform(0.01, 0.02, size=(6, 2, 16)).astype(np.float32)
+    table = np.array([[3, 1, 4], [5, 1, 0]], np.int32)
+    q = rng.standard_normal((2, 4, 64), dtype=np.float32)
+    out = fastattn.paged_attention(q, codes, codes, table, np.array([40, 33]), np.array([0, 1, 2]),
+                                   k_scale=scales, v_scale=scales, precision="int8")
+    for b in range(2):
+        n = (40, 33)[b]
+        rows = (codes[table[b]] * scales[table[b]][..., None]).transpose(1, 0, 2, 3)
+        kv = rows.reshape(2, -1, 64)[:, :n].astype(np.float64)
+        expected = ref.scaled_dot_product_attention(
+            ref.int8_query(q[b][:, None, :]), kv, kv, enable_gqa=True)
+        assert_close(out[b], expected[:, 0], np.float32, 64 + n)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_nan_stays_nan_and_zeros_read_exactly(rng, storage):
+    cache, _, _ = filled(rng, storage, B=1)
+    q = rng.standard_normal((1, 4, 1, 64), dtype=np.float32)
+    q[0, 1, 0, 5] = np.nan
+    q[0, 2] = 0  # scores all 0: the values' mean, the exact mode's bits
+    out = cache.attend(q, precision="int8")
+    assert np.isnan(out[0, 1]).all() and np.isfinite(out[0, [0, 2, 3]]).all()
+    assert np.array_equal(out[0, 2], cache.attend(q, precision="exact")[0, 2])
+
+
+@pytest.mark.parametrize("storage, bound", [("int8", 0.02), ("int4", 0.2)])
+def test_error_against_float64(rng, storage, bound):
+    """The whole error (the cache's rounding and the query's) against
+    float64 attention of the data before it was stored: on random normal
+    keys within bound, and with a per-channel bias four times the keys'
+    spread, within a third more than the exact mode's own (which the
+    cache's rows set: README, "The int8 mode", gives the figures)."""
+    for bias in (0.0, 4.0):
+        cache = fastattn.KVCache(1, 4, 2048, 128, storage=storage)
+        k = rng.standard_normal((1, 4, 2048, 128)).astype(np.float32)
+        k += np.float32(bias) * rng.standard_normal(128).astype(np.float32)
+        v = rng.standard_normal((1, 4, 2048, 128)).astype(np.float32)
+        cache.append(k, v)
+        q = rng.standard_normal((1, 4, 1, 128)).astype(np.float32)
+        exact = ref.scaled_dot_product_attention(*(x.astype(np.float64) for x in (q, k, v)))
+        errors = {}
+        for precision in ("exact", "int8"):
+            out = cache.attend(q, precision=precision)
+            errors[precision] = np.sqrt(np.mean((out - exact) ** 2) / np.mean(exact ** 2))
+        assert errors["int8"] <= 1.3 * errors["exact"] + 5e-3, (bias, errors)
+        if bias == 0:
+            assert errors["int8"] < bound, errors
+
+
+def test_float_caches_and_default_stay_exact(rng):
+    cache, _, _ = filled(rng, None)
+    q = rng.standard_normal((2, 4, 1, 64), dtype=np.float32)
+    assert np.array_equal(cache.attend(q, precision="int8"), cache.attend(q))
+
+
+@pytest.mark.parametrize("bad, error", [("fast", ValueError), ("INT8", ValueError),
+                                        (8, TypeError), (None, TypeError)])
+def test_bad_precision(rng, bad, error):
+    cache, _, _ = filled(rng, "int8")
+    q = rng.standard_normal((2, 4, 1, 64), dtype=np.float32)
+    with pytest.raises(error, match="precision"):
+        cache.attend(q, precision=bad)
+    with pytest.raises(error, match="precision"):
+        fastattn.paged_attention(q[0].transpose(1, 0, 2), np.zeros((1, 2, 16, 64), np.int8),
+                                 np.zeros((1, 2, 16, 64), np.int8), np.zeros((1, 1), np.int32),
+                                 np.array([1]), np.array([0, 1]),
+                                 k_scale=np.ones((1, 2, 16), np.float32),
+                                 v_scale=np.ones((1, 2, 16), np.float32), precision=bad)
