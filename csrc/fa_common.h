@@ -45,11 +45,13 @@ typedef enum {
     FA_STORE_Q4 = 6
 } fa_store;
 
-/* How the attention kernels compute their scores.  EXACT: in the kernel's
- * type, every stored element converted exactly.  INT8 (opt-in): against
- * int8 and Q4 keys, the row kernel rounds each query row to int8 and sums
- * integer products (fa_idot.h); other keys, and the block kernel, stay
- * exact. */
+/* How the attention kernels compute their products.  EXACT: in the
+ * kernel's type, every stored element converted exactly.  INT8 (opt-in):
+ * against int8 and Q4 keys, the row kernel rounds each query row to int8
+ * and sums integer products for the scores, and against int8 values
+ * rounds each group of 32 keys' weights to 7 bits and sums integer
+ * products for the output (fa_idot.h); other caches, and the block
+ * kernel, stay exact. */
 typedef enum { FA_PRECISION_EXACT = 0, FA_PRECISION_INT8 = 1 } fa_precision;
 
 /* Bytes of a Q4 block, and the elements it holds. */

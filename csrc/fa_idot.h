@@ -171,4 +171,73 @@ static void fa_idot_q4(fa_idx nr, fa_idx nb, const int8_t *q, const float *qd, c
     }
 }
 
+/* ---- The weighted sum of value rows, in 8 bits -------------------------- */
+
+/* Keys whose weights share one scale (a group of key positions j with the
+ * same j / FA_IGROUP): the weights of a group rounded to 7 bits against
+ * int8 values (unsigned times signed products, whose pairs stay within
+ * int16). */
+#define FA_IGROUP 32
+
+#if defined(__AVX2__)
+/* The four rows x0..x3 of 32 bytes as four vectors of their columns'
+ * byte quads (row 0, 1, 2, 3 of one column per int32), columns in the
+ * order fa_quads_store puts back. */
+static FA_ALWAYS_INLINE void fa_quads(__m256i x0, __m256i x1, __m256i x2, __m256i x3, __m256i *q)
+{
+    const __m256i a = _mm256_unpacklo_epi8(x0, x1), b = _mm256_unpackhi_epi8(x0, x1);
+    const __m256i c = _mm256_unpacklo_epi8(x2, x3), d = _mm256_unpackhi_epi8(x2, x3);
+    q[0] = _mm256_unpacklo_epi16(a, c); /* columns 0-3 | 16-19 */
+    q[1] = _mm256_unpackhi_epi16(a, c); /* 4-7 | 20-23 */
+    q[2] = _mm256_unpacklo_epi16(b, d); /* 8-11 | 24-27 */
+    q[3] = _mm256_unpackhi_epi16(b, d); /* 12-15 | 28-31 */
+}
+
+/* acc[0..32) = the four sums of fa_quads' column order, in column order */
+static FA_ALWAYS_INLINE void fa_quads_store(const __m256i *s, int32_t *acc)
+{
+    _mm256_storeu_si256((__m256i *)acc, _mm256_permute2x128_si256(s[0], s[1], 0x20));
+    _mm256_storeu_si256((__m256i *)(acc + 8), _mm256_permute2x128_si256(s[2], s[3], 0x20));
+    _mm256_storeu_si256((__m256i *)(acc + 16), _mm256_permute2x128_si256(s[0], s[1], 0x31));
+    _mm256_storeu_si256((__m256i *)(acc + 24), _mm256_permute2x128_si256(s[2], s[3], 0x31));
+}
+
+/* The weights of four rows as the bytes of every int32 lane. */
+static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
+{
+    int32_t x;
+    memcpy(&x, (const char *)w + r, sizeof x);
+    return _mm256_set1_epi32(x);
+}
+#endif
+
+/* acc[c] = sum over r < n of w[r] * rows[r][c0 + c] for c < nc <= 32: int8
+ * codes, weights 0..127; n a multiple of 4 (rows past the group's have
+ * weight 0 and point at one of its rows). */
+static void fa_igemv_i8(fa_idx n, const uint8_t *w, const int8_t *const *rows, fa_idx c0,
+                        fa_idx nc, int32_t *acc)
+{
+#if defined(__AVX2__)
+    if (nc == 32) {
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i s[4], q[4];
+        for (int i = 0; i < 4; ++i) s[i] = _mm256_setzero_si256();
+        for (fa_idx r = 0; r < n; r += 4) {
+            const __m256i wq = fa_quad_weights(w, (int)r);
+            fa_quads(_mm256_loadu_si256((const __m256i *)(rows[r] + c0)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 1] + c0)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 2] + c0)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 3] + c0)), q);
+            for (int i = 0; i < 4; ++i)
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wq, q[i]), ones));
+        }
+        fa_quads_store(s, acc);
+        return;
+    }
+#endif
+    for (fa_idx c = 0; c < nc; ++c) acc[c] = 0;
+    for (fa_idx r = 0; r < n; ++r)
+        for (fa_idx c = 0; c < nc; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
+}
+
 #endif

@@ -57,7 +57,8 @@ static size_t FA_NAME(rows_work)(const fa_attn_args *a)
     const size_t rest = sizeof(T) * (size_t)(FA_ROWS_MAX * (FA_EP(a) + FA_RB + 2 * FA_EVP(a)) +
                                              FA_ROWS_SCALARS + FA_GATHER(a));
     if (!FA_NAME(int8_dots)(a)) return rest;
-    return rest + (size_t)FA_ROWS_MAX * (size_t)(FA_Q8_LD(a) + 8 * FA_Q8_GROUPS(a));
+    return rest + (size_t)FA_ROWS_MAX * (size_t)(FA_Q8_LD(a) + 8 * FA_Q8_GROUPS(a)) +
+           (a->kv_store == FA_STORE_I8 ? (size_t)FA_IGROUP * (size_t)a->Ev : 0);
 }
 
 /* The row kernel's scratch, carved from work (64-byte aligned). */
@@ -71,6 +72,7 @@ typedef struct {
     int8_t *q8;     /* FA_ROWS_MAX x FA_Q8_LD: the int8 query (int8_dots) */
     float *qd;      /* FA_ROWS_MAX x FA_Q8_GROUPS: its scales */
     int32_t *qb;    /* FA_ROWS_MAX x FA_Q8_GROUPS: its offsets against Q4 */
+    int8_t *codes;  /* FA_IGROUP x Ev: int8 value rows whose features are strided, copied */
 } FA_NAME(rows_scratch);
 
 static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
@@ -86,6 +88,7 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     w.qd = (float *)(w.gather + FA_GATHER(a));
     w.qb = (int32_t *)(w.qd + FA_ROWS_MAX * FA_Q8_GROUPS(a));
     w.q8 = (int8_t *)(w.qb + FA_ROWS_MAX * FA_Q8_GROUPS(a));
+    w.codes = w.q8 + FA_ROWS_MAX * FA_Q8_LD(a);
     return w;
 }
 
@@ -115,15 +118,94 @@ static fa_attn_args FA_NAME(head_args)(const fa_attn_args *a, fa_idx g)
  * every layout of the same numbers goes through the same vector arithmetic:
  * results are bitwise the same whatever the strides. */
 
+#if FA_IS_F32
+/* ot += the weights w (the rows' scales folded in) of a group of n keys
+ * times their int8 value rows, n4 of them (n rounded up to 4, rows past n
+ * repeating row 0): the weights rounded to 0..127 against the group's
+ * largest / 127, summed with the codes as integers (fa_igemv_i8), added as
+ * scale * sum.  Exactly as rows_values does (each row times its weight, in
+ * order) when a weight is not finite or below 0, or the scale underflows. */
+static void FA_NAME(values_i8_group)(const fa_attn_args *a, fa_idx n, fa_idx n4, const T *w,
+                                     const int8_t *const *rows, T *ot)
+{
+    const float wmax = FA_NAME(max)(n, w), all = FA_NAME(sum)(n, w), u = wmax / 127.0f;
+    int neg = 0;
+    for (fa_idx r = 0; r < n; ++r) neg |= w[r] < 0;
+    if (all - all != 0 || neg || (wmax > 0 && u == 0)) {
+        for (fa_idx r = 0; r < n; ++r)
+            for (fa_idx c = 0; w[r] != 0 && c < a->Ev; ++c) ot[c] += w[r] * (float)rows[r][c];
+        return;
+    }
+    if (wmax == 0) return;
+    uint8_t w8[FA_IGROUP];
+    for (fa_idx r = 0; r < n; ++r) w8[r] = (uint8_t)rintf(w[r] / u);
+    for (fa_idx r = n; r < n4; ++r) w8[r] = 0;
+    int32_t acc[32];
+    for (fa_idx c0 = 0; c0 < a->Ev; c0 += 32) {
+        const fa_idx nc = a->Ev - c0 < 32 ? a->Ev - c0 : 32;
+        fa_igemv_i8(n4, w8, rows, c0, nc, acc);
+        for (fa_idx c = 0; c < nc; ++c) ot[c0 + c] = ot[c0 + c] + u * (float)acc[c];
+    }
+}
+
+/* rows_values in the int8 mode against int8 values: the keys s0..s0+nk-1
+ * in groups of FA_IGROUP positions fixed by position (j / FA_IGROUP, cut
+ * at the block's ends), whatever the block placement, each group's
+ * weights (the rows' scales folded in first: s is changed, as rows_values
+ * changes it) rounded to one scale and summed in integers
+ * (values_i8_group), the groups added in order.  Q4 values keep the exact
+ * sum: integers measured no faster there, each block's scale making a
+ * scale per block of weights (threads-and-speed.md, "The int8 mode"). */
+static void FA_NAME(rows_values_int8)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
+                                      const void *v, fa_idx nq, fa_idx s0, fa_idx nk, T *s, T *o)
+{
+    for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
+        n = fa_kv_run(a, s0 + r0, nk - r0);
+        const float *sc = a->v_scale + fa_kv_row(a, s0 + r0, a->vsc_s, a->vsc_bs);
+        for (fa_idx t = 0; t < nq; ++t)
+            for (fa_idx r = 0; r < n; ++r) s[t * FA_RB + r0 + r] *= (T)sc[r * a->vsc_s];
+    }
+    const char *rows[FA_IGROUP];
+    for (fa_idx g0 = s0, g1; g0 < s0 + nk; g0 = g1) {
+        g1 = (g0 / FA_IGROUP + 1) * FA_IGROUP;
+        g1 = g1 < s0 + nk ? g1 : s0 + nk;
+        const fa_idx n = g1 - g0, n4 = (n + 3) / 4 * 4;
+        for (fa_idx r = 0, m; r < n; r += m) { /* a run of rows in one block at a time */
+            m = fa_kv_run(a, g0 + r, n - r);
+            const char *first = (const char *)v + fa_value_at(a, g0 + r);
+            for (fa_idx i = 0; i < m; ++i) rows[r + i] = first + i * a->v_ss;
+        }
+        for (fa_idx r = 0; a->v_es != 1 && r < n; ++r) { /* copied contiguous */
+            int8_t *row = w->codes + r * a->Ev;
+            for (fa_idx c = 0; c < a->Ev; ++c) row[c] = (int8_t)rows[r][c * a->v_es];
+            rows[r] = (const char *)row;
+        }
+        for (fa_idx r = n; r < n4; ++r) rows[r] = rows[0];
+        for (fa_idx t = 0; t < nq; ++t) {
+            const T *p = s + t * FA_RB + (g0 - s0);
+            T *ot = o + t * FA_EVP(a);
+            FA_NAME(values_i8_group)(a, n, n4, p, (const int8_t *const *)rows, ot);
+        }
+    }
+}
+#endif
+
 /* o[t] += p[t] V[s0 .. s0+nk-1] for the nq rows (p[t] = s + t * FA_RB),
  * a run of rows in one block at a time (fa_kv_run): each output element
  * sums its keys in order whatever the placement; a scaled row's scale
  * (fa_store_scaled) is folded into its weights (s is changed then). */
-static void FA_NAME(rows_values)(const fa_attn_args *a, const void *v, fa_idx nq, fa_idx s0,
-                                 fa_idx nk, T *s, T *o, T *buf)
+static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
+                                 const void *v, fa_idx nq, fa_idx s0, fa_idx nk, T *s, T *o)
 {
+    T *buf = w->gather;
     const fa_idx Ev = a->Ev;
     const fa_store st = a->kv_store;
+#if FA_IS_F32
+    if (FA_NAME(int8_dots)(a) && st == FA_STORE_I8) {
+        FA_NAME(rows_values_int8)(a, w, v, nq, s0, nk, s, o);
+        return;
+    }
+#endif
     if (fa_store_scaled(st))
         for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
             n = fa_kv_run(a, s0 + r0, nk - r0);
@@ -380,7 +462,7 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
              * times each term (float32: 2^29 keys of weight 1 and value 1
              * gave 0.5); a block's part is at most 1024 terms */
             for (fa_idx i = 0; i < nq * FA_EVP(a); ++i) w->ob[i] = 0;
-            FA_NAME(rows_values)(a, v, nq, s0, nk, s, w->ob, w->gather);
+            FA_NAME(rows_values)(a, w, v, nq, s0, nk, s, w->ob);
             for (fa_idx t = 0; t < nq; ++t)
                 for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] += w->ob[t * FA_EVP(a) + c];
         }

@@ -122,8 +122,9 @@ typedef struct {
      * block kernel, for keys and values beyond L2).  No result depends on
      * it. */
     int prefetch;
-    /* The scores' arithmetic (fa_common.h): EXACT, or INT8, whose scores
-     * differ from the exact ones by the rounding of the query to int8. */
+    /* The products' arithmetic (fa_common.h): EXACT, or INT8, whose
+     * results differ from the exact ones by the rounding of the query and
+     * of the weights to 8 bits. */
     fa_precision precision;
 } fa_attn_args;
 
