@@ -39,6 +39,7 @@ class Runner:
     # decodes through a cache graph whose new rows see the whole cache, after
     # an untimed first step of L positions: not causal, no window, S >= 2 L
     whole_cache_decode: bool = False
+    precision: str = "exact"       # fastattn's precision argument (its int8 mode: "int8")
 
     def missing(self, shape=None) -> Optional[str]:
         """None when the runner can run here (on shape), else why not."""
@@ -47,17 +48,24 @@ class Runner:
             return f"{', '.join(absent)} not installed ({self.install})"
         if shape is not None and shape.mask() is not None and not self.masks:
             return "no sliding window, packed sequences or (L, S) mask in this runner"
-        if shape is not None and shape.storage != "float32" and self.name != "fastattn":
+        if shape is not None and shape.storage != "float32" and self.library != "fastattn":
             # no article before the name, which "a int8" got wrong
             return f"{shape.storage} key/value caches are fastattn's (the others: float32)"
+        if shape is not None and self.precision != "exact" and shape.storage not in INT8_MODE:
+            return (f'precision="{self.precision}" computes int8 and int4 caches\' scores '
+                    f"(the shapes decode-8192-int8 and decode-8192-int4); this one is exact")
         if (shape is not None and shape.kind == "decode" and self.whole_cache_decode
                 and (shape.causal or shape.window >= 0 or shape.S < 2 * shape.L)):
             return "its key/value-cache graph here: not causal, no window, S >= 2 L"
         return None
 
 
+# the caches whose scores fastattn's precision="int8" computes with integers
+INT8_MODE = ("int8", "int4")
+
+
 @contextlib.contextmanager
-def _fastattn(q, k, v, shape, num_threads):
+def _fastattn(q, k, v, shape, num_threads, precision="exact"):
     import fastattn
 
     if shape.seqlens:  # (1, H, T, E) seen as packed (T, H, E): no copy
@@ -71,7 +79,8 @@ def _fastattn(q, k, v, shape, num_threads):
         cache = fastattn.KVCache(shape.B, shape.H, shape.S, shape.E, value_dim=shape.Ev,
                                  storage=shape.storage)
         cache.append(k, v)
-        yield Prepared(lambda: cache.attend(q, num_threads=num_threads), lambda out: out)
+        yield Prepared(lambda: cache.attend(q, num_threads=num_threads, precision=precision),
+                       lambda out: out)
         return
     window = (shape.window, 0) if shape.window >= 0 else None
 
@@ -303,6 +312,8 @@ def _openvino(q, k, v, shape, num_threads):
 _ORT = (("onnxruntime", "onnx"), "pip install onnxruntime onnx")
 RUNNERS = {r.name: r for r in (
     Runner("fastattn", "fastattn", "fastattn", (), "pip install fastattn", _fastattn),
+    Runner("fastattn-int8", "fastattn int8", "fastattn", (), "pip install fastattn",
+           functools.partial(_fastattn, precision="int8"), precision="int8"),
     Runner("numpy", "NumPy", "numpy", ("threadpoolctl",), "pip install threadpoolctl", _numpy,
            holds_scores=True),
     Runner("torch", "PyTorch", "torch", ("torch",), "pip install torch==2.13.0", _torch),

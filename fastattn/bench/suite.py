@@ -30,7 +30,8 @@ def worker_env(spec, environ=os.environ):
     (the worker imports fastattn, whose short spin would otherwise reach
     PyTorch too: one libgomp per process)."""
     env = dict(environ, **({SIMD_ENV: spec["simd"]} if "simd" in spec else {}))
-    if spec["runner"] != "fastattn" and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & env.keys():
+    if (RUNNERS[spec["runner"]].library != "fastattn"
+            and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & env.keys()):
         env["GOMP_SPINCOUNT"] = LIBGOMP_DEFAULT_SPIN
     return env
 
@@ -80,7 +81,7 @@ class BusyCores:
 def _variants(runner_names, simd):
     """(runner, extra spec) for every row of a case: fastattn once per SIMD path."""
     for name in runner_names:
-        if name == "fastattn":
+        if RUNNERS[name].library == "fastattn":
             yield from ((name, {"simd": path}) for path in simd)
         else:
             yield name, {}

@@ -34,7 +34,7 @@ def run_case(spec):
     runner = RUNNERS[spec["runner"]]
     shape = ALL_SHAPES[spec["shape"]]
     result = {"runner": runner.name, "shape": shape.name, "threads": spec["threads"]}
-    if runner.name == "fastattn":
+    if runner.library == "fastattn":
         result["simd"] = fastattn.simd_path()
     why = runner.missing(shape)
     if why:
@@ -55,7 +55,7 @@ def run_case(spec):
         result["max_abs_err"], result["rms_err"] = output_errors(
             prepared.to_bhle(out), q, k, v, shape, reference_rows(shape))
         del out
-        if runner.name == "fastattn" and shape.kind == "decode":
+        if runner.library == "fastattn" and shape.kind == "decode":
             # the first decoding calls of a process try each way of
             # prefetching (fastattn/_tuning.py): before the timed calls
             for _ in range(len(_tuning.WAYS) * _tuning.TRIALS):
