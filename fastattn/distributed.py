@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - the tests skip without Ray
                       "(or pip install ray)") from exc
 
 from . import _checks as C
-from . import _cache, _runtime, _storage, _variants
+from . import _cache, _core, _runtime, _storage, _variants
 from ._cache import Layout
 from ._dispatch import StoredKV, checked_attention, require_qkv
 from ._storage import narrow
@@ -94,6 +94,7 @@ class _Options(NamedTuple):
     softcap: Optional[float]
     num_threads: Optional[int]
     enable_gqa: bool
+    precision: int = _core.PRECISION_EXACT  # C.check_precision's
 
 
 def _parts(runs: Sequence[tuple[int, int, int]], q0: int, L: int, opts: _Options
@@ -142,7 +143,7 @@ def _attend_runs(query: NDArray[Any], rows: Any, runs: Sequence[tuple[int, int, 
             query, key, value, None, 0.0, opts.is_causal and placed, opts.scale, opts.enable_gqa,
             0 if g is None else q0 - g, False, True, opts.window if placed else None,
             opts.alibi_slopes if placed else None, opts.softcap, None if n else sinks, None,
-            opts.num_threads, stored))
+            opts.num_threads, None if stored is None else stored._replace(precision=opts.precision)))
         outs.append(out)
         lses.append(lse)
     return merge_attention(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
@@ -641,7 +642,8 @@ class ShardedKVCache:
     def attend(self, query: NDArray[Float], *, is_causal: bool = True,
                scale: Optional[float] = None, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
-               sinks: Optional[NDArray[Any]] = None, return_lse: bool = False
+               sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
+               precision: str = "exact"
                ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
         """Attention of query over every position held, in all shards: the
         result of ``KVCache.attend`` on one cache holding them all, within
@@ -654,9 +656,10 @@ class ShardedKVCache:
             (computed in float32, rounded once at the end).  Hq a multiple
             of num_kv_heads (grouped-query attention).  With is_causal the L
             queries are the last L positions held (lower-right alignment).
-        is_causal, scale, window_size, alibi_slopes, softcap, sinks, return_lse
+        is_causal, scale, window_size, alibi_slopes, softcap, sinks, return_lse, precision
             As in ``KVCache.attend``, with the positions of the whole
-            sequence; alibi_slopes and sinks of shape (Hq,).  Shards whose
+            sequence (precision="int8": each shard's part in the int8
+            mode, its groups of key positions counted in that part); alibi_slopes and sinks of shape (Hq,).  Shards whose
             keys lie wholly outside every query's window (or causal bound)
             are not asked; the sinks join one shard's softmax only.  No
             attn_mask: a mask would be cut along the shards' chunks; the
@@ -687,6 +690,7 @@ class ShardedKVCache:
         length = self.length
         causal = C.check_bool(is_causal, "is_causal")
         lse_wanted = C.check_bool(return_lse, "return_lse")
+        mode = C.check_precision(precision)
         if causal and L > length:
             raise ValueError(f"query has {L} positions but the cache holds {length}: with "
                              "is_causal the queries are the last positions held; append "
@@ -697,7 +701,8 @@ class ShardedKVCache:
         variants = _variants.check(window_size, alibi_slopes, softcap, sinks, (Hq,), L, length,
                                    compute, q0)
         opts = _Options(causal, scale, None if window_size is None else (
-            variants.window_left, variants.window_right), variants.slopes, softcap, None, True)
+            variants.window_left, variants.window_right), variants.slopes, softcap, None, True,
+            mode)
         sink = None if sinks is None else np.asarray(sinks, np.float64)
         asked = [k for k in range(self._num_shards)
                  if _parts(self._runs(k, length), q0, L, opts)] or [0]

@@ -340,7 +340,8 @@ class MultiHeadAttention:
                 num_threads: Optional[int] = None, seq_ids: Optional[Sequence[int]] = None,
                 cu_seqlens: Optional[NDArray[np.integer[Any]]] = None,
                 rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
-                rotary_interleaved: bool = False) -> Tuple[Array, Optional[Array]]:
+                rotary_interleaved: bool = False,
+                precision: str = "exact") -> Tuple[Array, Optional[Array]]:
         """Attention of query over key/value, with the projections.
 
         The arguments up to is_causal have the names and order of
@@ -405,6 +406,12 @@ class MultiHeadAttention:
             The attention variants of ``scaled_dot_product_attention``
             (sliding window, ALiBi, soft-cap, sinks), per head of this layer;
             with a cache, positions count from the start of the cache.
+        precision : {"exact", "int8"}
+            With a cache in int8 or int4 storage, "int8" (opt-in) computes
+            its decoding steps with integer dot products, as
+            ``KVCache.attend`` and ``paged_attention`` describe; the
+            default "exact" reads it exactly, as every call without a
+            cache computes.
         num_threads : int or None
             Threads of the attention kernel; the result is bitwise identical
             for any count.  NumPy's BLAS has its own threads, and OpenBLAS
@@ -428,11 +435,12 @@ class MultiHeadAttention:
         Raises
         ------
         TypeError
-            Non-arrays, a dtype other than the module's, or a mask neither
-            bool nor floating.
+            Non-arrays, a dtype other than the module's, a mask neither
+            bool nor floating, or a precision that is not a str.
         ValueError
-            Shapes that disagree, only one of key and value, or a cache
-            that does not fit (its capacity included).
+            Shapes that disagree, only one of key and value, a cache that
+            does not fit (its capacity included), or a precision other
+            than "exact" and "int8".
 
         Notes
         -----
@@ -442,8 +450,10 @@ class MultiHeadAttention:
         average = C.check_bool(average_attn_weights, "average_attn_weights")
         is_causal = cache is not None if is_causal is None else C.check_bool(is_causal, "is_causal")
         _runtime.resolve_threads(num_threads)  # checked before a cache is written
+        C.check_precision(precision)
         variants: dict[str, Any] = dict(window_size=window_size, alibi_slopes=alibi_slopes,
                                         softcap=softcap, sinks=sinks)
+        with_cache: dict[str, Any] = dict(variants, precision=precision)
         if isinstance(cache, PagedKVCache):
             if key is not None or value is not None:
                 raise ValueError("a PagedKVCache holds self-attention keys and values: pass query "
@@ -453,7 +463,7 @@ class MultiHeadAttention:
                                  "PagedKVCache: each sequence sees its own positions, ragged, "
                                  "with no padding")
             return self._forward_paged(query, cache, seq_ids, cu_seqlens, is_causal, rotary,
-                                       rotary_interleaved, variants, num_threads)
+                                       rotary_interleaved, with_cache, num_threads)
         if seq_ids is not None or cu_seqlens is not None or rotary is not None:
             raise ValueError("seq_ids, cu_seqlens and rotary go with a PagedKVCache cache")
         self._check_inputs(query, key, value)
@@ -498,7 +508,7 @@ class MultiHeadAttention:
             try:
                 result = cache.attend(q_h, attn_mask=mask, is_causal=is_causal,
                                       need_weights=need_weights, out=out_h,
-                                      num_threads=num_threads, **variants)
+                                      num_threads=num_threads, **with_cache)
             except BaseException:  # KeyboardInterrupt: the step did not happen
                 cache.truncate(length)
                 raise

@@ -713,3 +713,25 @@ def test_a_snapshot_through_a_symbolic_link(tmp_path):
 def test_timeouts_out_of_range(timeout):
     with pytest.raises(ValueError, match=r"timeout must be > 0 and at most 2\*\*31 seconds"):
         ShardedKVCache(1, 1, 4, capacity_per_shard=4, timeout=timeout)
+
+
+def test_the_int8_mode_reaches_every_shard():
+    """precision="int8" over int8 shards: within test_int8_mode's bounds of
+    one cache's twin (each shard's groups of key positions are the same as
+    one cache's here: chunks of 64 positions)."""
+    from test_int8_mode import check
+
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((2, 300, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 300, 64)).astype(np.float32)
+    q = rng.standard_normal((4, 1, 64)).astype(np.float32)
+    one = fastattn.KVCache(1, 2, 300, 64, storage="int8")
+    one.append(k[None], v[None])
+    with ShardedKVCache(2, 2, 64, capacity_per_shard=256, chunk_size=64, storage="int8",
+                        num_cpus_per_shard=CPUS) as cache:
+        cache.append(k, v)
+        out = cache.attend(q, precision="int8")
+        check(out[None], one, q[None], "int8", v[None])
+        assert not np.array_equal(out, cache.attend(q))  # the mode was taken
+        with pytest.raises(ValueError, match="precision"):
+            cache.attend(q, precision="int4")

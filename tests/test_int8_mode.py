@@ -194,3 +194,19 @@ def test_bad_precision(rng, bad, error):
                                  np.array([1]), np.array([0, 1]),
                                  k_scale=np.ones((1, 2, 16), np.float32),
                                  v_scale=np.ones((1, 2, 16), np.float32), precision=bad)
+
+
+def test_multi_head_attention_decodes_in_the_mode(rng):
+    mha = fastattn.MultiHeadAttention(64, 4, num_kv_heads=2, rng=0)
+    steps = rng.standard_normal((6, 2, 1, 64), dtype=np.float32)
+    outs = {}
+    for precision, threads in (("exact", 1), ("int8", 1), ("int8", 2)):
+        cache = mha.new_cache(2, 16, storage="int8")
+        outs[precision, threads] = np.stack([
+            mha(x, cache=cache, precision=precision, num_threads=threads)[0] for x in steps])
+    assert np.array_equal(outs["int8", 1], outs["int8", 2])
+    assert not np.array_equal(outs["int8", 1], outs["exact", 1])
+    np.testing.assert_allclose(outs["int8", 1], outs["exact", 1], atol=0.05 * np.abs(
+        outs["exact", 1]).max())
+    with pytest.raises(ValueError, match="precision"):
+        mha(steps[0], precision="fp8")
