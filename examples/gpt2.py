@@ -14,7 +14,8 @@ checks that each cached step equals the matching row of a full causal pass.
     python examples/gpt2.py --compare-storage --new-tokens 32
 
 decodes with the caches held in each storage of a float32 KVCache (16-, 8-
-and 4-bit ones; bfloat16 needs pip install 'fastattn[bfloat16]') and
+and 4-bit ones; bfloat16 needs pip install 'fastattn[bfloat16]'), and the
+int8 and int4 caches again with precision="int8" (integer dot products), and
 compares the tokens and the logits of every step with the float32 cache's.
 """
 import argparse
@@ -111,14 +112,16 @@ class GPT2:
         the model's dtype)."""
         return [mha.new_cache(batch_size, capacity, storage=storage) for mha in self.attn]
 
-    def forward(self, input_ids, attention_mask=None, caches=None):
+    def forward(self, input_ids, attention_mask=None, caches=None, precision="exact"):
         """Logits (B, L, vocab_size) of L new tokens.
 
         input_ids : int (B, L); attention_mask : int or bool (B, L), 1 = real
         token, 0 = padding (Hugging Face's convention), None = all real.
         caches : list of KVCache (``new_caches``) holding the earlier tokens,
         or None for a full causal pass.  Positions count the real tokens
-        before each one, as Hugging Face's generate does for left padding."""
+        before each one, as Hugging Face's generate does for left padding.
+        precision : the caches' (MultiHeadAttention.forward's: "int8" for
+        integer dot products against int8 and int4 caches)."""
         B, L = input_ids.shape
         real = np.ones((B, L), bool) if attention_mask is None else np.asarray(attention_mask) != 0
         before = caches[0].lengths if caches else np.zeros(B, np.int64)
@@ -132,7 +135,7 @@ class GPT2:
             p = f"transformer.h.{i}."
             h = layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
             a, _ = mha(h, key_padding_mask=padding, is_causal=True,
-                       cache=caches[i] if caches else None)
+                       cache=caches[i] if caches else None, precision=precision)
             x = x + a
             h = layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
             h = gelu_new(conv1d(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"]))
@@ -140,20 +143,22 @@ class GPT2:
         x = layer_norm(x, w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)
         return conv1d(x, self.lm_head.T, 0)
 
-    def generate(self, input_ids, max_new_tokens, attention_mask=None, storage=None):
+    def generate(self, input_ids, max_new_tokens, attention_mask=None, storage=None,
+                 precision="exact"):
         """Greedy decoding with one KVCache per layer (in storage, as
-        new_caches): the prompt in one step, then one token per step.
+        new_caches, read with precision as forward's): the prompt in one
+        step, then one token per step.
         Prompts of unequal length are padded on the left (attention_mask 0
         there).  Returns the new tokens (B, max_new_tokens) and the logits of
         every step (B, max_new_tokens, vocab_size)."""
         B, P = input_ids.shape
         caches = self.new_caches(B, P + max_new_tokens, storage)
         tokens, steps = [], []
-        logits = self.forward(input_ids, attention_mask, caches)[:, -1]
+        logits = self.forward(input_ids, attention_mask, caches, precision)[:, -1]
         for _ in range(max_new_tokens):
             steps.append(logits)
             tokens.append(np.argmax(logits, axis=-1))
-            logits = self.forward(tokens[-1][:, None], None, caches)[:, -1]
+            logits = self.forward(tokens[-1][:, None], None, caches, precision)[:, -1]
         return np.stack(tokens, axis=1), np.stack(steps, axis=1)
 
 
@@ -204,8 +209,9 @@ def compare_storage(model, prompt, mask, tokens, logits):
     print(f"greedy decoding of {tokens.shape[1]} tokens, {tokens.shape[0]} prompts, against a "
           f"float32 cache (logits up to {np.abs(logits).max():.1f}):")
     same16 = True
-    for storage in [s for s in FLOAT32_STORAGES if s != "float32"]:  # float32: the reference
-        t, lg = model.generate(prompt, tokens.shape[1], mask, storage=storage)
+    runs = [(s, "exact") for s in FLOAT32_STORAGES if s != "float32"]  # float32: the reference
+    for storage, precision in runs + [("int8", "int8"), ("int4", "int8")]:
+        t, lg = model.generate(prompt, tokens.shape[1], mask, storage=storage, precision=precision)
         agree = int((t == tokens).all(axis=1).sum())
         first = np.flatnonzero((t != tokens).any(axis=0))
         # logits compared while the tokens agree (after a differing token the inputs differ)
@@ -216,7 +222,8 @@ def compare_storage(model, prompt, mask, tokens, logits):
             top2 = np.sort(logits[:, first[0]], axis=-1)[:, -2:]
             margin = float((top2[:, 1] - top2[:, 0])[(t != tokens)[:, first[0]]].min())
             where = f" (first difference at step {first[0]}, where the two best logits differ by {margin:.1e})"
-        print(f"  {storage:13s} cache: {agree} of {len(t)} sequences with the same tokens{where}"
+        name = storage + (" cache" if precision == "exact" else " cache, int8 mode")
+        print(f"  {name:24s}: {agree} of {len(t)} sequences with the same tokens{where}"
               + f"; |logit difference| max {diff.max():.2e}, RMS {np.sqrt((diff ** 2).mean()):.2e}")
         same16 &= storage not in ("float16", "bfloat16") or agree == len(t)
     if not same16:
