@@ -94,6 +94,29 @@ static FA_ALWAYS_INLINE void FA_NAME(fetch_rows)(fa_idx r, const fa_ahead_rows *
             for (fa_idx e = 0; e < l2[u].bytes; e += 64) FA_PREFETCH_L2(l2[u].p + r * l2[u].rb + e);
 }
 
+/* fetch_rows for rows r0..r0+m-1: a stream whose rows follow each other
+ * (rb == bytes, a dense cache) asked for as one range, a line per
+ * prefetch, where row by row cost several instructions per line. */
+static FA_ALWAYS_INLINE void FA_NAME(fetch_run)(fa_idx r0, fa_idx m, const fa_ahead_rows *l1,
+                                                const fa_ahead_rows *l2)
+{
+    const fa_ahead_rows *s[3] = {l1, l2, l2 + 1};
+    for (int u = 0; u < 3; ++u) {
+        const fa_ahead_rows *x = s[u];
+        const fa_idx end = r0 + m < x->count ? r0 + m : x->count;
+        if (r0 >= end) continue;
+        if (x->rb != x->bytes) {
+            for (fa_idx r = r0; r < end; ++r)
+                for (fa_idx e = 0; e < x->bytes; e += 64)
+                    u == 0 ? FA_PREFETCH(x->p + r * x->rb + e) : FA_PREFETCH_L2(x->p + r * x->rb + e);
+            continue;
+        }
+        const char *p = x->p + r0 * x->rb, *q = x->p + end * x->rb;
+        for (; p < q; p += 64)
+            u == 0 ? FA_PREFETCH(p) : FA_PREFETCH_L2(p);
+    }
+}
+
 /* s[t * ld + r] = sum over c < n of x[t * ldx + c] * y_r[c], for the nq
  * rows of x and the nr rows y_r = y + r * rs (each contiguous, stored as
  * st): each row of y is read once for all the rows of x (float8_e4m3fn's

@@ -276,7 +276,7 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
 /* dots (fa_kern_load.h) from integer products, for the int8 mode
  * (int8_dots): s[t * FA_RB + r] = the int8 query row t against key row r
  * of the nr rows from y, rb bytes apart (fa_idot.h), eight rows at a time
- * asked for ahead as dots asks (fetch_rows). */
+ * asked for ahead as dots asks, a run of rows at once (fetch_run). */
 static void FA_NAME(idots)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w, fa_idx nq,
                            fa_idx nr, const void *y, fa_idx rb, T *s, const fa_ahead_rows *l1,
                            const fa_ahead_rows *l2)
@@ -285,7 +285,7 @@ static void FA_NAME(idots)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w
     for (fa_idx r0 = 0; r0 < nr; r0 += 8) {
         const fa_idx m = nr - r0 < 8 ? nr - r0 : 8;
         const char *rows = (const char *)y + r0 * rb;
-        for (fa_idx r = r0; r < r0 + m; ++r) FA_NAME(fetch_rows)(r, l1, l2);
+        FA_NAME(fetch_run)(r0, m, l1, l2);
         for (fa_idx t = 0; t < nq; ++t) {
             if (a->kv_store == FA_STORE_Q4)
                 fa_idot_q4(m, ng, w->q8 + t * ld, w->qd + t * ng, w->qb + t * ng,
