@@ -7,7 +7,7 @@ small but cross the kernels' block edges: the row kernel (<= 4 query rows)
 and the block kernel, partial query and key blocks, partial micro-tiles,
 decoding with the keys split in pieces, strided, reversed and broadcast
 operands, masks, GQA (query heads grouped), paged caches in every storage,
-rotary, every SIMD path valgrind runs (it hides AVX-512 from
+the int8 mode's integer products, rotary, every SIMD path valgrind runs (it hides AVX-512 from
 the program: AddressSanitizer covers that one)."""
 import numpy as np
 
@@ -74,10 +74,19 @@ def main():
                 sc = (rng.random(kc.shape[:3]) + 0.5).astype(np.float32)
                 codes = rng.integers(-127, 128, kc.shape).astype(np.int8)
                 vcodes = rng.integers(-127, 128, vc.shape).astype(np.int8)
+                exact = fastattn.paged_attention(pq, codes, vcodes, table, lens, cu, k_scale=sc,
+                                                 v_scale=sc)
+                close(exact, ref.paged_attention(pq, codes * sc[..., None], vcodes * sc[..., None],
+                                                 table, lens, cu), 1e-3)
+                # the int8 mode: integer products, features and keys past whole vectors
                 close(fastattn.paged_attention(pq, codes, vcodes, table, lens, cu, k_scale=sc,
-                                               v_scale=sc),
-                      ref.paged_attention(pq, codes * sc[..., None], vcodes * sc[..., None],
-                                          table, lens, cu), 1e-3)
+                                               v_scale=sc, precision="int8", num_threads=2),
+                      exact, 0.02 * np.abs(exact).max())
+                cache = fastattn.KVCache(2, 2, 80, 40, storage="int4")
+                cache.append(arr(2, 2, 75, 40), arr(2, 2, 75, 40))
+                q4 = arr(2, 4, 1, 40)
+                exact = cache.attend(q4)
+                close(cache.attend(q4, precision="int8"), exact, 0.02 * np.abs(exact).max())
                 cos, sin = np.cos(arr(40, 8)), np.sin(arr(40, 8))
                 pos = rng.integers(0, 40, pq.shape[0])
                 close(fastattn.rotary(pq, pos, cos, sin), ref.rotary(pq, pos, cos, sin), 0)
