@@ -210,3 +210,34 @@ def test_multi_head_attention_decodes_in_the_mode(rng):
         outs["exact", 1]).max())
     with pytest.raises(ValueError, match="precision"):
         mha(steps[0], precision="fp8")
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_weights_and_lse_come_from_the_integer_scores(rng, storage):
+    """need_weights and return_lse read the mode's scores: against the
+    twin's, whose query is the mode's (the values' rounding moves neither)."""
+    cache, _, _ = filled(rng, storage, B=1)
+    q = rng.standard_normal((1, 4, 1, 64), dtype=np.float32)
+    out, w, lse = cache.attend(q, precision="int8", need_weights=True, return_lse=True)
+    _, w_ref, lse_ref = ref.scaled_dot_product_attention(
+        ref.int8_query(q, GROUP[storage]), cache.key.astype(np.float64),
+        cache.value.astype(np.float64), enable_gqa=True, need_weights=True, return_lse=True)
+    assert_close(w, w_ref, np.float32, 64 + cache.length)
+    assert_close(lse, lse_ref, np.float32, 64 + cache.length, magnitude=np.abs(lse_ref).max())
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_a_ragged_call_rounds_only_its_decoding_sequences(rng, storage):
+    """One paged_attention call: a prefill chunk of 9 rows (the block
+    kernel, exact) beside a decoding token (integer products); each
+    sequence's bits are those of a call of its own in that mode."""
+    paged = fastattn.PagedKVCache(num_blocks=40, block_size=16, num_kv_heads=2, head_dim=64,
+                                  storage=storage)
+    a, b = paged.add_sequence(), paged.add_sequence()
+    k = rng.standard_normal((260, 2, 64), dtype=np.float32)
+    paged.append([a, b], k, k[::-1].copy(), cu_seqlens=np.array([0, 120, 260]))
+    q = rng.standard_normal((10, 4, 64), dtype=np.float32)
+    both = paged.attend([a, b], q, np.array([0, 9, 10]), precision="int8")
+    assert np.array_equal(both[:9], paged.attend([a], q[:9], np.array([0, 9])))
+    assert np.array_equal(both[9:], paged.attend([b], q[9:], precision="int8"))
+    assert not np.array_equal(both[9:], paged.attend([b], q[9:]))
