@@ -10,6 +10,7 @@
 #ifndef FA_IDOT_H
 #define FA_IDOT_H
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -37,10 +37,13 @@
 #define FA_GATHER(a) (FA_EP(a) > FA_VT_ROWS * FA_VT_COLS ? FA_EP(a) : FA_VT_ROWS * FA_VT_COLS)
 
 /* Whether the row kernel takes this call's scores from integer dot
- * products (fa_idot.h): the int8 mode against int8 or Q4 keys. */
+ * products (fa_idot.h): the int8 mode against int8 or Q4 keys, for a call
+ * (a sequence) of at most FA_ROWS_MAX query rows, so that the last rows of
+ * a longer one, and the rows it repairs, stay exact as all its rows. */
 static FA_ALWAYS_INLINE int FA_NAME(int8_dots)(const fa_attn_args *a)
 {
-    return FA_IS_F32 && a->precision == FA_PRECISION_INT8 && a->E <= FA_IDOT_MAX_E &&
+    return FA_IS_F32 && a->precision == FA_PRECISION_INT8 && a->L <= FA_ROWS_MAX &&
+           a->E > 0 && a->E <= FA_IDOT_MAX_E &&
            (a->kv_store == FA_STORE_I8 || a->kv_store == FA_STORE_Q4);
 }
 
@@ -124,14 +127,15 @@ static fa_attn_args FA_NAME(head_args)(const fa_attn_args *a, fa_idx g)
  * repeating row 0): the weights rounded to 0..127 against the group's
  * largest / 127, summed with the codes as integers (fa_igemv_i8), added as
  * scale * sum.  Exactly as rows_values does (each row times its weight, in
- * order) when a weight is not finite or below 0, or the scale underflows. */
+ * order) when a weight is not finite or below 0, or the scale is below
+ * FLT_MIN, whose rounding would let a code pass 127. */
 static void FA_NAME(values_i8_group)(const fa_attn_args *a, fa_idx n, fa_idx n4, const T *w,
                                      const int8_t *const *rows, T *ot)
 {
     const float wmax = FA_NAME(max)(n, w), all = FA_NAME(sum)(n, w), u = wmax / 127.0f;
     int neg = 0;
     for (fa_idx r = 0; r < n; ++r) neg |= w[r] < 0;
-    if (all - all != 0 || neg || (wmax > 0 && u == 0)) {
+    if (all - all != 0 || neg || (wmax > 0 && u < FLT_MIN)) { /* subnormal: codes past 127 */
         for (fa_idx r = 0; r < n; ++r)
             for (fa_idx c = 0; w[r] != 0 && c < a->Ev; ++c) ot[c] += w[r] * (float)rows[r][c];
         return;

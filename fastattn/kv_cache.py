@@ -385,7 +385,10 @@ class KVCache:
         precision : {"exact", "int8"}
             As in ``paged_attention``: "int8" (opt-in) computes an int8 or
             int4 cache's scores from integer dot products when L is at
-            most 4 (decoding); the default "exact" reads it exactly.
+            most 4 (decoding); the default "exact" reads it exactly.  Its
+            groups of 32 key positions count the cache's slots, padding
+            included: a row of a padded batch and the same tokens unpadded
+            differ in the mode's rounding.
 
         Returns
         -------

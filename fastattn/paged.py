@@ -232,15 +232,17 @@ def paged_attention(
         argument of its products and of PyTorch's
         ``set_float32_matmul_precision``).  "exact" (the default): every
         stored element read exactly.  "int8" (opt-in): against int8 and
-        int4 caches, a sequence's queries of at most four rows per
-        key/value head (decoding) are rounded to int8, one scale per row
-        against int8 keys and per block of 32 against int4 ones, and the
-        scores summed as integer products, llama.cpp's q8_0 dot products
-        and SageAttention's int8 Q Kᵀ (Zhang et al., ICLR 2025).  The
-        output then differs from the exact one by that rounding (README,
-        "The int8 mode", gives the measured error); the same bits for any
-        thread count, layout, block placement and batch, as in the exact
-        mode.  Other caches and longer calls stay exact.
+        int4 caches, the queries of a sequence of at most four query rows
+        (decoding) are rounded to int8, one scale per row against int8
+        keys and per block of 32 against int4 ones, and the scores summed
+        as integer products, llama.cpp's q8_0 dot products and
+        SageAttention's int8 Q Kᵀ (Zhang et al., ICLR 2025); against int8
+        values, the weights of each 32 key positions are rounded to 7
+        bits too.  The output then differs from the exact one by that
+        rounding (README, "The int8 mode", gives the measured error); the
+        same bits for any thread count, layout, block placement and batch,
+        as in the exact mode.  Other caches and sequences of more query
+        rows stay exact.
 
     Returns
     -------

@@ -241,3 +241,53 @@ def test_a_ragged_call_rounds_only_its_decoding_sequences(rng, storage):
     assert np.array_equal(both[:9], paged.attend([a], q[:9], np.array([0, 9])))
     assert np.array_equal(both[9:], paged.attend([b], q[9:], precision="int8"))
     assert not np.array_equal(both[9:], paged.attend([b], q[9:]))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_longer_calls_stay_exact(rng, storage):
+    """Calls of more than 4 query rows keep the exact bits in every row: a
+    last block of 1-4 rows of the block kernel, and rows it computes again
+    (values near float32's largest), included."""
+    cache, _, _ = filled(rng, storage, B=1, S=150)
+    for L in (5, 65, 68):
+        q = rng.standard_normal((1, 4, L, 64), dtype=np.float32)
+        assert np.array_equal(cache.attend(q, precision="int8"), cache.attend(q))
+    if storage == "int4":  # (its float16 block scales cannot hold such values)
+        return
+    big = fastattn.KVCache(1, 1, 100, 64, storage=storage)
+    big.append(rng.standard_normal((1, 1, 100, 64), dtype=np.float32),
+               (rng.standard_normal((1, 1, 100, 64)) * 1e38).clip(-3e38, 3e38).astype(np.float32))
+    q = rng.standard_normal((1, 1, 8, 64), dtype=np.float32)
+    assert np.array_equal(big.attend(q, precision="int8"), big.attend(q))
+
+
+def test_value_scales_that_are_negative_or_subnormal(simd, rng):
+    """Groups whose weights a negative scale makes negative, or whose scale
+    would be subnormal (a code past 127), are summed exactly."""
+    codes = rng.integers(-128, 128, size=(4, 1, 16, 32), dtype=np.int8)
+    table, lens, cu = np.array([[2, 0, 3, 1]], np.int32), np.array([64]), np.array([0, 1])
+    q = rng.standard_normal((1, 1, 32), dtype=np.float32)
+    for v_scale in (-rng.uniform(0.01, 0.02, size=(4, 1, 16)), np.full((4, 1, 16), 3.3e-41)):
+        k_scale = np.full((4, 1, 16), 0.01, np.float32)
+        args = (q, codes, codes, table, lens, cu)
+        exact = fastattn.paged_attention(*args, k_scale=k_scale, v_scale=v_scale.astype(np.float32))
+        mode = fastattn.paged_attention(*args, k_scale=k_scale, v_scale=v_scale.astype(np.float32),
+                                        precision="int8")
+        # the query's rounding alone: 30 % off (a saturated code) or a sign lost would not pass
+        np.testing.assert_allclose(mode, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
+def test_no_features_and_the_largest_head(rng):
+    """E = 0 against int4 keys (every score 0), and E past the integer
+    sums' bound (FA_IDOT_MAX_E = 65536): the exact call's bits."""
+    paged = fastattn.PagedKVCache(num_blocks=4, block_size=16, num_kv_heads=1, head_dim=0,
+                                  value_dim=32, storage="int4")
+    s = paged.add_sequence()
+    paged.append([s], np.zeros((5, 1, 0), np.float32),
+                 rng.standard_normal((5, 1, 32), dtype=np.float32), cu_seqlens=np.array([0, 5]))
+    q = np.zeros((1, 1, 0), np.float32)
+    assert np.array_equal(paged.attend([s], q, precision="int8"), paged.attend([s], q))
+    wide = fastattn.KVCache(1, 1, 4, 65537, storage="int8")
+    wide.append(*rng.standard_normal((2, 1, 1, 4, 65537), dtype=np.float32))
+    q = rng.standard_normal((1, 1, 1, 65537), dtype=np.float32)
+    assert np.array_equal(wide.attend(q, precision="int8"), wide.attend(q))
