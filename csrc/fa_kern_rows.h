@@ -152,23 +152,16 @@ static void FA_NAME(values_i8_group)(const fa_attn_args *a, fa_idx n, fa_idx n4,
     }
 }
 
-/* rows_values in the int8 mode against int8 values: the keys s0..s0+nk-1
- * in groups of FA_IGROUP positions fixed by position (j / FA_IGROUP, cut
- * at the block's ends), whatever the block placement, each group's
- * weights (the rows' scales folded in first: s is changed, as rows_values
- * changes it) rounded to one scale and summed in integers
- * (values_i8_group), the groups added in order.  Q4 values keep the exact
+/* rows_values in the int8 mode against int8 values, their rows' scales
+ * folded into s by rows_values: the keys s0..s0+nk-1 in groups of
+ * FA_IGROUP positions fixed by position (j / FA_IGROUP, cut at the block's
+ * ends), whatever the block placement, each group's weights rounded to one
+ * scale and summed in integers (values_i8_group), the groups added in order.  Q4 values keep the exact
  * sum: integers measured no faster there, each block's scale making a
  * scale per block of weights (threads-and-speed.md, "The int8 mode"). */
 static void FA_NAME(rows_values_int8)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                       const void *v, fa_idx nq, fa_idx s0, fa_idx nk, T *s, T *o)
 {
-    for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
-        n = fa_kv_run(a, s0 + r0, nk - r0);
-        const float *sc = a->v_scale + fa_kv_row(a, s0 + r0, a->vsc_s, a->vsc_bs);
-        for (fa_idx t = 0; t < nq; ++t)
-            for (fa_idx r = 0; r < n; ++r) s[t * FA_RB + r0 + r] *= (T)sc[r * a->vsc_s];
-    }
     const char *rows[FA_IGROUP];
     for (fa_idx g0 = s0, g1; g0 < s0 + nk; g0 = g1) {
         g1 = (g0 / FA_IGROUP + 1) * FA_IGROUP;
@@ -204,12 +197,6 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scrat
     T *buf = w->gather;
     const fa_idx Ev = a->Ev;
     const fa_store st = a->kv_store;
-#if FA_IS_F32
-    if (FA_NAME(int8_dots)(a) && st == FA_STORE_I8) {
-        FA_NAME(rows_values_int8)(a, w, v, nq, s0, nk, s, o);
-        return;
-    }
-#endif
     if (fa_store_scaled(st))
         for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
             n = fa_kv_run(a, s0 + r0, nk - r0);
@@ -217,6 +204,12 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scrat
             for (fa_idx t = 0; t < nq; ++t)
                 for (fa_idx r = 0; r < n; ++r) s[t * FA_RB + r0 + r] *= (T)sc[r * a->vsc_s];
         }
+#if FA_IS_F32
+    if (FA_NAME(int8_dots)(a) && st == FA_STORE_I8) {
+        FA_NAME(rows_values_int8)(a, w, v, nq, s0, nk, s, o);
+        return;
+    }
+#endif
     if (a->v_es == 1) {
         const fa_idx vrb = FA_NAME(st_row_bytes)(st, Ev), eb = FA_NAME(st_bytes)(st);
         const fa_ahead_rows none = {NULL, 0, 0, 0};
