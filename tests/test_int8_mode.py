@@ -188,6 +188,12 @@ def test_bad_precision(rng, bad, error):
     q = rng.standard_normal((2, 4, 1, 64), dtype=np.float32)
     with pytest.raises(error, match="precision"):
         cache.attend(q, precision=bad)
+    paged = fastattn.PagedKVCache(num_blocks=2, block_size=16, num_kv_heads=2, head_dim=64,
+                                  storage="int8")
+    s = paged.add_sequence()
+    paged.append([s], q[0, :2].transpose(1, 0, 2), q[0, :2].transpose(1, 0, 2))
+    with pytest.raises(error, match="precision"):
+        paged.attend([s], q[0].transpose(1, 0, 2), precision=bad)
     with pytest.raises(error, match="precision"):
         fastattn.paged_attention(q[0].transpose(1, 0, 2), np.zeros((1, 2, 16, 64), np.int8),
                                  np.zeros((1, 2, 16, 64), np.int8), np.zeros((1, 1), np.int32),
