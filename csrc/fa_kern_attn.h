@@ -191,11 +191,11 @@ static size_t FA_NAME(panels_work)(const fa_attn_args *a)
 
 size_t FA_NAME(attn_work)(const fa_attn_args *a)
 {
-    /* Qp E x QB, S^T and the mask tile KB x QB each, O^T Ev x QB, six vectors
+    /* Qp E x QB, S^T and the mask tile KB x QB each, O^T Ev x QB, seven vectors
      * of QB, the converted tiles, and the row kernel's scratch for repairs;
      * QB columns and panel rows are whole multiples of 64 bytes, so every
      * row of these starts aligned */
-    return sizeof(T) * (size_t)FA_QB * (size_t)(a->E + 2 * FA_KB + a->Ev + 6) +
+    return sizeof(T) * (size_t)FA_QB * (size_t)(a->E + 2 * FA_KB + a->Ev + 7) +
            FA_NAME(panels_work)(a) + FA_NAME(rows_work)(a) + FA_ALIGN;
 }
 
@@ -223,9 +223,10 @@ static int FA_NAME(block_edge)(const fa_attn_args *a, fa_idx i0, fa_idx nq, fa_i
  * of column j (NaN ignored).  Columns nq..ld-1 are padding.  Returns 0, with
  * st untouched, when the mask hides every key of the block from every query
  * row (the block is then skipped without reading K).  The scale is qp's
- * (the packed queries) times alpha. */
-static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, const void *k,
-                                 const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
+ * (the packed queries) times alpha; shift[j]: query j's term of the key
+ * mean (k_mean). */
+static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, const T *shift,
+                                 const void *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
                                  fa_idx s0, fa_idx nk, T *st, T *bias, T *bm, T *panel,
                                  FA_NAME(ahead) *ahead, FA_NAME(ahead) *block)
 {
@@ -264,7 +265,8 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
 
     const FA_NAME(tile) kt = FA_NAME(key_tile)(a, k, s0, nk, panel);
     for (fa_idx j = 0; j < ld; ++j) bm[j] = ninf;
-    const int plain = !per_key && !tile && !edge && a->softcap == 0 && a->alibi_slope == 0;
+    const int plain = !per_key && !tile && !edge && a->softcap == 0 && a->alibi_slope == 0 &&
+                      a->k_mean == NULL;
     const fa_idx h = a->E >= 2 * FA_EC ? a->E / 2 : 0; /* features of the first half */
     for (fa_idx r = 0, mr; r < nk; r += mr) {
         mr = FA_NAME(tile_rows)(nk, r);
@@ -289,6 +291,8 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
     }
     if (plain) return 1;
 
+    for (fa_idx r = 0; a->k_mean != NULL && r < nk; ++r)
+        for (fa_idx j = 0; j < ld; ++j) st[r * ld + j] += shift[j];
     if (a->softcap > 0) {
         /* the cap would turn a score beyond T's range finite and wrong:
          * NaN sends its row to the row kernel, which computes it again
@@ -392,7 +396,8 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     T *alpha = ms + ld;         /* log of the rescale factor of a block */
     T *bl = alpha + ld;         /* block sum */
     T *bm = bl + ld;            /* block maximum */
-    T *panel = bm + ld;         /* FA_KB x EP, then FA_KB x EvP: converted tiles */
+    T *shift = bm + ld;         /* each query's term of the key mean (k_mean) */
+    T *panel = shift + ld;      /* FA_KB x EP, then FA_KB x EvP: converted tiles */
     T *vpanel = panel + FA_KB * FA_EP(a);
     T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
 
@@ -421,6 +426,8 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     }
     for (fa_idx e = 0; e < E; ++e) /* padding columns */
         for (fa_idx j = nq; j < ld; ++j) qp[e * ld + j] = 0;
+    for (fa_idx j = 0; j < ld; ++j)
+        shift[j] = a->k_mean != NULL ? FA_NAME(mean_shift)(a, qp + j, ld, qscale) : 0;
     for (fa_idx j = 0; j < ld; ++j) {
         FA_NAME(sink_start)(a, m + j, l + j);
         ms[j] = m[j] == ninf ? 0 : m[j];
@@ -442,8 +449,8 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
         const fa_idx nn = s_end - s0 - nk < FA_KB ? s_end - s0 - nk : FA_KB; /* the next block's */
         FA_NAME(ahead) block = FA_NAME(ahead_of_block)(a, k, v, s0 + nk, nn, tiles * (ld / FA_NR));
-        if (!FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st, bias, bm, panel,
-                                   &ahead, &block))
+        if (!FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, ld, s0, nk, st, bias,
+                                   bm, panel, &ahead, &block))
             continue;
 
         int rescale = 0;
@@ -530,8 +537,8 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_KB) {
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
-                            FA_NAME(block_logits)(a, qp, sscale, k, mask, i0, nq, ld, s0, nk, st,
-                                                  bias, bm, panel, NULL, NULL);
+                            FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, ld, s0,
+                                                  nk, st, bias, bm, panel, NULL, NULL);
         if (visible) /* exp(z - m); their sums, unused, in alpha (bl flags the rows recomputed) */
             FA_NAME(exp_block)(0, nk, ld, ld, st, ms, alpha,
                                FA_NAME(block_edge)(a, i0, nq, s0, nk) || a->mask_kind != FA_MASK_NONE);

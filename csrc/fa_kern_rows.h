@@ -29,7 +29,7 @@
 /* Row strides of the scratch arrays: whole multiples of 64 bytes. */
 #define FA_EP(a) FA_PAD((a)->E, (fa_idx)sizeof(T))
 #define FA_EVP(a) FA_PAD((a)->Ev, (fa_idx)sizeof(T))
-#define FA_ROWS_SCALARS FA_PAD(2 * FA_ROWS_MAX, (fa_idx)sizeof(T))
+#define FA_ROWS_SCALARS FA_PAD(3 * FA_ROWS_MAX, (fa_idx)sizeof(T))
 /* A tile of value rows whose features are strided is copied FA_VT_ROWS x
  * FA_VT_COLS at a time (FA_VT_COLS a multiple of every path's vector). */
 #define FA_VT_ROWS 64
@@ -71,6 +71,7 @@ typedef struct {
     T *o;      /* FA_ROWS_MAX x Ev: unnormalised output */
     T *ob;     /* FA_ROWS_MAX x Ev: a block's part of it (rows_accumulate) */
     T *m, *l;  /* running maximum and sum */
+    T *shift;  /* each row's term of the key mean (k_mean) */
     T *gather; /* a key row or a value tile copied contiguous */
     int8_t *q8;     /* FA_ROWS_MAX x FA_Q8_LD: the int8 query (int8_dots) */
     float *qd;      /* FA_ROWS_MAX x FA_Q8_GROUPS: its scales */
@@ -87,6 +88,7 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     w.ob = w.o + FA_ROWS_MAX * FA_EVP(a);
     w.m = w.ob + FA_ROWS_MAX * FA_EVP(a);
     w.l = w.m + FA_ROWS_MAX;
+    w.shift = w.l + FA_ROWS_MAX;
     w.gather = w.m + FA_ROWS_SCALARS;
     w.qd = (float *)(w.gather + FA_GATHER(a));
     w.qb = (int32_t *)(w.qd + FA_ROWS_MAX * FA_Q8_GROUPS(a));
@@ -396,6 +398,8 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                 z[r] = (fa_store_scaled(st) ? (T)fa_key_scale(a, s0 + r) : 1) *
                        FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
     }
+    for (fa_idx t = 0; a->k_mean != NULL && t < nq; ++t)
+        for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] += w->shift[t];
     /* the rest of the per-score stage; nothing to do past the soft-cap
      * without a mask or ALiBi in a block the bounds leave whole */
     const int whole = a->mask_kind == FA_MASK_NONE && a->alibi_slope == 0 &&
@@ -481,6 +485,7 @@ static void FA_NAME(rows_start)(const fa_attn_args *a, const void *q, fa_idx i0,
                            w->qd + t * ng, w->qb + t * ng);
         }
 #endif
+        if (a->k_mean != NULL) w->shift[t] = FA_NAME(mean_shift)(a, w->qs + t * FA_EP(a), 1, 1);
         for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] = 0;
         w->m[t] = -(T)INFINITY;
         w->l[t] = 0;

@@ -6,6 +6,7 @@
  * (the causal alignment: 0 upper-left, S - L lower-right):
  *
  *   1. scale    z = scale * q_i . k_j          (Vaswani et al. 2017)
+ *               + scale * q_i . m              (k_mean: keys stored less m)
  *   2. softcap  z = c * tanh(z / c)            (Gemma 2: before masks and biases)
  *   3. mask     z = z + M[i, j]; -inf where a boolean mask is false
  *   4. ALiBi    z = z - slope * |i' - j|       (Press et al. 2022, FlashAttention's form)
@@ -54,6 +55,17 @@ static void FA_NAME(key_range)(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_i
     const fa_idx lo = FA_NAME(key_lo)(a, i0), hi = FA_NAME(key_hi)(a, i1 - 1) + 1;
     *begin = lo < 0 ? 0 : lo > a->S ? a->S : lo;
     *end = hi < *begin ? *begin : hi > a->S ? a->S : hi;
+}
+
+/* Step 1's term of the key mean for the query row q (stride qs, times
+ * unscale, a power of two): summed in double, whose products of floats are
+ * exact, in order, so that both kernels and every path get its bits. */
+static T FA_NAME(mean_shift)(const fa_attn_args *a, const T *q, fa_idx qs, T unscale)
+{
+    const T *m = (const T *)a->k_mean;
+    double d = 0;
+    for (fa_idx e = 0; e < a->E; ++e) d += (double)q[e * qs] * (double)m[e];
+    return (T)a->scale * (T)(d / (double)unscale);
 }
 
 /* Step 2 on n contiguous scores. */

@@ -126,6 +126,11 @@ typedef struct {
      * results differ from the exact ones by the rounding of the query and
      * of the weights to 8 bits. */
     fa_precision precision;
+    /* Key smoothing (SageAttention's smooth_k, Zhang et al. 2025): the keys
+     * were stored less a mean m, E values of the kernels' type (NULL:
+     * none); step 1 adds scale * q_i . m back to every score of row i, so
+     * the logits are those of the keys before. */
+    const void *k_mean;
 } fa_attn_args;
 
 /* fa_attn_args.prefetch: the row kernel's key rows FA_PREFETCH_BYTES ahead

@@ -44,7 +44,8 @@ def attention(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
               lse: Optional[NDArray[Any]] = ..., q_store: int = ..., kv_store: int = ...,
               k_scale: Optional[NDArray[np.float32]] = ...,
               v_scale: Optional[NDArray[np.float32]] = ...,
-              ahead_blocks: bool = ..., precision: int = ...) -> None: ...
+              ahead_blocks: bool = ..., precision: int = ...,
+              key_mean: Optional[NDArray[Any]] = ...) -> None: ...
 def ragged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[Any],
            k_scale: Optional[NDArray[np.float32]], v_scale: Optional[NDArray[np.float32]],
            block_table: Optional[NDArray[np.int32]], kv_start: Optional[NDArray[np.int64]],
@@ -54,7 +55,7 @@ def ragged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDAr
            window_right: int, softcap: float, slopes: Optional[NDArray[np.float64]],
            sinks: Optional[NDArray[np.float64]], q_store: int, kv_store: int,
            prefetch: int = ..., ahead_blocks: bool = ...,
-           precision: int = ...) -> None: ...
+           precision: int = ..., key_mean: Optional[NDArray[Any]] = ...) -> None: ...
 def rotary(x: NDArray[Any], positions: NDArray[np.int64], cos: NDArray[Any], sin: NDArray[Any],
            interleaved: bool, out: NDArray[Any], nthreads: int) -> None: ...
 def softmax_rows(isa: int, x: NDArray[Any], mask: Optional[NDArray[Any]], mask_kind: int,

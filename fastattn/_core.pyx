@@ -87,6 +87,7 @@ cdef extern from "fastattn.h" nogil:
         const double *head_sinks
         int prefetch
         fa_precision precision
+        const void *k_mean
     enum:
         FA_PREFETCH_KEYS
         FA_PREFETCH_VALUES
@@ -350,7 +351,7 @@ cdef struct Ragged:
     # key/value head h // group.
     fa_attn_args a
     Batch seqs
-    Operand q, k, v, m, o, w, lse, ksc, vsc, slope, sink
+    Operand q, k, v, m, o, w, lse, ksc, vsc, slope, sink, kmean
     const int32_t *table          # (B, table_s) block ids, or NULL: keys contiguous
     const cnp.int64_t *kv_start   # or NULL: every sequence's keys from row 0
     const cnp.int64_t *cu_q       # or NULL: a.L rows from row 0
@@ -406,7 +407,7 @@ cdef inline void ragged_args(const Ragged *p, fa_idx b, fa_idx h, fa_idx heads,
                              fa_attn_args *r) noexcept nogil:
     """r = the arguments of sequence b, query heads h..h+heads-1 (of one
     key/value head): its L and S (the queries its last L positions), block
-    table row, scales, slopes and sinks."""
+    table row, scales, key mean, slopes and sinks."""
     cdef const double *x
     r[0] = p.a
     if p.cu_q != NULL:
@@ -421,6 +422,7 @@ cdef inline void ragged_args(const Ragged *p, fa_idx b, fa_idx h, fa_idx heads,
     if p.ksc.base != NULL:
         r.k_scale = <const float *>start(&p.ksc, p, b, h // p.group, kv_row(p, b), r.ksc_s)
         r.v_scale = <const float *>start(&p.vsc, p, b, h // p.group, kv_row(p, b), r.vsc_s)
+    r.k_mean = start(&p.kmean, p, b, h // p.group, 0, 0)
     if p.slope.base != NULL:
         x = <const double *>start(&p.slope, p, b, h, 0, 0)
         r.alibi_slope = x[0]
@@ -755,7 +757,8 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
               fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
               object slopes=None, object sinks=None, object lse=None,
               int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
-              object v_scale=None, bint ahead_blocks=True, int precision=PRECISION_EXACT):
+              object v_scale=None, bint ahead_blocks=True, int precision=PRECISION_EXACT,
+              object key_mean=None):
     """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
 
     All arrays have the same number of dimensions; the axes before the last
@@ -769,6 +772,8 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     (fastattn/_tuning.py chooses it); ahead_blocks: FA_PREFETCH_BLOCKS joins
     it for items whose keys and values exceed L2.  No result depends on
     either.  precision: fa_attn_args' (PRECISION_EXACT or PRECISION_INT8).
+    key_mean: None, or the mean the keys were stored less (fa_attn_args'
+    k_mean), out's dtype, k's batch shape and E, its last axis contiguous.
     The tasks: schedule()'s, every item of the batch a sequence."""
     cdef int nd = q.ndim - 2
     cdef int ns = nd - 1 if nd > 0 else 0   # the sequences' axes: the batch axes but the heads
@@ -790,6 +795,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     operand(&p.sink, sinks, ns, ha)
     operand(&p.ksc, k_scale, ns, ha)
     operand(&p.vsc, v_scale, ns, ha)
+    operand(&p.kmean, key_mean, ns, ha)
     p.a.L, p.a.E, p.a.S = q.shape[nd], q.shape[nd + 1], k.shape[nd]
     p.a.Ev = out.shape[nd + 1]  # v's last axis counts bytes for Q4
     p.a.q_ls, p.a.q_es = estride(q, nd), estride(q, nd + 1)
@@ -828,7 +834,7 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
            double scale, int nthreads, fa_idx window_left, fa_idx window_right,
            double softcap, object slopes, object sinks, int q_store, int kv_store,
            int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES, bint ahead_blocks=True,
-           int precision=PRECISION_EXACT):
+           int precision=PRECISION_EXACT, object key_mean=None):
     """Attention of a ragged batch of sequences (checked by the caller): q
     (total_q, Hq, E) stored as q_store, key_cache (num_blocks, Hkv,
     block_size, E) and value_cache (..., Ev) as kv_store, with int8 and
@@ -840,9 +846,9 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
     block_table None, rows kv_start[b].. (int64 (B,)) of the one block of
     key_cache and value_cache (packed sequences: varlen).  Query i of a
     sequence sits at key position i + align_offset, plus S - L with
-    lower_right.  slopes (B, Hq) and sinks (Hq,) float64 or None.  The
-    tasks: schedule()'s; prefetch, ahead_blocks and precision as in
-    attention()."""
+    lower_right.  slopes (B, Hq) and sinks (Hq,) float64 or None; key_mean
+    None or (B, Hkv, E) in out's dtype, as in attention().  The tasks:
+    schedule()'s; prefetch, ahead_blocks and precision as in attention()."""
     cdef Ragged p
     cdef const int32_t[:, ::1] table
     cdef const cnp.int64_t[::1] starts
@@ -860,6 +866,7 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
     operand(&p.sink, sinks, 0, 0)
     operand(&p.ksc, k_scale, 0, 1)
     operand(&p.vsc, v_scale, 0, 1)
+    operand(&p.kmean, key_mean, 1, 1)
     p.a.E, p.a.Ev = q.shape[2], out.shape[2]  # the caches' last axes count bytes for Q4
     p.a.q_ls, p.a.q_es = estride(q, 0), estride(q, 2)
     p.a.k_bs, p.a.k_ss, p.a.k_es = estride(key_cache, 0), estride(key_cache, 2), estride(key_cache, 3)

@@ -142,9 +142,10 @@ def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float
     if out.size:
         isa, q, k, v = _runtime.isa(), C.kernel_view(query), C.kernel_view(key), C.kernel_view(value)
         # a cache's storage: checked_attention's call, the scales as the cache holds them
-        kv_store, k_scale, v_scale, precision = (
-            (_core.STORE_NATIVE, None, None, _core.PRECISION_EXACT) if stored is None else
-            (stored.store, stored.key_scale, stored.value_scale, stored.precision))
+        kv_store, k_scale, v_scale, precision, key_mean = (
+            (_core.STORE_NATIVE, None, None, _core.PRECISION_EXACT, None) if stored is None else
+            (stored.store, stored.key_scale, stored.value_scale, stored.precision,
+             stored.key_mean))
         # nbytes: at least the bytes read (broadcast axes counted once)
         tkey, nbytes = (isa, nthreads, kv_store, False, precision), key.nbytes + value.nbytes
         # a tiny call straight to the kernel, its arguments positional: a
@@ -156,13 +157,14 @@ def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float
             else:
                 _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset,
                                 scale, nthreads, _tuning.current(tkey), kv_store=kv_store,
-                                k_scale=k_scale, v_scale=v_scale, precision=precision)
+                                k_scale=k_scale, v_scale=v_scale, precision=precision,
+                                key_mean=key_mean)
         else:
             _tuning.run(tkey, _tuning.distinct_bytes(key, value), True,
                         lambda prefetch: _core.attention(
                             isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
                             nthreads, prefetch, kv_store=kv_store, k_scale=k_scale,
-                            v_scale=v_scale, precision=precision))
+                            v_scale=v_scale, precision=precision, key_mean=key_mean))
     return out
 
 
@@ -194,13 +196,15 @@ class StoredKV(NamedTuple):
     the kernels' storage kind (_core.STORE_*), for int8 and float8_e4m3fn
     the float32 scale of every row, shaped like key and value without their
     last axis, the elements of a value row (Ev; not value's last axis
-    for int4, whose rows are blocks of bytes), and the kernels' precision
-    (C.check_precision's)."""
+    for int4, whose rows are blocks of bytes), the kernels' precision
+    (C.check_precision's), and the mean the keys were stored less
+    (smooth_k: key's shape without its positions, in the compute dtype)."""
     store: int
     key_scale: Optional[NDArray[np.float32]] = None
     value_scale: Optional[NDArray[np.float32]] = None
     value_dim: Optional[int] = None
     precision: int = _core.PRECISION_EXACT
+    key_mean: Optional[NDArray[Any]] = None
 
 
 def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
@@ -308,8 +312,10 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
     v = C.broadcast_view(C.kernel_view(value), kv_batch + (S, value.shape[-1]))
     store = (query_store(dtype) if compute != dtype
              else _core.STORE_NATIVE)
-    kv_store, k_scale, v_scale = store, None, None
+    kv_store, k_scale, v_scale, key_mean = store, None, None, None
     if stored is not None:
+        if stored.key_mean is not None:
+            key_mean = C.broadcast_view(stored.key_mean, kv_batch + (E,))
         kv_store = stored.store
         if stored.key_scale is not None and stored.value_scale is not None:
             k_scale = C.broadcast_view(stored.key_scale, kv_batch + (S,))
@@ -325,7 +331,7 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
                         window_right=variants.window_right, softcap=variants.softcap,
                         slopes=variants.slopes, sinks=variants.sinks, lse=lse, q_store=store,
                         kv_store=kv_store, k_scale=k_scale, v_scale=v_scale,
-                        prefetch=prefetch, precision=precision))
+                        prefetch=prefetch, precision=precision, key_mean=key_mean))
     half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
     out = narrow(result, dtype, nthreads, out) if half else result
     if half and weights is not None:
@@ -359,7 +365,7 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
            alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
            sinks: Optional[NDArray[Any]], return_lse: bool, out: Optional[NDArray[Any]],
            num_threads: Optional[int], inputs: Mapping[str, Optional[NDArray[Any]]],
-           precision: int = _core.PRECISION_EXACT
+           precision: int = _core.PRECISION_EXACT, key_mean: Optional[NDArray[Any]] = None
            ) -> Union[NDArray[Any], tuple[NDArray[Any], NDArray[Any]]]:
     """A ragged batch's call once its caches, keys' places, lengths and
     offsets are known good (_core.ragged's arguments: a block table, or
@@ -367,7 +373,9 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
     of the caches; q_lens the queries of each sequence; causal checked):
     the options' checks and the kernel.  paged_attention, varlen_attention
     and PagedKVCache.attend (with its own arrays, which it keeps good) come
-    here.  inputs: what out must not overlap; precision: C.check_precision's."""
+    here.  inputs: what out must not overlap; precision: C.check_precision's;
+    key_mean: (B, Hkv, E) C-contiguous in the compute dtype, the mean each
+    sequence's keys were stored less (PagedKVCache's smooth_k), or None."""
     total_q, Hq, E = query.shape
     Hkv = key_cache.shape[1]
     B = lens.shape[0]
@@ -404,6 +412,6 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
                         result, lse, Hq // Hkv, causal, lower_right, offset, scale, nthreads,
                         variants.window_left,
                         variants.window_right, variants.softcap, slopes, sink, q_store,
-                        kv_store, prefetch=prefetch, precision=precision))
+                        kv_store, prefetch=prefetch, precision=precision, key_mean=key_mean))
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result
     return out if lse is None else (out, lse)
