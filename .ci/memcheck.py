@@ -7,8 +7,9 @@ small but cross the kernels' block edges: the row kernel (<= 4 query rows)
 and the block kernel, partial query and key blocks, partial micro-tiles,
 decoding with the keys split in pieces, strided, reversed and broadcast
 operands, masks, GQA (query heads grouped), paged caches in every storage,
-the int8 mode's integer products, rotary, every SIMD path valgrind runs (it hides AVX-512 from
-the program: AddressSanitizer covers that one)."""
+the int8 mode's integer products, a smoothed and rotated cache, rotary,
+every SIMD path valgrind runs (it hides AVX-512 from the program:
+AddressSanitizer covers that one)."""
 import numpy as np
 
 import fastattn
@@ -70,6 +71,16 @@ def main():
             pq = arr(int(cu[-1]), 2, 16)
             close(fastattn.paged_attention(pq, kc, vc, table, lens, cu, num_threads=2),
                   ref.paged_attention(pq, kc, vc, table, lens, cu), tol)
+            # smooth_k and rotate_k: the key mean's term in both kernels
+            k, v = arr(1, 2, 75, 40), arr(1, 2, 75, 24)
+            smooth = fastattn.KVCache(1, 2, 80, 40, value_dim=24, dtype=dtype, smooth_k=True,
+                                     rotate_k=True)
+            smooth.append(k, v)
+            for sq in (arr(1, 4, 3, 40), arr(1, 4, 70, 40)):
+                close(smooth.attend(sq, softcap=3.0),
+                      ref.scaled_dot_product_attention(sq, k, v, is_causal=True, enable_gqa=True,
+                                                       causal_alignment="lower_right",
+                                                       softcap=3.0), tol * 10)
             if dtype == np.float32:  # int8 and 16-bit caches, read by the float32 kernels
                 sc = (rng.random(kc.shape[:3]) + 0.5).astype(np.float32)
                 codes = rng.integers(-127, 128, kc.shape).astype(np.int8)

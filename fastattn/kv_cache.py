@@ -9,6 +9,7 @@ import numpy as np
 from . import _checks as C
 from . import _cache, _masks, _runtime, _storage
 from ._cache import Layout
+from ._keys import KeyTransform
 from ._dispatch import StoredKV, route
 from ._typing import DTypeLike, Float, MaskArray, NDArray, Result
 
@@ -101,12 +102,34 @@ class KVCache:
         int8's row scale multiplies each dot product and each weight
         instead, so its results are within rounding of that call, not
         its bits (the low-precision guide).
+    smooth_k : bool
+        Store each key less the mean of its (sequence, head)'s keys over
+        the real tokens of the first append (the prompt), kept until
+        ``reset``: SageAttention's ``smooth_k`` (Zhang et al., ICLR 2025),
+        with the mean fixed once so that later steps stay exact.  Every
+        logit is unchanged: attention adds ``scale * q . mean`` back to
+        each score.  It spends the int8 and int4 scales on what varies
+        rather than on a bias the keys share (default False).
+    rotate_k : bool
+        Rotate the head dimension of keys and queries by an orthonormal
+        Hadamard matrix (Sylvester's, of the largest power of two dividing
+        head_dim, repeated along the diagonal) before storing the keys:
+        llama.cpp's rotation of quantised caches (its PR #21038),
+        mlx-lm's ``--kv-rotate``.  Q K^T is unchanged in exact arithmetic;
+        outlier channels are spread over all features.  Values are not
+        rotated.  16-bit queries are rotated in float32 and rounded back
+        to their dtype (default False).
+
+        The README's low-precision guide gives the error of each storage
+        with and without these; ``key`` returns the keys as appended
+        (rounded), whatever is stored.
 
     Raises
     ------
     TypeError
-        Sizes that are not ints, or a dtype other than float32 and float64
-        (for a 16-bit one the message says how to store in 16 bits).
+        Sizes that are not ints, a dtype other than float32 and float64
+        (for a 16-bit one the message says how to store in 16 bits), or
+        smooth_k or rotate_k not bools.
     ValueError
         Sizes below 1 (head_dim and value_dim may be 0), a storage not
         among those above (or other than "float64" with float64), or
@@ -120,9 +143,11 @@ class KVCache:
 
     def __init__(self, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
-                 storage: Optional[str] = None) -> None:
+                 storage: Optional[str] = None, smooth_k: bool = False,
+                 rotate_k: bool = False) -> None:
         batch_size = C.check_index(batch_size, "batch_size", 1)
         core = _cache.Core("KVCache", num_kv_heads, head_dim, value_dim, dtype, storage)
+        self._keys = KeyTransform(smooth_k, rotate_k)
         capacity = C.check_index(capacity, "capacity", 1)
         sizes = (f"batch_size={batch_size}, num_kv_heads={core.num_kv_heads}, "
                  f"capacity={capacity}, head_dim={core.head_dim}, value_dim={core.value_dim}, "
@@ -140,6 +165,10 @@ class KVCache:
         self._key_scale: Optional[NDArray[np.float32]] = rows.key_scale
         self._value_scale: Optional[NDArray[np.float32]] = rows.value_scale
         B, Hkv, D, Dv = batch_size, core.num_kv_heads, core.head_dim, core.value_dim
+        # smooth_k: the mean each (sequence, head)'s keys are stored less,
+        # rotated as they are; fixed by the first append after length 0
+        self._key_mean: Optional[NDArray[Any]] = (np.zeros((B, Hkv, D), core.dtype)
+                                                  if self._keys.smooth else None)
         self._layouts = (Layout(("batch_size", "num_kv_heads", "L", "head_dim"), (B, Hkv, None, D)),
                          Layout(("batch_size", "num_kv_heads", "L", "value_dim"),
                                 (B, Hkv, None, Dv)),
@@ -180,9 +209,20 @@ class KVCache:
         return self._storage
 
     @property
+    def smooth_k(self) -> bool:
+        """Whether keys are stored less their mean (the class's smooth_k)."""
+        return self._keys.smooth
+
+    @property
+    def rotate_k(self) -> bool:
+        """Whether keys are stored rotated (the class's rotate_k)."""
+        return self._keys.rotate
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the buffers (keys, values, row scales, padding flags)."""
-        scales = [a.nbytes for a in (self._key_scale, self._value_scale) if a is not None]
+        """Bytes of the buffers (keys, values, row scales, padding flags, key mean)."""
+        scales = [a.nbytes for a in (self._key_scale, self._value_scale, self._key_mean)
+                  if a is not None]
         return int(self._key.nbytes + self._value.nbytes + self._real.nbytes + sum(scales))
 
     @property
@@ -201,8 +241,14 @@ class KVCache:
         """The keys held, (batch_size, num_kv_heads, length, head_dim), in the
         cache's dtype, read-only: a view when stored so, else a new array of
         what attention reads (the stored values converted, int8 times its
-        scales)."""
-        return self._read(self._key, self._key_scale, self._head_dim)
+        scales; with smooth_k the mean added back, with rotate_k rotated
+        back)."""
+        keys = self._read(self._key, self._key_scale, self._head_dim)
+        if self._key_mean is None and not self._keys.rotate:
+            return keys
+        if self._key_mean is not None:
+            keys = keys + self._key_mean[:, :, None]
+        return _storage.read_only(self._keys.rotated(keys))
 
     @property
     def value(self) -> NDArray[np.floating[Any]]:
@@ -256,7 +302,10 @@ class KVCache:
         self._hold(length)
 
     def _hold(self, length: int) -> None:
-        """The positions before length are the ones held."""
+        """The positions before length are the ones held (none: the next
+        append fixes the key mean again)."""
+        if length == 0 and self._key_mean is not None:
+            self._key_mean[...] = 0
         self._real[:, length:] = False
         self._length = length
         self._padded = not bool(self._real[:, :length].all())
@@ -310,8 +359,17 @@ class KVCache:
                              f"appended to the {_count(n, 'position')} held of "
                              f"{self.capacity}; nothing was written. Create it with a larger "
                              "capacity or reset() it")
+        key = self._keys.rotated(key)
+        mean = self._key_mean
+        if mean is not None:
+            if n == 0:  # the first append: its real tokens fix the mean
+                real = None if key_padding_mask is None else ~key_padding_mask[:, None, :]
+                mean = KeyTransform.mean(key, real, 2)
+            key = key - mean[:, :, None]
         keys, key_scale = self._encode(key, "key")
         values, value_scale = self._encode(value, "value")
+        if self._key_mean is not None and mean is not None:
+            self._key_mean[...] = mean
         self._key[:, :, n:n + L] = keys
         self._value[:, :, n:n + L] = values
         if self._key_scale is not None and self._value_scale is not None:
@@ -415,6 +473,7 @@ class KVCache:
         """
         self._core.check_query(query, self._layouts[2], 1)
         mode = C.check_precision(precision)
+        caller_query = query
         if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
             raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
                              f"holds {self._length}: with is_causal the queries are the last "
@@ -425,12 +484,16 @@ class KVCache:
                 and isinstance(attn_mask, np.ndarray) and C.overlap(out, attn_mask)):
             # the kernel's call sees the mask combined with the padding, not the caller's
             raise ValueError("out overlaps attn_mask; pass a separate output array")
+        if isinstance(out, np.ndarray) and self._keys.rotate and C.overlap(out, caller_query):
+            raise ValueError("out overlaps query; pass a separate output array")
+        query = self._keys.rotated(query)
         key, value, stored = self._rows(0, self._length)
         # the functional API's call, through its fast path when it takes it
         return cast("Result[Float]", route(
             query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
             return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads,
-            None if key.dtype == query.dtype else stored._replace(precision=mode)))
+            None if key.dtype == query.dtype and stored.key_mean is None
+            else stored._replace(precision=mode)))
 
     def _rows(self, start: int, stop: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:
         """Views of the keys and values held at positions start..stop-1, as
@@ -440,7 +503,7 @@ class KVCache:
                 StoredKV(_storage.store(self._storage),
                          None if self._key_scale is None else self._key_scale[:, :, rows],
                          None if self._value_scale is None else self._value_scale[:, :, rows],
-                         self._value_dim))
+                         self._value_dim, key_mean=self._key_mean))
 
     def state_dict(self) -> dict[str, NDArray[Any]]:
         """The positions held, as stored, bit for bit, to save and load into
@@ -448,7 +511,9 @@ class KVCache:
         idea): "key" and "value" (batch_size, num_kv_heads, length, width),
         "real" (batch_size, length), True = a real token, not padding, and
         for int8 and float8_e4m3fn storage "key_scale" and "value_scale"
-        (batch_size, num_kv_heads, length).  Each element's bits come as an
+        (batch_size, num_kv_heads, length), with smooth_k "key_mean"
+        (batch_size, num_kv_heads, head_dim), and with rotate_k
+        "rotate_k" (a uint8 1).  Each element's bits come as an
         unsigned int of its size (NumPy's files know no bfloat16), in
         read-only views of the buffers: ``np.savez(path,
         **cache.state_dict())`` saves them, and ``load_state_dict`` of what
@@ -459,6 +524,10 @@ class KVCache:
         if self._key_scale is not None and self._value_scale is not None:
             state.update(key_scale=self._key_scale[:, :, :n],
                          value_scale=self._value_scale[:, :, :n])
+        if self._key_mean is not None:
+            state["key_mean"] = self._key_mean
+        if self._keys.rotate:
+            state["rotate_k"] = np.ones((), np.uint8)
         return {name: _storage.read_only(a.view(f"u{a.itemsize}")) for name, a in state.items()}
 
     def _state_pairs(self, state: Mapping[str, NDArray[Any]]
@@ -470,7 +539,8 @@ class KVCache:
                             f"gives, or np.load's file of it), got {type(state).__name__}")
         pairs = []
         for name, buf in (("key", self._key), ("value", self._value), ("real", self._real),
-                          ("key_scale", self._key_scale), ("value_scale", self._value_scale)):
+                          ("key_scale", self._key_scale), ("value_scale", self._value_scale),
+                          ("key_mean", self._key_mean)):
             if buf is not None:
                 if name not in state:
                     raise ValueError(f"the saved cache has no {name}; this cache keeps one")
@@ -484,13 +554,20 @@ class KVCache:
         not a mapping).  Changes nothing: what ``load_state_dict`` checks
         first, for callers that check several caches before loading any."""
         pairs = self._state_pairs(state)
+        for name, mine in (("key_mean", self._keys.smooth), ("rotate_k", self._keys.rotate)):
+            option = "smooth_k" if name == "key_mean" else name
+            if (name in state) != mine:
+                raise ValueError(f"the saved cache was made with {option}={not mine}; this "
+                                 f"cache has {option}={mine}, and its keys would be read wrong")
         n = np.shape(state["key"])[2] if np.ndim(state["key"]) == 4 else -1
         if not 0 <= n <= self.capacity:
             raise ValueError(f"the saved cache holds {n} positions; this cache holds 0 to "
                              f"{self.capacity}")
         for name, buf, saved in pairs:
-            # the positions are axis 2 of the keys, values and scales, 1 of real
-            want = buf.shape[:2] + (n,) + buf.shape[3:] if buf.ndim > 2 else (buf.shape[0], n)
+            # the positions are axis 2 of the keys, values and scales, 1 of
+            # real; the key mean has none
+            want = (buf.shape if name == "key_mean" else
+                    buf.shape[:2] + (n,) + buf.shape[3:] if buf.ndim > 2 else (buf.shape[0], n))
             bits = np.dtype(f"u{buf.dtype.itemsize}")
             if saved.shape != want or saved.dtype != bits:
                 raise ValueError(f"the saved {name} is {saved.dtype} of shape "
@@ -513,5 +590,6 @@ class KVCache:
         """
         n = self.check_state_dict(state)
         for name, buf, saved in self._state_pairs(state):
-            (buf[:, :n] if buf.ndim == 2 else buf[:, :, :n]).view(saved.dtype)[...] = saved
+            held = buf if name == "key_mean" else buf[:, :n] if buf.ndim == 2 else buf[:, :, :n]
+            held.view(saved.dtype)[...] = saved
         self._hold(n)

@@ -307,26 +307,33 @@ class MultiHeadAttention:
                 f"batch_first={self.batch_first}, dtype={self.dtype.name})")
 
     def new_paged_cache(self, num_blocks: int, block_size: int, *,
-                        storage: Optional[str] = None) -> PagedKVCache:
+                        storage: Optional[str] = None, smooth_k: bool = False,
+                        rotate_k: bool = False) -> PagedKVCache:
         """An empty PagedKVCache for this layer: a pool of num_blocks blocks of
         block_size positions of (num_kv_heads, head_dim), in the dtype the
-        layer computes in; storage as ``new_cache``'s."""
+        layer computes in; storage, smooth_k and rotate_k as ``new_cache``'s."""
         if storage is None and self._compute != self.dtype:
             storage = self.dtype.name
         return PagedKVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim,
-                            dtype=self._compute, storage=storage)
+                            dtype=self._compute, storage=storage, smooth_k=smooth_k,
+                            rotate_k=rotate_k)
 
     def new_cache(self, batch_size: int, capacity: int, *,
-                  storage: Optional[str] = None) -> KVCache:
+                  storage: Optional[str] = None, smooth_k: bool = False,
+                  rotate_k: bool = False) -> KVCache:
         """An empty KVCache sized for this layer: (batch_size, num_kv_heads,
         capacity, head_dim) in the dtype the layer computes in (float32 for
         a 16-bit layer).  storage: as KVCache's ("float32", "float16",
-        "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"); None holds it in the layer's dtype.  Raises the
-        errors of KVCache for a bad batch_size, capacity or storage."""
+        "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "int4"); None
+        holds it in the layer's dtype.  smooth_k and rotate_k: as KVCache's
+        (the keys' mean and rotation, for the quantised storages).  Raises
+        the errors of KVCache for a bad batch_size, capacity, storage or
+        option."""
         if storage is None and self._compute != self.dtype:
             storage = self.dtype.name
         return KVCache(batch_size, self.num_kv_heads, capacity, self.head_dim,
-                       dtype=self._compute, storage=storage)
+                       dtype=self._compute, storage=storage, smooth_k=smooth_k,
+                       rotate_k=rotate_k)
 
     # ---- forward ----------------------------------------------------------
     def forward(self, query: Array, key: Optional[Array] = None, value: Optional[Array] = None,

@@ -11,6 +11,7 @@ from . import _checks as C
 from . import _cache, _runtime, _storage
 from ._cache import Layout
 from ._dispatch import ragged
+from ._keys import KeyTransform
 from ._storage import narrow, query_store
 from ._typing import DTypeLike, Float, NDArray
 from .paged import check_features
@@ -67,11 +68,17 @@ class PagedKVCache:
         only as "float64"): 16-bit and float8_e5m2 rounded to
         nearest-even, int8 and float8_e4m3fn with a float32 scale per row
         (``k_scale``, ``v_scale``), int4 in q4_0 blocks.
+    smooth_k, rotate_k : bool
+        As ``KVCache``'s, the mean fixed per sequence by its first append
+        (a fork keeps its parent's; truncating to 0 forgets it).  The pool
+        then holds the keys rotated and less the mean: ``attend`` reads
+        them right, a ``paged_attention`` call of one's own would not.
 
     Raises
     ------
     TypeError
-        Sizes that are not ints, or a dtype other than float32 and float64.
+        Sizes that are not ints, a dtype other than float32 and float64, or
+        smooth_k or rotate_k not bools.
     ValueError
         Sizes below 1 (head_dim and value_dim may be 0), num_blocks above
         2**31 (block tables hold int32 ids), a storage it cannot hold, or a
@@ -84,13 +91,15 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
-                 storage: Optional[str] = None) -> None:
+                 storage: Optional[str] = None, smooth_k: bool = False,
+                 rotate_k: bool = False) -> None:
         num_blocks = C.check_index(num_blocks, "num_blocks", 1)
         if num_blocks > C.INT32_MAX + 1:  # block tables are int32, as vLLM's
             raise ValueError(f"num_blocks = {num_blocks}; at most 2**31 = {C.INT32_MAX + 1} "
                              "blocks (block tables hold int32 ids)")
         block_size = C.check_index(block_size, "block_size", 1)
         core = _cache.Core("PagedKVCache", num_kv_heads, head_dim, value_dim, dtype, storage)
+        self._keys = KeyTransform(smooth_k, rotate_k)
         sizes = f"{num_blocks} blocks of {block_size} positions"
         rows, (refs,) = core.allocate((num_blocks, core.num_kv_heads, block_size), sizes,
                                       "num_blocks", [((num_blocks,), np.int64)])
@@ -111,6 +120,9 @@ class PagedKVCache:
         self._fresh = 0
         self._blocks: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
+        # smooth_k: the (num_kv_heads, head_dim) mean a sequence's keys are
+        # stored less, from its first append; shared, never written, by forks
+        self._means: dict[int, NDArray[Any]] = {}
         self._next_id = 0
         self._lock = threading.Lock()  # around the bookkeeping above, never a kernel
 
@@ -148,6 +160,16 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:
         """Blocks that no sequence holds."""
         return len(self._free) + self.num_blocks - self._fresh
+
+    @property
+    def smooth_k(self) -> bool:
+        """Whether keys are stored less their sequence's mean (the class's smooth_k)."""
+        return self._keys.smooth
+
+    @property
+    def rotate_k(self) -> bool:
+        """Whether keys are stored rotated (the class's rotate_k)."""
+        return self._keys.rotate
 
     @property
     def nbytes(self) -> int:
@@ -215,6 +237,8 @@ class PagedKVCache:
             child = self._add()
             self._blocks[child] = list(self._blocks[seq_id])
             self._lens[child] = self._lens[seq_id]
+            if seq_id in self._means:
+                self._means[child] = self._means[seq_id]
             self._refs[self._blocks[child]] += 1
             return child
 
@@ -225,6 +249,7 @@ class PagedKVCache:
             seq_id = self._one(seq_id)
             self._give_back(self._blocks.pop(seq_id))
             del self._lens[seq_id]
+            self._means.pop(seq_id, None)
 
     def _give_back(self, blocks: list[int]) -> None:
         """Drop one holder of each block; those no sequence holds are free."""
@@ -362,6 +387,7 @@ class PagedKVCache:
         with self._lock:
             ids = self._ids(seq_ids, distinct=True)
             before = [self._lens[s] for s in ids]
+            means = [self._means.get(s) for s in ids]
         n = self._core.check_rows(key, value, self._layouts[0], self._layouts[1], "tokens")
         cu = self._cu(cu_seqlens, "cu_seqlens", len(ids), n)
         counts = [int(c) for c in cu[1:] - cu[:-1]]
@@ -373,6 +399,12 @@ class PagedKVCache:
         positions = np.array(before, np.int64)[seq] + np.arange(n) - cu[:-1][seq]
         if rotary is not None:
             key = self._rotate(key, positions, rotary, interleaved, nthreads)
+        key = self._keys.rotated(key)
+        if self._keys.smooth:  # a sequence's first append fixes its mean
+            means = [KeyTransform.mean(key[cu[b]:cu[b + 1]], None, 0) if n0 == 0 else m
+                     for b, (n0, m) in enumerate(zip(before, means))]
+            zero = np.zeros(key.shape[1:], key.dtype)
+            key = key - np.stack([zero if m is None else m for m in means] or [zero])[seq]
         keys, key_scale = _storage.encode(key, self._storage, "key", nthreads)
         values, value_scale = _storage.encode(value, self._storage, "value", nthreads)
         with self._lock:
@@ -403,8 +435,10 @@ class PagedKVCache:
             if self._k_scale is not None and self._v_scale is not None:
                 self._k_scale[where[0], :, where[1]] = key_scale
                 self._v_scale[where[0], :, where[1]] = value_scale
-            for s, c in zip(ids, counts):
+            for s, c, m in zip(ids, counts, means):
                 self._lens[s] += c
+                if self._keys.smooth and m is not None and c > 0 and s not in self._means:
+                    self._means[s] = m
 
     def _room(self, ids: list[int], counts: list[int]) -> list[tuple[int, bool]]:
         """The plan of an append (_plan), or OutOfBlocksError when the pool
@@ -453,6 +487,8 @@ class PagedKVCache:
                 self._give_back(blocks[keep:])
                 del blocks[keep:]
                 self._lens[s] = n
+                if n == 0:
+                    self._means.pop(s, None)
 
     def _take(self) -> int:
         if self._free:
@@ -533,6 +569,7 @@ class PagedKVCache:
             ids = self._ids(seq_ids, distinct=True)
             lens = np.array([self._lens[s] for s in ids], np.int64)
             table = self._table(ids)
+            means = [self._means.get(s) for s in ids]
         half = self._core.check_query(query, self._layouts[2], 1)
         check_features(self.head_dim, self._value_dim)
         mode = C.check_precision(precision)
@@ -546,14 +583,20 @@ class PagedKVCache:
                              f"but holds {lens[b]} position{'' if lens[b] == 1 else 's'}: with is_causal the queries are its last positions; "
                              "append their keys and values first")
         rounded_to = None
+        if half and (rotary is not None or self._keys.rotate):
+            # rotated in float32, the output rounded to the query's dtype at the end
+            rounded_to, query = query.dtype, query.astype(np.float32)
         if rotary is not None:
             seq = np.repeat(np.arange(len(ids)), counts)
             positions = (lens - counts)[seq] + np.arange(query.shape[0]) - cu[:-1][seq]
-            if half:  # rotated in float32, the output rounded to the query's dtype at the end
-                rounded_to, query = query.dtype, query.astype(np.float32)
             query = self._rotate(query, positions, rotary,
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
                                  _runtime.resolve_threads(num_threads))
+        query = self._keys.rotated(query)
+        key_mean = None
+        if self._keys.smooth:
+            zero = np.zeros((self.num_kv_heads, self.head_dim), self._dtype)
+            key_mean = np.stack([zero if m is None else m for m in means] or [zero])
         # paged_attention's call without its checks of what the cache keeps
         # good (its pool, table, lengths and scales): they took more than half
         # of a short call's time (threads-and-speed.md, "Small calls")
@@ -566,7 +609,7 @@ class PagedKVCache:
                         (self._k_scale, self._v_scale), query_store(query.dtype),
                         _storage.store(self._storage), self._value_dim, causal, True, 0,
                         scale, window_size, alibi_slopes, softcap, sinks, return_lse, out,
-                        num_threads, inputs, mode)
+                        num_threads, inputs, mode, key_mean)
         if rounded_to is None:
             return result
         nthreads = _runtime.resolve_threads(num_threads)

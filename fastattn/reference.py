@@ -190,6 +190,28 @@ def int8_query(query: Array, group: Optional[int] = None) -> Array:
     return back.reshape(x.shape[:-1] + (-1,))[..., :E]
 
 
+def hadamard(n: int) -> Array:
+    """rotate_k's rotation in float64, entry by entry: features i and j in
+    one block of p (the largest power of two dividing n) get
+    (-1)^popcount(i & j) / sqrt(p), others 0 (Walsh's form of Sylvester's
+    matrix)."""
+    p = n & -n if n > 0 else 1
+    i, j = np.indices((n, n))
+    same = i // p == j // p
+    sign = np.vectorize(lambda x: (-1.0) ** bin(x).count("1"))(i % p & j % p) if n else i
+    return np.where(same, sign / np.sqrt(p), 0.0)
+
+
+def stored_keys(key: Array, rotate: bool, mean: Optional[Array] = None) -> Array:
+    """The keys a cache with rotate_k and smooth_k quantises: key (..., E)
+    times the rotation, less mean (the rotated keys' mean over the first
+    append), in float64.  Attention over them with the query rotated alike
+    and scale * q . mean added to every score is attention over key."""
+    k = np.asarray(key, np.float64)
+    k = k @ hadamard(k.shape[-1]) if rotate else k
+    return k if mean is None else k - mean
+
+
 def self_attention(x: Array, w_q: Array, w_k: Array, w_v: Array, **kwargs: Any) -> Result:
     """Step 1 too: Q = X W_Q, K = X W_K, V = X W_V, then attention."""
     return scaled_dot_product_attention(x @ w_q, x @ w_k, x @ w_v, **kwargs)

@@ -1,0 +1,85 @@
+"""What a cache does to its keys before storing them, when asked: a Hadamard
+rotation of the head dimension (``rotate_k``) and the subtraction of a
+per-channel key mean (``smooth_k``).  Both lower the error of the quantised
+storages on keys whose channels have outliers or a bias, and neither
+changes a logit in exact arithmetic: the queries are rotated alike, and the
+kernels add ``scale * q . mean`` back to every score (fa_attn_args' k_mean)."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _checks as C
+from . import _core, _runtime
+from ._typing import NDArray
+
+
+def hadamard_block(n: int) -> int:
+    """The order of the Sylvester-Hadamard blocks of a head of n features:
+    the largest power of two dividing n (n itself when it is one)."""
+    return n & -n if n > 0 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard(n: int, dtype: str) -> NDArray[Any]:
+    """The n x n orthonormal, symmetric rotation: Sylvester's Hadamard
+    matrix of order p = hadamard_block(n) over sqrt(p), repeated along the
+    diagonal (n = 80: five blocks of 16), so that it is its own inverse;
+    read-only, made once per size."""
+    p = hadamard_block(n)
+    h = np.ones((1, 1))
+    while h.shape[0] < p:
+        h = np.block([[h, h], [h, -h]])
+    m = np.kron(np.eye(n // p if n else 0), h / np.sqrt(p)).astype(dtype)
+    m.flags.writeable = False
+    return m
+
+
+def rotate(x: NDArray[Any]) -> NDArray[Any]:
+    """x (..., n), float32 or float64, times the rotation (a new array), by
+    fastattn's own product on one thread: a row's bits depend on nothing
+    else (BLAS may round a row differently with more rows beside it), and
+    a decoding step's few rows cost microseconds."""
+    n = x.shape[-1]
+    if x.size == 0:
+        return np.empty_like(x)
+    rows = np.ascontiguousarray(x).reshape(-1, n)
+    out = np.empty_like(rows)
+    _core.matmul(_runtime.isa(), rows, hadamard(n, x.dtype.name), out, 1)
+    return out.reshape(x.shape)
+
+
+class KeyTransform:
+    """A cache's choice of rotation and smoothing, checked."""
+
+    def __init__(self, smooth_k: object, rotate_k: object) -> None:
+        self.smooth = C.check_bool(smooth_k, "smooth_k")
+        self.rotate = C.check_bool(rotate_k, "rotate_k")
+
+    def rotated(self, x: NDArray[Any]) -> NDArray[Any]:
+        """x (..., head_dim) rotated (a new array), or x itself without
+        rotate_k.  16-bit queries are rotated in float32 and rounded back."""
+        if not self.rotate:
+            return x
+        if x.dtype.itemsize == 2:
+            return rotate(x.astype(np.float32)).astype(x.dtype)
+        return rotate(x)
+
+    @staticmethod
+    def mean(keys: NDArray[Any], real: Optional[NDArray[np.bool_]], axis: int) -> NDArray[Any]:
+        """The mean of keys along axis (the positions) over the real ones
+        (real broadcast against keys without their last axis; None: all),
+        summed in float64, in keys' dtype; 0 where none is real."""
+        k = keys.astype(np.float64)
+        if real is None:
+            n = k.shape[axis]
+            total = k.sum(axis=axis)
+        else:
+            w = np.broadcast_to(real, keys.shape[:-1])[..., None].astype(np.float64)
+            n = w.sum(axis=axis)
+            total = (k * w).sum(axis=axis)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            m = np.where(np.asarray(n) > 0, total / np.maximum(n, 1), 0.0)
+        return m.astype(keys.dtype)
