@@ -45,6 +45,7 @@ from . import _checks as C
 from . import _cache, _core, _runtime, _storage, _variants
 from ._cache import Layout
 from ._dispatch import StoredKV, checked_attention, require_qkv
+from ._keys import KeyTransform
 from ._storage import narrow
 from ._typing import Alignment, Float, NDArray
 from .attention import merge_attention
@@ -156,10 +157,11 @@ class _Shard:
     positions sit in the whole sequence."""
 
     def __init__(self, index: int, num_kv_heads: int, capacity: int, head_dim: int,
-                 value_dim: int, dtype: str, storage: str, num_threads: int) -> None:
+                 value_dim: int, dtype: str, storage: str, num_threads: int,
+                 smooth_k: bool = False, rotate_k: bool = False) -> None:
         self._index = index
         self._cache = KVCache(1, num_kv_heads, capacity, head_dim, value_dim=value_dim,
-                              dtype=dtype, storage=storage)
+                              dtype=dtype, storage=storage, smooth_k=smooth_k, rotate_k=rotate_k)
         self._runs: list[tuple[int, int, int]] = []  # (local start, global start, count)
         self._threads = num_threads
         self._staged: Optional[tuple[dict[str, NDArray[Any]], list[tuple[int, int, int]]]] = None
@@ -198,8 +200,11 @@ class _Shard:
             key, value, stored = self._cache._rows(a, b)
             return key[0], value[0], StoredKV(
                 stored.store, None if stored.key_scale is None else stored.key_scale[0],
-                None if stored.value_scale is None else stored.value_scale[0], stored.value_dim)
+                None if stored.value_scale is None else stored.value_scale[0], stored.value_dim,
+                key_mean=None if stored.key_mean is None else stored.key_mean[0])
 
+        # the shard's own mean (of its first chunk) and the rotation, as its KVCache's attend
+        query = self._cache._keys.rotated(query)
         out, lse = _attend_runs(query, rows, self._runs, q0, opts, sinks)
         return out, lse, time.perf_counter() - start, 0.0
 
@@ -417,6 +422,9 @@ class ShardedKVCache:
         As in ``KVCache``: float32 or float64; storage "float32",
         "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2" or
         "int4" for float32.
+    smooth_k, rotate_k : bool
+        As in ``KVCache``, each shard taking the mean of the first chunk
+        it holds (every logit is unchanged whatever the mean).
     chunk_size : int
         Positions dealt to a shard at a time (default 256).  Attention with
         ALiBi costs one kernel call per chunk held (a chunk's bias depends
@@ -465,9 +473,10 @@ class ShardedKVCache:
 
     def __init__(self, num_shards: int, num_kv_heads: int, head_dim: int, *,
                  capacity_per_shard: int, value_dim: Optional[int] = None,
-                 dtype: Any = np.float32, storage: Optional[str] = None, chunk_size: int = 256,
-                 placement: str = "spread", num_cpus_per_shard: float = 1.0,
-                 num_threads: Optional[int] = None, timeout: float = 60.0) -> None:
+                 dtype: Any = np.float32, storage: Optional[str] = None, smooth_k: bool = False,
+                 rotate_k: bool = False, chunk_size: int = 256, placement: str = "spread",
+                 num_cpus_per_shard: float = 1.0, num_threads: Optional[int] = None,
+                 timeout: float = 60.0) -> None:
         self._lock = threading.RLock()  # one call at a time (_one_at_a_time)
         self._num_shards = C.check_index(num_shards, "num_shards", 1)
         self._core = _cache.Core("ShardedKVCache", num_kv_heads, head_dim, value_dim, dtype,
@@ -475,6 +484,7 @@ class ShardedKVCache:
         self._num_kv_heads, self._dtype = self._core.num_kv_heads, self._core.dtype
         self._head_dim, self._value_dim = self._core.head_dim, self._core.value_dim
         self._storage = self._core.storage
+        self._keys = KeyTransform(smooth_k, rotate_k)
         Hkv, D, Dv = self._num_kv_heads, self._head_dim, self._value_dim
         self._layouts = (Layout(("num_kv_heads", "n", "head_dim"), (Hkv, None, D)),
                          Layout(("num_kv_heads", "n", "value_dim"), (Hkv, None, Dv)),
@@ -536,7 +546,7 @@ class ShardedKVCache:
         cpus = self._group.bundle_specs[k]["CPU"]
         return _SHARD.options(num_cpus=cpus, scheduling_strategy=strategy).remote(
             k, self._num_kv_heads, self._capacity, self._head_dim, self._value_dim,
-            self._dtype.name, self._storage, self._threads)
+            self._dtype.name, self._storage, self._threads, self._keys.smooth, self._keys.rotate)
 
     # ---- sizes ----------------------------------------------------------
     @property
@@ -904,7 +914,8 @@ class ShardedKVCache:
         return {"num_shards": self._num_shards, "num_kv_heads": self._num_kv_heads,
                 "head_dim": self._head_dim, "value_dim": self._value_dim,
                 "capacity_per_shard": self._capacity, "chunk_size": self._chunk,
-                "dtype": self._dtype.name, "storage": self._storage}
+                "dtype": self._dtype.name, "storage": self._storage,
+                "smooth_k": self._keys.smooth, "rotate_k": self._keys.rotate}
 
     @_one_at_a_time
     def restore(self, path: Union[str, os.PathLike[str]]) -> None:
@@ -1002,6 +1013,8 @@ class ShardedKVCache:
             raise ValueError(f"{name} is not a ShardedKVCache snapshot's cache.json (it needs "
                              f"{', '.join(sorted(fields))} and the cache's arguments)")
         meta = {k: saved.pop(k) for k in fields}
+        for option in ("smooth_k", "rotate_k"):  # (snapshots made before the options)
+            saved.setdefault(option, False)
         if saved != self._config():
             differ = {k: (saved.get(k), v) for k, v in self._config().items()
                       if saved.get(k) != v}

@@ -226,6 +226,36 @@ def test_snapshot_restores_into_a_new_cache(tmp_path):
             other.restore(tmp_path / "missing")
 
 
+def test_smoothed_rotated_shards(tmp_path):
+    """smooth_k and rotate_k: each shard stores its keys less the mean of
+    its first chunk and rotated; the merged result is the float64
+    reference's (softcap and sinks see the true logits), and a snapshot
+    restores only into a cache with the same options."""
+    rng = np.random.default_rng(11)
+    Hkv, Hq, E, S = 2, 4, 16, 300
+    k = (rng.standard_normal((Hkv, S, E)) + 3 * rng.standard_normal(E)).astype(np.float32)
+    v = rng.standard_normal((Hkv, S, E)).astype(np.float32)
+    q = rng.standard_normal((Hq, 1, E)).astype(np.float32)
+    opts = dict(sinks=rng.standard_normal(Hq), softcap=5.0)
+    args = dict(capacity_per_shard=200, chunk_size=64, num_cpus_per_shard=CPUS)
+    with ShardedKVCache(2, Hkv, E, smooth_k=True, rotate_k=True, **args) as cache:
+        cache.append(k, v)
+        out, lse = cache.attend(q, return_lse=True, **opts)
+        want, want_lse = ref.scaled_dot_product_attention(
+            q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), enable_gqa=True,
+            return_lse=True, **opts)
+        bound = 8 * (E + S) * np.finfo(np.float32).eps * 30  # scores up to ~30
+        np.testing.assert_allclose(out, want, rtol=0, atol=bound)
+        np.testing.assert_allclose(lse, want_lse, rtol=0, atol=bound)
+        cache.snapshot(tmp_path)
+    with ShardedKVCache(2, Hkv, E, smooth_k=True, rotate_k=True, **args) as again:
+        again.restore(tmp_path)
+        np.testing.assert_array_equal(again.attend(q, **opts), out)
+    with ShardedKVCache(2, Hkv, E, **args) as plain:
+        with pytest.raises(ValueError, match="smooth_k"):
+            plain.restore(tmp_path)
+
+
 def all_cpus_free():
     """True once every CPU of the cluster is free (Ray returns a closed
     cache's CPUs asynchronously), within 20 s."""
