@@ -59,27 +59,58 @@ class KeyTransform:
         self.rotate = C.check_bool(rotate_k, "rotate_k")
 
     def rotated(self, x: NDArray[Any]) -> NDArray[Any]:
-        """x (..., head_dim) rotated (a new array), or x itself without
-        rotate_k.  16-bit queries are rotated in float32 and rounded back."""
-        if not self.rotate:
-            return x
-        if x.dtype.itemsize == 2:
-            return rotate(x.astype(np.float32)).astype(x.dtype)
-        return rotate(x)
+        """x (..., head_dim), float32 or float64, rotated (a new array), or
+        x itself without rotate_k."""
+        return rotate(x) if self.rotate else x
+
+    def stored(self, key: NDArray[Any], rotated: NDArray[Any], mean: Optional[NDArray[Any]]
+               ) -> NDArray[Any]:
+        """key as the cache stores it: rotated (self.rotated(key)), less
+        mean (broadcast; None: none).  ValueError when a row of finite keys
+        comes out not finite (the rotation multiplies a row's largest by up
+        to sqrt(head_dim)): it would read as inf or NaN."""
+        y = rotated if mean is None else rotated - mean
+        if (self.rotate or mean is not None) and not np.isfinite(y).all():
+            lost = np.isfinite(key).all(axis=-1) & ~np.isfinite(y).all(axis=-1)
+            if lost.any():
+                raise ValueError(
+                    f"key: a row of finite keys (largest {float(np.abs(key[lost]).max()):.3g}) "
+                    f"is not finite once {self.options()} transform it ({self.what()}) in "
+                    f"{key.dtype}; scale the keys down or create the cache without "
+                    f"{self.options()}")
+        return y
+
+    def options(self) -> str:
+        """"smooth_k and rotate_k", "smooth_k", "rotate_k" or ""."""
+        return " and ".join(n for n, on in (("smooth_k", self.smooth), ("rotate_k", self.rotate))
+                            if on)
+
+    def what(self) -> str:
+        """What the options do to a key: "rotated, less the prompt's mean"."""
+        return ", ".join(w for w, on in (("rotated", self.rotate),
+                                         ("less the prompt's mean", self.smooth)) if on)
+
+    def options_repr(self) -> str:
+        """"smooth_k=True, rotate_k=True, " (those set) for a cache's repr."""
+        return "".join(f"{n}=True, " for n, on in (("smooth_k", self.smooth),
+                                                   ("rotate_k", self.rotate)) if on)
+
+    def explain(self, exc: ValueError) -> ValueError:
+        """A storage's error about the stored keys, saying they are transformed."""
+        if not (self.smooth or self.rotate):
+            return exc
+        return ValueError(f"{exc} (the keys as {self.options()} store them: {self.what()}, "
+                          "whose largest may exceed the keys given)")
 
     @staticmethod
     def mean(keys: NDArray[Any], real: Optional[NDArray[np.bool_]], axis: int) -> NDArray[Any]:
         """The mean of keys along axis (the positions) over the real ones
-        (real broadcast against keys without their last axis; None: all),
-        summed in float64, in keys' dtype; 0 where none is real."""
-        k = keys.astype(np.float64)
-        if real is None:
-            n = k.shape[axis]
-            total = k.sum(axis=axis)
-        else:
-            w = np.broadcast_to(real, keys.shape[:-1])[..., None].astype(np.float64)
-            n = w.sum(axis=axis)
-            total = (k * w).sum(axis=axis)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            m = np.where(np.asarray(n) > 0, total / np.maximum(n, 1), 0.0)
-        return m.astype(keys.dtype)
+        (real broadcast against keys without their last axis; None: all)
+        whose element is finite, summed in float64, in keys' dtype; 0 where
+        none is (a NaN or inf key must not spread to every stored row)."""
+        valid = np.isfinite(keys)
+        if real is not None:
+            valid &= np.broadcast_to(real, keys.shape[:-1])[..., None]
+        total = np.where(valid, keys, 0).sum(axis=axis, dtype=np.float64)
+        n = valid.sum(axis=axis)
+        return (total / np.maximum(n, 1)).astype(keys.dtype)

@@ -104,8 +104,10 @@ class KVCache:
         its bits (the low-precision guide).
     smooth_k : bool
         Store each key less the mean of its (sequence, head)'s keys over
-        the real tokens of the first append (the prompt), kept until
-        ``reset``: SageAttention's ``smooth_k`` (Zhang et al., ICLR 2025),
+        the first append that holds real tokens of that sequence (the
+        prompt; non-finite elements left out), kept until ``reset`` or a
+        ``truncate`` to no real token: SageAttention's ``smooth_k``
+        (Zhang et al., ICLR 2025),
         with the mean fixed once so that later steps stay exact.  Every
         logit is unchanged: attention adds ``scale * q . mean`` back to
         each score.  It spends the int8 and int4 scales on what varies
@@ -117,12 +119,14 @@ class KVCache:
         llama.cpp's rotation of quantised caches (its PR #21038),
         mlx-lm's ``--kv-rotate``.  Q K^T is unchanged in exact arithmetic;
         outlier channels are spread over all features.  Values are not
-        rotated.  16-bit queries are rotated in float32 and rounded back
-        to their dtype (default False).
+        rotated.  A 16-bit query is then read as float32 and rotated, and
+        the output rounded once to its dtype (default False).
 
         The README's low-precision guide gives the error of each storage
         with and without these; ``key`` returns the keys as appended
-        (rounded), whatever is stored.
+        (rounded), whatever is stored.  Both may take keys past the
+        storage's range (the rotation multiplies a row's largest by up to
+        sqrt(head_dim)): ``append`` says so then.
 
     Raises
     ------
@@ -276,7 +280,7 @@ class KVCache:
         return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"capacity={self.capacity}, head_dim={self.head_dim}, "
                 f"value_dim={self.value_dim}, dtype={self.dtype.name}, storage={self.storage}, "
-                f"length={self.length})")
+                f"{self._keys.options_repr()}length={self.length})")
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept for the next sequence)."""
@@ -302,10 +306,8 @@ class KVCache:
         self._hold(length)
 
     def _hold(self, length: int) -> None:
-        """The positions before length are the ones held (none: the next
-        append fixes the key mean again)."""
-        if length == 0 and self._key_mean is not None:
-            self._key_mean[...] = 0
+        """The positions before length are the ones held (a sequence with no
+        real token among them gets its key mean from its next ones)."""
         self._real[:, length:] = False
         self._length = length
         self._padded = not bool(self._real[:, :length].all())
@@ -359,14 +361,20 @@ class KVCache:
                              f"appended to the {_count(n, 'position')} held of "
                              f"{self.capacity}; nothing was written. Create it with a larger "
                              "capacity or reset() it")
-        key = self._keys.rotated(key)
+        rotated = self._keys.rotated(key)
         mean = self._key_mean
         if mean is not None:
-            if n == 0:  # the first append: its real tokens fix the mean
+            # a sequence's first real tokens fix its mean (an append of
+            # padding alone, left padding's first chunk, leaves it to the next)
+            unset = ~self._real[:, :n].any(axis=1)
+            if unset.any():
                 real = None if key_padding_mask is None else ~key_padding_mask[:, None, :]
-                mean = KeyTransform.mean(key, real, 2)
-            key = key - mean[:, :, None]
-        keys, key_scale = self._encode(key, "key")
+                mean = np.where(unset[:, None, None], KeyTransform.mean(rotated, real, 2), mean)
+        key = self._keys.stored(key, rotated, None if mean is None else mean[:, :, None])
+        try:
+            keys, key_scale = self._encode(key, "key")
+        except ValueError as exc:
+            raise self._keys.explain(exc) from None
         values, value_scale = self._encode(value, "value")
         if self._key_mean is not None and mean is not None:
             self._key_mean[...] = mean
@@ -471,7 +479,7 @@ class KVCache:
             hide the missing append); and those of
             ``scaled_dot_product_attention``.
         """
-        self._core.check_query(query, self._layouts[2], 1)
+        half = self._core.check_query(query, self._layouts[2], 1)
         mode = C.check_precision(precision)
         caller_query = query
         if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
@@ -484,9 +492,10 @@ class KVCache:
                 and isinstance(attn_mask, np.ndarray) and C.overlap(out, attn_mask)):
             # the kernel's call sees the mask combined with the padding, not the caller's
             raise ValueError("out overlaps attn_mask; pass a separate output array")
-        if isinstance(out, np.ndarray) and self._keys.rotate and C.overlap(out, caller_query):
-            raise ValueError("out overlaps query; pass a separate output array")
-        query = self._keys.rotated(query)
+        if self._keys.rotate:
+            return self._attend_rotated(query, half, mask, is_causal, scale, need_weights,
+                                        return_lse, window_size, alibi_slopes, softcap, sinks,
+                                        out, num_threads, mode)
         key, value, stored = self._rows(0, self._length)
         # the functional API's call, through its fast path when it takes it
         return cast("Result[Float]", route(
@@ -494,6 +503,32 @@ class KVCache:
             return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads,
             None if key.dtype == query.dtype and stored.key_mean is None
             else stored._replace(precision=mode)))
+
+    def _attend_rotated(self, query: NDArray[Any], half: bool, mask: Optional[MaskArray],
+                        is_causal: bool, scale: Optional[float], need_weights: bool,
+                        return_lse: bool, window_size: Optional[tuple[int, int]],
+                        alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
+                        sinks: Optional[NDArray[Any]], out: Optional[NDArray[Any]],
+                        num_threads: Optional[int], mode: int) -> Result[Float]:
+        """attend's call with rotate_k: the query rotated (a 16-bit one read
+        as float32, its output and weights rounded once to its dtype at the
+        end, as the kernels do for 16-bit queries)."""
+        B, Hq, L = query.shape[:3]
+        if out is not None:
+            C.check_out(out, (B, Hq, L, self._value_dim), query.dtype, {"query": query})
+        rotated = self._keys.rotated(query.astype(np.float32) if half else query)
+        key, value, stored = self._rows(0, self._length)
+        result = route(rotated, key, value, mask, 0.0, is_causal, scale, True, "lower_right",
+                       need_weights, return_lse, window_size, alibi_slopes, softcap, sinks,
+                       None if half else out, num_threads, stored._replace(precision=mode))
+        if not half:
+            return cast("Result[Float]", result)
+        parts = list(result) if isinstance(result, tuple) else [result]
+        nthreads = _runtime.resolve_threads(num_threads)
+        parts[0] = _storage.narrow(parts[0], query.dtype, nthreads, out)
+        if need_weights is True:
+            parts[1] = _storage.narrow(parts[1], query.dtype, nthreads)
+        return cast("Result[Float]", parts[0] if len(parts) == 1 else tuple(parts))
 
     def _rows(self, start: int, stop: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:
         """Views of the keys and values held at positions start..stop-1, as
@@ -553,12 +588,12 @@ class KVCache:
         ValueError naming what differs otherwise (TypeError when state is
         not a mapping).  Changes nothing: what ``load_state_dict`` checks
         first, for callers that check several caches before loading any."""
-        pairs = self._state_pairs(state)
         for name, mine in (("key_mean", self._keys.smooth), ("rotate_k", self._keys.rotate)):
             option = "smooth_k" if name == "key_mean" else name
-            if (name in state) != mine:
+            if isinstance(state, Mapping) and (name in state) != mine:
                 raise ValueError(f"the saved cache was made with {option}={not mine}; this "
                                  f"cache has {option}={mine}, and its keys would be read wrong")
+        pairs = self._state_pairs(state)
         n = np.shape(state["key"])[2] if np.ndim(state["key"]) == 4 else -1
         if not 0 <= n <= self.capacity:
             raise ValueError(f"the saved cache holds {n} positions; this cache holds 0 to "

@@ -213,7 +213,8 @@ class PagedKVCache:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"value_dim={self.value_dim}, dtype={self.dtype.name}, storage={self.storage}, "
-                f"sequences={len(self._lens)}, free blocks={self.num_free_blocks})")
+                f"{self._keys.options_repr()}sequences={len(self._lens)}, "
+                f"free blocks={self.num_free_blocks})")
 
     # ---- sequences ---------------------------------------------------------
     def add_sequence(self) -> int:
@@ -399,13 +400,17 @@ class PagedKVCache:
         positions = np.array(before, np.int64)[seq] + np.arange(n) - cu[:-1][seq]
         if rotary is not None:
             key = self._rotate(key, positions, rotary, interleaved, nthreads)
-        key = self._keys.rotated(key)
+        rotated, rows_mean = self._keys.rotated(key), None
         if self._keys.smooth:  # a sequence's first append fixes its mean
-            means = [KeyTransform.mean(key[cu[b]:cu[b + 1]], None, 0) if n0 == 0 else m
+            means = [KeyTransform.mean(rotated[cu[b]:cu[b + 1]], None, 0) if n0 == 0 else m
                      for b, (n0, m) in enumerate(zip(before, means))]
             zero = np.zeros(key.shape[1:], key.dtype)
-            key = key - np.stack([zero if m is None else m for m in means] or [zero])[seq]
-        keys, key_scale = _storage.encode(key, self._storage, "key", nthreads)
+            rows_mean = np.stack([zero if m is None else m for m in means] or [zero])[seq]
+        key = self._keys.stored(key, rotated, rows_mean)
+        try:
+            keys, key_scale = _storage.encode(key, self._storage, "key", nthreads)
+        except ValueError as exc:
+            raise self._keys.explain(exc) from None
         values, value_scale = _storage.encode(value, self._storage, "value", nthreads)
         with self._lock:
             self._ids(ids)  # none freed meanwhile
@@ -605,14 +610,18 @@ class PagedKVCache:
                   "cu_seqlens_q": cu_seqlens_q}
         if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read
             table = np.zeros((len(ids), 1), np.int32)
+        if rounded_to is not None and out is not None:  # filled at the end, in its dtype
+            C.check_out(out, (query.shape[0], query.shape[1], self._value_dim), rounded_to,
+                        inputs)
         result = ragged(query, self._key, self._value, table, None, lens, cu, counts,
                         (self._k_scale, self._v_scale), query_store(query.dtype),
                         _storage.store(self._storage), self._value_dim, causal, True, 0,
-                        scale, window_size, alibi_slopes, softcap, sinks, return_lse, out,
-                        num_threads, inputs, mode, key_mean)
+                        scale, window_size, alibi_slopes, softcap, sinks, return_lse,
+                        out if rounded_to is None else None, num_threads, inputs, mode,
+                        key_mean)
         if rounded_to is None:
             return result
         nthreads = _runtime.resolve_threads(num_threads)
         if isinstance(result, tuple):
-            return narrow(result[0], rounded_to, nthreads), result[1]
-        return narrow(result, rounded_to, nthreads)
+            return narrow(result[0], rounded_to, nthreads, out), result[1]
+        return narrow(result, rounded_to, nthreads, out)

@@ -272,3 +272,69 @@ def test_multi_head_attention_cache():
         assert cache.smooth_k is smooth and cache.rotate_k is smooth
         outs.append(mha.forward(x, cache=cache, is_causal=True)[0])
     np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=tolerance(np.float32, 76))
+
+
+def test_non_finite_keys_do_not_spread():
+    """A NaN or inf key (float storages hold them), even in a padding slot,
+    is left out of the mean: only the rows that attend it see it."""
+    rng = np.random.default_rng(10)
+    k = keys_with_bias(rng, (2, 1, 4, 8))
+    v = rng.standard_normal((2, 1, 4, 8), dtype=np.float32)
+    k[0, 0, 0, 1] = np.nan   # padding of sequence 0
+    k[1, 0, 3, 2] = np.inf   # the last key of sequence 1
+    pad = np.zeros((2, 4), bool)
+    pad[0, 0] = True
+    outs = []
+    for smooth in (False, True):
+        cache = fastattn.KVCache(2, 1, 8, 8, smooth_k=smooth, rotate_k=smooth)
+        cache.append(k, v, key_padding_mask=pad)
+        outs.append(cache.attend(np.ones((2, 1, 4, 8), np.float32)))
+    np.testing.assert_array_equal(np.isnan(outs[1]), np.isnan(outs[0]))
+    assert np.isfinite(outs[1][0]).all() and np.isfinite(outs[1][1, :, :3]).all()
+    np.testing.assert_allclose(outs[1][np.isfinite(outs[0])], outs[0][np.isfinite(outs[0])],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_padding_first_chunk_leaves_the_mean_to_the_next():
+    """Left padding's first chunk holds no real token of sequence 1: its
+    mean comes from the next append, as if it had been the first."""
+    rng = np.random.default_rng(12)
+    k1, k2 = keys_with_bias(rng, (2, 1, 4, 16)), keys_with_bias(rng, (2, 1, 6, 16))
+    pad = np.zeros((2, 4), bool)
+    pad[1] = True
+    cache = fastattn.KVCache(2, 1, 16, 16, storage="int8", smooth_k=True)
+    cache.append(k1, k1, key_padding_mask=pad)
+    first = cache.state_dict()["key_mean"].view(np.float32).copy()
+    np.testing.assert_array_equal(first[1], 0)
+    cache.append(k2, k2)
+    mean = cache.state_dict()["key_mean"].view(np.float32)
+    np.testing.assert_array_equal(mean[0], first[0])
+    np.testing.assert_allclose(mean[1], k2[1].astype(np.float64).mean(axis=1), rtol=1e-6)
+
+
+def test_keys_past_the_storage_range_are_refused_clearly():
+    k = np.full((1, 1, 2, 16), 20000.0, np.float32)  # rotated: 80000, past float16
+    cache = fastattn.KVCache(1, 1, 4, 16, storage="float16", rotate_k=True)
+    with pytest.raises(ValueError, match="rotate_k store them: rotated,"):
+        cache.append(k, k)
+    assert cache.length == 0
+    huge = np.full((1, 1, 1, 64), 1e38, np.float32)
+    with pytest.raises(ValueError, match="not finite once rotate_k"):
+        fastattn.KVCache(1, 1, 4, 64, rotate_k=True).append(huge, huge)
+
+
+def test_paged_16_bit_queries_fill_out_in_their_dtype():
+    rng = np.random.default_rng(13)
+    cache = fastattn.PagedKVCache(8, 4, 1, 16, rotate_k=True, smooth_k=True)
+    s = cache.add_sequence()
+    k = keys_with_bias(rng, (6, 1, 16))
+    cache.append([s], k, k, np.array([0, 6]))
+    q = rng.standard_normal((1, 2, 16)).astype(np.float16)
+    out = np.empty((1, 2, 16), np.float16)
+    assert cache.attend([s], q, out=out) is out
+    want = expected(q.astype(np.float32)[None].transpose(0, 2, 1, 3),
+                    k.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None])
+    np.testing.assert_allclose(out, want[0].transpose(1, 0, 2), rtol=0, atol=50 * 2.0 ** -10)
+    with pytest.raises(TypeError, match="expected float16"):
+        cache.attend([s], q, out=np.empty((1, 2, 16), np.float32))
+    assert "smooth_k=True, rotate_k=True" in repr(cache)
