@@ -113,4 +113,5 @@ class KeyTransform:
             valid &= np.broadcast_to(real, keys.shape[:-1])[..., None]
         total = np.where(valid, keys, 0).sum(axis=axis, dtype=np.float64)
         n = valid.sum(axis=axis)
-        return (total / np.maximum(n, 1)).astype(keys.dtype)
+        mean: NDArray[Any] = (total / np.maximum(n, 1)).astype(keys.dtype)
+        return mean

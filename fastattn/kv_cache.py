@@ -366,7 +366,7 @@ class KVCache:
         if mean is not None:
             # a sequence's first real tokens fix its mean (an append of
             # padding alone, left padding's first chunk, leaves it to the next)
-            unset = ~self._real[:, :n].any(axis=1)
+            unset = cast("NDArray[np.bool_]", ~self._real[:, :n].any(axis=1))
             if unset.any():
                 real = None if key_padding_mask is None else ~key_padding_mask[:, None, :]
                 mean = np.where(unset[:, None, None], KeyTransform.mean(rotated, real, 2), mean)
@@ -572,6 +572,11 @@ class KVCache:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping of names to arrays (what state_dict "
                             f"gives, or np.load's file of it), got {type(state).__name__}")
+        for name, mine in (("key_mean", self._keys.smooth), ("rotate_k", self._keys.rotate)):
+            option = "smooth_k" if name == "key_mean" else name
+            if (name in state) != mine:
+                raise ValueError(f"the saved cache was made with {option}={not mine}; this "
+                                 f"cache has {option}={mine}, and its keys would be read wrong")
         pairs = []
         for name, buf in (("key", self._key), ("value", self._value), ("real", self._real),
                           ("key_scale", self._key_scale), ("value_scale", self._value_scale),
@@ -588,11 +593,6 @@ class KVCache:
         ValueError naming what differs otherwise (TypeError when state is
         not a mapping).  Changes nothing: what ``load_state_dict`` checks
         first, for callers that check several caches before loading any."""
-        for name, mine in (("key_mean", self._keys.smooth), ("rotate_k", self._keys.rotate)):
-            option = "smooth_k" if name == "key_mean" else name
-            if isinstance(state, Mapping) and (name in state) != mine:
-                raise ValueError(f"the saved cache was made with {option}={not mine}; this "
-                                 f"cache has {option}={mine}, and its keys would be read wrong")
         pairs = self._state_pairs(state)
         n = np.shape(state["key"])[2] if np.ndim(state["key"]) == 4 else -1
         if not 0 <= n <= self.capacity:
