@@ -66,16 +66,24 @@ class KeyTransform:
     def stored(self, key: NDArray[Any], rotated: NDArray[Any], mean: Optional[NDArray[Any]]
                ) -> NDArray[Any]:
         """key as the cache stores it: rotated (self.rotated(key)), less
-        mean (broadcast; None: none).  ValueError when a row of finite keys
-        comes out not finite (the rotation multiplies a row's largest by up
-        to sqrt(head_dim)): it would read as inf or NaN."""
-        y = rotated if mean is None else rotated - mean
+        mean (broadcast; None: none).  ValueError, naming the options, for
+        a key with an inf or a NaN under rotate_k (spread over its block as
+        infinities of both signs, its scores would be NaN instead of
+        infinite), and for a row of finite keys that comes out not finite
+        (the rotation multiplies a row's largest by up to sqrt(head_dim))."""
+        if self.rotate and not np.isfinite(key).all():
+            raise ValueError("key holds an inf or a NaN, which rotate_k would spread over its "
+                             "block of features (scores NaN instead of infinite); create the "
+                             "cache without rotate_k to hold such keys")
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = rotated if mean is None else rotated - mean
         if (self.rotate or mean is not None) and not np.isfinite(y).all():
             lost = np.isfinite(key).all(axis=-1) & ~np.isfinite(y).all(axis=-1)
             if lost.any():
+                verb = "transform" if self.smooth and self.rotate else "transforms"
                 raise ValueError(
                     f"key: a row of finite keys (largest {float(np.abs(key[lost]).max()):.3g}) "
-                    f"is not finite once {self.options()} transform it ({self.what()}) in "
+                    f"is not finite once {self.options()} {verb} it ({self.what()}) in "
                     f"{key.dtype}; scale the keys down or create the cache without "
                     f"{self.options()}")
         return y
@@ -95,9 +103,11 @@ class KeyTransform:
         return "".join(f"{n}=True, " for n, on in (("smooth_k", self.smooth),
                                                    ("rotate_k", self.rotate)) if on)
 
-    def explain(self, exc: ValueError) -> ValueError:
-        """A storage's error about the stored keys, saying they are transformed."""
-        if not (self.smooth or self.rotate):
+    def explain(self, exc: ValueError, key: NDArray[Any]) -> ValueError:
+        """A storage's error about the stored keys, saying they are
+        transformed (not when the caller's keys were not finite: the
+        storage's message is about them)."""
+        if not (self.smooth or self.rotate) or not np.isfinite(key).all():
             return exc
         return ValueError(f"{exc} (the keys as {self.options()} store them: {self.what()}, "
                           "whose largest may exceed the keys given)")
@@ -115,3 +125,20 @@ class KeyTransform:
         n = valid.sum(axis=axis)
         mean: NDArray[Any] = (total / np.maximum(n, 1)).astype(keys.dtype)
         return mean
+
+
+class KeyOptions:
+    """The options' read-only properties of a cache that holds a
+    KeyTransform as _keys (KVCache, PagedKVCache, ShardedKVCache)."""
+
+    _keys: KeyTransform
+
+    @property
+    def smooth_k(self) -> bool:
+        """Whether keys are stored less their mean (the class's smooth_k)."""
+        return self._keys.smooth
+
+    @property
+    def rotate_k(self) -> bool:
+        """Whether keys are stored rotated (the class's rotate_k)."""
+        return self._keys.rotate

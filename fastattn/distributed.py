@@ -45,7 +45,7 @@ from . import _checks as C
 from . import _cache, _core, _runtime, _storage, _variants
 from ._cache import Layout
 from ._dispatch import StoredKV, checked_attention, require_qkv
-from ._keys import KeyTransform
+from ._keys import KeyOptions, KeyTransform
 from ._storage import narrow
 from ._typing import Alignment, Float, NDArray
 from .attention import merge_attention
@@ -390,7 +390,7 @@ def _release(actors: list[Any], group: Any) -> None:
     remove_placement_group(group)
 
 
-class ShardedKVCache:
+class ShardedKVCache(KeyOptions):
     """One sequence's keys and values, sharded over Ray actors, and exact
     attention over all of them.
 
@@ -579,7 +579,8 @@ class ShardedKVCache:
         return (f"ShardedKVCache(num_shards={self._num_shards}, num_kv_heads="
                 f"{self._num_kv_heads}, head_dim={self._head_dim}, value_dim={self._value_dim}, "
                 f"capacity_per_shard={self._capacity}, chunk_size={self._chunk}, "
-                f"dtype={self._dtype.name}, storage={self._storage}, length={self.length})")
+                f"dtype={self._dtype.name}, storage={self._storage}, "
+                f"{self._keys.options_repr()}length={self.length})")
 
     def shard_of(self, position: int) -> int:
         """The shard that holds (or will hold) a position (an int >= 0)."""

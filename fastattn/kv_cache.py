@@ -9,7 +9,7 @@ import numpy as np
 from . import _checks as C
 from . import _cache, _masks, _runtime, _storage
 from ._cache import Layout
-from ._keys import KeyTransform
+from ._keys import KeyOptions, KeyTransform
 from ._dispatch import StoredKV, route
 from ._typing import DTypeLike, Float, MaskArray, NDArray, Result
 
@@ -19,7 +19,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-class KVCache:
+class KVCache(KeyOptions):
     """The keys and values of an autoregressive decoder, kept between steps.
 
     Buffers of shape (batch_size, num_kv_heads, capacity, head_dim) (and
@@ -126,7 +126,9 @@ class KVCache:
         with and without these; ``key`` returns the keys as appended
         (rounded), whatever is stored.  Both may take keys past the
         storage's range (the rotation multiplies a row's largest by up to
-        sqrt(head_dim)): ``append`` says so then.
+        sqrt(head_dim)): ``append`` says so then; with rotate_k, keys with
+        an inf or a NaN are refused (the rotation would spread it over its
+        block of features, and its scores come out NaN, not infinite).
 
     Raises
     ------
@@ -211,16 +213,6 @@ class KVCache:
         """How the keys and values are held: "float32", "float64", "float16",
         "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2" or "int4"."""
         return self._storage
-
-    @property
-    def smooth_k(self) -> bool:
-        """Whether keys are stored less their mean (the class's smooth_k)."""
-        return self._keys.smooth
-
-    @property
-    def rotate_k(self) -> bool:
-        """Whether keys are stored rotated (the class's rotate_k)."""
-        return self._keys.rotate
 
     @property
     def nbytes(self) -> int:
@@ -370,11 +362,11 @@ class KVCache:
             if unset.any():
                 real = None if key_padding_mask is None else ~key_padding_mask[:, None, :]
                 mean = np.where(unset[:, None, None], KeyTransform.mean(rotated, real, 2), mean)
-        key = self._keys.stored(key, rotated, None if mean is None else mean[:, :, None])
+        held = self._keys.stored(key, rotated, None if mean is None else mean[:, :, None])
         try:
-            keys, key_scale = self._encode(key, "key")
+            keys, key_scale = self._encode(held, "key")
         except ValueError as exc:
-            raise self._keys.explain(exc) from None
+            raise self._keys.explain(exc, key) from None
         values, value_scale = self._encode(value, "value")
         if self._key_mean is not None and mean is not None:
             self._key_mean[...] = mean
@@ -526,7 +518,7 @@ class KVCache:
         parts = list(result) if isinstance(result, tuple) else [result]
         nthreads = _runtime.resolve_threads(num_threads)
         parts[0] = _storage.narrow(parts[0], query.dtype, nthreads, out)
-        if need_weights is True:
+        if need_weights:  # (a bool, route checked it)
             parts[1] = _storage.narrow(parts[1], query.dtype, nthreads)
         return cast("Result[Float]", parts[0] if len(parts) == 1 else tuple(parts))
 
@@ -577,6 +569,10 @@ class KVCache:
             if (name in state) != mine:
                 raise ValueError(f"the saved cache was made with {option}={not mine}; this "
                                  f"cache has {option}={mine}, and its keys would be read wrong")
+        flag = np.asarray(state["rotate_k"]) if "rotate_k" in state else None
+        if flag is not None and (flag.shape != () or flag.dtype != np.uint8 or flag != 1):
+            raise ValueError(f"the saved rotate_k is {flag.dtype} of shape "
+                             f"{C.shape_str(flag.shape)}; state_dict gives a uint8 1")
         pairs = []
         for name, buf in (("key", self._key), ("value", self._value), ("real", self._real),
                           ("key_scale", self._key_scale), ("value_scale", self._value_scale),

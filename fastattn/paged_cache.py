@@ -11,7 +11,7 @@ from . import _checks as C
 from . import _cache, _runtime, _storage
 from ._cache import Layout
 from ._dispatch import ragged
-from ._keys import KeyTransform
+from ._keys import KeyOptions, KeyTransform
 from ._storage import narrow, query_store
 from ._typing import DTypeLike, Float, NDArray
 from .paged import check_features
@@ -25,7 +25,7 @@ class OutOfBlocksError(MemoryError):
     was written.  Free finished sequences (or preempt one) and try again."""
 
 
-class PagedKVCache:
+class PagedKVCache(KeyOptions):
     """Keys and values of many sequences, in blocks of ``block_size``
     positions taken from one pool as the sequences grow: PagedAttention's
     block manager (Kwon et al., SOSP 2023; vLLM's), for continuous batching.
@@ -160,16 +160,6 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:
         """Blocks that no sequence holds."""
         return len(self._free) + self.num_blocks - self._fresh
-
-    @property
-    def smooth_k(self) -> bool:
-        """Whether keys are stored less their sequence's mean (the class's smooth_k)."""
-        return self._keys.smooth
-
-    @property
-    def rotate_k(self) -> bool:
-        """Whether keys are stored rotated (the class's rotate_k)."""
-        return self._keys.rotate
 
     @property
     def nbytes(self) -> int:
@@ -406,11 +396,11 @@ class PagedKVCache:
                      for b, (n0, m) in enumerate(zip(before, means))]
             zero = np.zeros(key.shape[1:], key.dtype)
             rows_mean = np.stack([zero if m is None else m for m in means] or [zero])[seq]
-        key = self._keys.stored(key, rotated, rows_mean)
+        held = self._keys.stored(key, rotated, rows_mean)
         try:
-            keys, key_scale = _storage.encode(key, self._storage, "key", nthreads)
+            keys, key_scale = _storage.encode(held, self._storage, "key", nthreads)
         except ValueError as exc:
-            raise self._keys.explain(exc) from None
+            raise self._keys.explain(exc, key) from None
         values, value_scale = _storage.encode(value, self._storage, "value", nthreads)
         with self._lock:
             self._ids(ids)  # none freed meanwhile

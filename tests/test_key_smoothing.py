@@ -286,7 +286,7 @@ def test_non_finite_keys_do_not_spread():
     pad[0, 0] = True
     outs = []
     for smooth in (False, True):
-        cache = fastattn.KVCache(2, 1, 8, 8, smooth_k=smooth, rotate_k=smooth)
+        cache = fastattn.KVCache(2, 1, 8, 8, smooth_k=smooth)  # (rotate_k refuses them)
         cache.append(k, v, key_padding_mask=pad)
         outs.append(cache.attend(np.ones((2, 1, 4, 8), np.float32)))
     np.testing.assert_array_equal(np.isnan(outs[1]), np.isnan(outs[0]))
@@ -338,3 +338,31 @@ def test_paged_16_bit_queries_fill_out_in_their_dtype():
     with pytest.raises(TypeError, match="expected float16"):
         cache.attend([s], q, out=np.empty((1, 2, 16), np.float32))
     assert "smooth_k=True, rotate_k=True" in repr(cache)
+
+
+def test_rotation_refuses_non_finite_keys_and_checks_its_flag():
+    k = np.ones((1, 1, 2, 4), np.float32)
+    k[0, 0, 0, 1] = np.inf
+    cache = fastattn.KVCache(1, 1, 4, 4, rotate_k=True)
+    with pytest.raises(ValueError, match="inf or a NaN, which rotate_k"):
+        cache.append(k, k)
+    assert cache.length == 0
+    with pytest.raises(ValueError, match="non-finite|finite") as err:  # the storage's own word
+        fastattn.KVCache(1, 1, 4, 4, storage="int8", smooth_k=True).append(k, k)
+    assert "store them" not in str(err.value)
+    cache.append(np.ones((1, 1, 2, 4), np.float32), np.ones((1, 1, 2, 4), np.float32))
+    state = dict(cache.state_dict())
+    for bad in (np.uint8(0), np.ones(2, np.uint8), np.float32(1), "yes"):
+        with pytest.raises(ValueError, match="rotate_k"):
+            fastattn.KVCache(1, 1, 4, 4, rotate_k=True).load_state_dict(dict(state, rotate_k=bad))
+
+
+def test_16_bit_weights_with_numpy_bool():
+    rng = np.random.default_rng(14)
+    cache = fastattn.KVCache(1, 1, 8, 16, rotate_k=True)
+    k = keys_with_bias(rng, (1, 1, 5, 16))
+    cache.append(k, k)
+    q = rng.standard_normal((1, 1, 1, 16)).astype(np.float16)
+    for flag in (True, np.True_):
+        out, weights = cache.attend(q, need_weights=flag)
+        assert out.dtype == weights.dtype == np.float16
