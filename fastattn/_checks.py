@@ -83,7 +83,8 @@ def bfloat16(what: str) -> np.dtype[Any]:
     try:
         import ml_dtypes
     except ImportError:
-        raise ImportError(f"{what} needs the ml_dtypes package (pip install ml_dtypes)") from None
+        raise ImportError(f"{what} needs the ml_dtypes package: pip install 'fastattn[bfloat16]' "
+                          "(or pip install ml_dtypes)") from None
     bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
     return bf16
 

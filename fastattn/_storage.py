@@ -116,11 +116,13 @@ def decode(held: NDArray[Any], scale: Optional[NDArray[np.float32]], storage: st
     dtype (a new array).  Computed as the kernels do, in float32."""
     if storage.startswith("float8_"):
         out = _fp8_decode(held, storage)
-    elif storage == "int4":
-        blocks = held.reshape(held.shape[:-1] + (-1, Q4_BLOCK_BYTES))
+    elif storage == "int4":  # (the blocks counted from the width: held may have no row)
+        groups = held.shape[-1] // Q4_BLOCK_BYTES
+        blocks = held.reshape(held.shape[:-1] + (groups, Q4_BLOCK_BYTES))
         d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # (..., G, 1)
         codes = np.concatenate([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], axis=-1)
-        out = (d * (codes.astype(np.float32) - 8)).reshape(held.shape[:-1] + (-1,))[..., :n]
+        out = (d * (codes.astype(np.float32) - 8)).reshape(
+            held.shape[:-1] + (groups * Q4_BLOCK,))[..., :n]
     else:
         out = held.astype(dtype)
     if scale is not None:

@@ -176,7 +176,8 @@ def paged_attention(
     key_cache : ndarray, shape (num_blocks, Hkv, block_size, E)
     value_cache : ndarray, shape (num_blocks, Hkv, block_size, Ev)
         The pool of blocks (vLLM's and FlashAttention's layout, any
-        strides).  For a float64 query float64; else float32, float16,
+        strides, but each int4 row's bytes contiguous: a q4_0 row is
+        blocks of bytes).  For a float64 query float64; else float32, float16,
         bfloat16 or int8 (with ``k_scale`` and ``v_scale``), or the codes
         that ``kv_cache_dtype`` names, converted exactly to float32 as they
         are read, a tile at a time.  Hq must be

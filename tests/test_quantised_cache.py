@@ -105,6 +105,19 @@ def test_an_empty_cache_gives_zero_rows(storage, L):
         cache.reset()
 
 
+@pytest.mark.parametrize("storage", _storage.FLOAT32_STORAGES)
+def test_an_empty_cache_reads_back_empty_rows(storage):
+    """key and value of a cache holding nothing: (batch, heads, 0, width)
+    in every storage (int4's blocks were counted from the rows, of which
+    there were none: a reshape error)."""
+    if storage == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    cache = fastattn.KVCache(1, 2, 8, 40, value_dim=0, storage=storage)
+    assert cache.key.shape == (1, 2, 0, 40) and cache.value.shape == (1, 2, 0, 0)
+    cache.append(np.ones((1, 2, 3, 40), np.float32), np.ones((1, 2, 3, 0), np.float32))
+    assert cache.key.shape == (1, 2, 3, 40) and cache.value.shape == (1, 2, 3, 0)
+
+
 @pytest.mark.parametrize("L", [1, 8])  # the row kernel and the block kernel's tiles
 @pytest.mark.parametrize("storage", ["float8_e4m3fn", "float8_e5m2"])
 def test_every_float8_code_reads_as_its_value(simd, storage, L):
