@@ -146,7 +146,7 @@ def paged_attention(
         v_scale: Optional[NDArray[np.float32]] = None, kv_cache_dtype: str = "auto",
         value_dim: Optional[int] = None,
         out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
-        precision: str = "exact",
+        precision: str = "exact", key_mean: Optional[NDArray[Any]] = None,
 ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """Attention of a ragged batch of sequences over a paged key/value cache,
     in one call: a serving step that mixes prefill chunks, single decoding
@@ -244,6 +244,14 @@ def paged_attention(
         same bits for any thread count, layout, block placement and batch,
         as in the exact mode.  Other caches and sequences of more query
         rows stay exact.
+    key_mean : ndarray, shape (B, Hkv, E), or None
+        The per-channel mean each sequence's keys were stored less
+        (SageAttention's ``smooth_k``, Zhang et al., ICLR 2025, with the
+        mean fixed per sequence as ``PagedKVCache(smooth_k=True)`` does):
+        the kernels add ``scale * q . key_mean[b, h]`` to every score of
+        sequence b and key head h, so the results are those of the keys
+        before (softcap, sinks and the lse see the true logits).  Float32
+        (float64 for a float64 query), finite; None: none.
 
     Returns
     -------
@@ -261,10 +269,11 @@ def paged_attention(
         tables, seq_lens or cu_seqlens_q; int8 and float8_e4m3fn caches
         without their scales or scales for other caches; caches that are not
         uint8 (or that float8 dtype) with kv_cache_dtype; flags that are not
-        bools; a precision that is not a str.
+        bools; a precision that is not a str; a key_mean that is not an
+        array of float32 (float64 for a float64 query).
     ValueError
         A precision other than "exact" and "int8"; shapes that do not
-        agree; Hq not a multiple of Hkv; cu_seqlens_q
+        agree (key_mean's included); a key_mean that is not finite; Hq not a multiple of Hkv; cu_seqlens_q
         not starting at 0, decreasing or not ending at total_q; a seq_lens
         entry below 0 or beyond max_blocks x block_size; a block-table entry
         that a sequence reads and that is not a block of the caches (the
@@ -330,7 +339,24 @@ def paged_attention(
                          "whose keys and values must be in the cache first")
     inputs = {"query": query, "key_cache": key_cache, "value_cache": value_cache,
               "block_table": block_table, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q,
-              "k_scale": k_scale, "v_scale": v_scale}
+              "k_scale": k_scale, "v_scale": v_scale, "key_mean": key_mean}
+    mean = None if key_mean is None else _key_mean(key_mean, (B, Hkv, E), query.dtype)
     return ragged(query, key_cache, value_cache, table, None, lens, cu_q, q_lens, scales,
                   q_store, kv_store, Ev, causal, True, 0, scale, window_size, alibi_slopes,
-                  softcap, sinks, lse_wanted, out, num_threads, inputs, mode)
+                  softcap, sinks, lse_wanted, out, num_threads, inputs, mode, mean)
+
+
+def _key_mean(key_mean: object, shape: tuple[int, int, int], dtype: np.dtype[Any]
+              ) -> NDArray[Any]:
+    """paged_attention's key_mean, checked: C-contiguous in the kernels' dtype."""
+    a = C.require_array(key_mean, "key_mean")
+    want = C.compute_dtype(dtype)
+    if a.dtype != want:
+        raise TypeError(f"key_mean has dtype {a.dtype}; expected {want} (the kernels' dtype "
+                        f"for a {dtype} query)")
+    if a.shape != shape:
+        raise ValueError(f"key_mean has shape {C.shape_str(a.shape)}; expected (B, Hkv, E) = "
+                         f"{C.shape_str(shape)}")
+    if not np.isfinite(a).all():
+        raise ValueError("key_mean holds an inf or a NaN; expected finite means")
+    return C.contiguous(a)

@@ -146,17 +146,21 @@ def rotary(x: Array, positions: NDArray[np.integer[Any]], cos: Array, sin: Array
 def paged_attention(query: Array, key_cache: Array, value_cache: Array,
                     block_table: NDArray[np.integer[Any]], seq_lens: NDArray[np.integer[Any]],
                     cu_seqlens_q: NDArray[np.integer[Any]], *, is_causal: bool = True,
-                    **options: Any) -> Array:
+                    key_mean: Optional[Array] = None, **options: Any) -> Array:
     """fastattn.paged_attention (float caches): each sequence's keys and
-    values gathered from its blocks in order, then attention of its queries,
-    its last positions, with lower-right alignment.  options as for
-    scaled_dot_product_attention; alibi_slopes (B, Hq) are per sequence."""
+    values gathered from its blocks in order (with key_mean (B, Hkv, E),
+    sequence b's keys are the stored ones plus key_mean[b]), then attention
+    of its queries, its last positions, with lower-right alignment.
+    options as for scaled_dot_product_attention; alibi_slopes (B, Hq) are
+    per sequence."""
     block_size = key_cache.shape[2]
     outs = []
     for b in range(len(seq_lens)):
         j = np.arange(seq_lens[b])
         blocks = block_table[b, j // block_size]
         k = key_cache[blocks, :, j % block_size].transpose(1, 0, 2)  # (Hkv, S, E)
+        if key_mean is not None:
+            k = k + np.asarray(key_mean)[b][:, None, :]
         v = value_cache[blocks, :, j % block_size].transpose(1, 0, 2)
         q = query[cu_seqlens_q[b]:cu_seqlens_q[b + 1]].transpose(1, 0, 2)
         seq = dict(options)

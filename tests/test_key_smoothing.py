@@ -366,3 +366,43 @@ def test_16_bit_weights_with_numpy_bool():
     for flag in (True, np.True_):
         out, weights = cache.attend(q, need_weights=flag)
         assert out.dtype == weights.dtype == np.float16
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_paged_attention_takes_a_callers_key_mean(dtype):
+    """A caller's pool of keys stored less a mean per sequence: with
+    key_mean, paged_attention gives the results of the keys before
+    (softcap, sinks and lse included), as the twin does."""
+    rng = np.random.default_rng(15)
+    Hkv, Hq, E, bs = 2, 4, 32, 8
+    lens, q_lens = np.array([20, 9]), np.array([3, 1])
+    table = np.array([[0, 1, 2], [3, 4, 0]], np.int32)
+    keys = (rng.standard_normal((5, Hkv, bs, E)) + 5 * rng.standard_normal(E)).astype(dtype)
+    values = rng.standard_normal((5, Hkv, bs, E)).astype(dtype)
+    mean = rng.standard_normal((2, Hkv, E)).astype(dtype) * 5
+    stored = keys.copy()
+    for b, blocks in enumerate(([0, 1, 2], [3, 4])):
+        stored[blocks] -= mean[b][None, :, None, :]
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    q = rng.standard_normal((int(cu[-1]), Hq, E)).astype(dtype)
+    opts = dict(softcap=20.0, sinks=rng.standard_normal(Hq))
+    out, lse = fastattn.paged_attention(q, stored, values, table, lens, cu, key_mean=mean,
+                                        return_lse=True, **opts)
+    want, want_lse = fastattn.paged_attention(q, keys, values, table, lens, cu, return_lse=True,
+                                              **opts)
+    tol = tolerance(dtype, E + 20) * 30
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)
+    twin = ref.paged_attention(q.astype(np.float64), stored.astype(np.float64),
+                               values.astype(np.float64), table, lens, cu,
+                               key_mean=mean.astype(np.float64), **opts)
+    np.testing.assert_allclose(out, twin, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match=r"key_mean has shape \(2, 2, 31\)"):
+        fastattn.paged_attention(q, stored, values, table, lens, cu, key_mean=mean[..., :31])
+    with pytest.raises(TypeError, match="key_mean has dtype float16"):
+        fastattn.paged_attention(q, stored, values, table, lens, cu,
+                                 key_mean=mean.astype(np.float16))
+    bad = mean.copy()
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="key_mean holds an inf or a NaN"):
+        fastattn.paged_attention(q, stored, values, table, lens, cu, key_mean=bad)
