@@ -12,6 +12,7 @@ from . import _cache, _runtime, _storage
 from ._cache import Layout
 from ._dispatch import ragged
 from ._keys import KeyOptions, KeyTransform
+from ._prefix import PrefixTable, chain
 from ._storage import narrow, query_store
 from ._typing import DTypeLike, Float, NDArray
 from .paged import check_features
@@ -73,16 +74,27 @@ class PagedKVCache(KeyOptions):
         (a fork keeps its parent's; truncating to 0 forgets it).  The pool
         then holds the keys rotated and less the mean: ``attend`` reads
         them right, a ``paged_attention`` call of one's own would not.
+    enable_prefix_caching : bool
+        vLLM's automatic prefix caching (its argument of this name): each
+        full block whose tokens' ids were given to ``append`` is named by
+        them, chained with the blocks before it; ``match_prefix`` gives a
+        new sequence the blocks of the longest prompt prefix already held.
+        A block no sequence holds keeps its contents, and its name, until
+        its memory is needed (least recently freed first), and counts as
+        free meanwhile.  Shared blocks are never written (copy-on-write,
+        as with ``fork``).  Not with smooth_k, whose keys are stored less
+        their own sequence's mean (default False).
 
     Raises
     ------
     TypeError
         Sizes that are not ints, a dtype other than float32 and float64, or
-        smooth_k or rotate_k not bools.
+        smooth_k, rotate_k or enable_prefix_caching not bools.
     ValueError
         Sizes below 1 (head_dim and value_dim may be 0), num_blocks above
-        2**31 (block tables hold int32 ids), a storage it cannot hold, or a
-        pool larger than any address space.
+        2**31 (block tables hold int32 ids), a storage it cannot hold, a
+        pool larger than any address space, or enable_prefix_caching with
+        smooth_k.
     ImportError
         storage="bfloat16" without the ml_dtypes package.
     MemoryError
@@ -92,7 +104,7 @@ class PagedKVCache(KeyOptions):
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
                  storage: Optional[str] = None, smooth_k: bool = False,
-                 rotate_k: bool = False) -> None:
+                 rotate_k: bool = False, enable_prefix_caching: bool = False) -> None:
         num_blocks = C.check_index(num_blocks, "num_blocks", 1)
         if num_blocks > C.INT32_MAX + 1:  # block tables are int32, as vLLM's
             raise ValueError(f"num_blocks = {num_blocks}; at most 2**31 = {C.INT32_MAX + 1} "
@@ -100,6 +112,10 @@ class PagedKVCache(KeyOptions):
         block_size = C.check_index(block_size, "block_size", 1)
         core = _cache.Core("PagedKVCache", num_kv_heads, head_dim, value_dim, dtype, storage)
         self._keys = KeyTransform(smooth_k, rotate_k)
+        prefix = C.check_bool(enable_prefix_caching, "enable_prefix_caching")
+        if prefix and self._keys.smooth:
+            raise ValueError("enable_prefix_caching cannot go with smooth_k: a shared block "
+                             "holds its keys less the mean of the sequence that wrote them")
         sizes = f"{num_blocks} blocks of {block_size} positions"
         rows, (refs,) = core.allocate((num_blocks, core.num_kv_heads, block_size), sizes,
                                       "num_blocks", [((num_blocks,), np.int64)])
@@ -123,6 +139,11 @@ class PagedKVCache(KeyOptions):
         # smooth_k: the (num_kv_heads, head_dim) mean a sequence's keys are
         # stored less, from its first append; shared, never written, by forks
         self._means: dict[int, NDArray[Any]] = {}
+        # prefix caching: the named blocks, and each sequence's token ids
+        # (None once an append came without them) and its full blocks' names
+        self._prefix = PrefixTable() if prefix else None
+        self._tokens: dict[int, Optional[list[int]]] = {}
+        self._names: dict[int, list[bytes]] = {}
         self._next_id = 0
         self._lock = threading.Lock()  # around the bookkeeping above, never a kernel
 
@@ -158,8 +179,9 @@ class PagedKVCache(KeyOptions):
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that no sequence holds."""
-        return len(self._free) + self.num_blocks - self._fresh
+        """Blocks that no sequence holds (idle named ones included)."""
+        idle = self._prefix.idle if self._prefix is not None else 0
+        return len(self._free) + self.num_blocks - self._fresh + idle
 
     @property
     def nbytes(self) -> int:
@@ -217,6 +239,7 @@ class PagedKVCache(KeyOptions):
         seq_id = self._next_id
         self._next_id += 1
         self._blocks[seq_id], self._lens[seq_id] = [], 0
+        self._tokens[seq_id], self._names[seq_id] = [], []
         return seq_id
 
     def fork(self, seq_id: int) -> int:
@@ -230,6 +253,9 @@ class PagedKVCache(KeyOptions):
             self._lens[child] = self._lens[seq_id]
             if seq_id in self._means:
                 self._means[child] = self._means[seq_id]
+            tokens = self._tokens[seq_id]
+            self._tokens[child] = None if tokens is None else list(tokens)
+            self._names[child] = list(self._names[seq_id])
             self._refs[self._blocks[child]] += 1
             return child
 
@@ -241,12 +267,13 @@ class PagedKVCache(KeyOptions):
             self._give_back(self._blocks.pop(seq_id))
             del self._lens[seq_id]
             self._means.pop(seq_id, None)
+            del self._tokens[seq_id], self._names[seq_id]
 
     def _give_back(self, blocks: list[int]) -> None:
         """Drop one holder of each block; those no sequence holds are free."""
         for block in blocks:
             self._refs[block] -= 1
-            if self._refs[block] == 0:
+            if self._refs[block] == 0 and not (self._prefix and self._prefix.release(block)):
                 self._free.append(block)
 
     def _one(self, seq_id: object) -> int:
@@ -338,7 +365,8 @@ class PagedKVCache(KeyOptions):
                value: NDArray[np.floating[Any]],
                cu_seqlens: Optional[NDArray[np.integer[Any]]] = None, *,
                rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
-               rotary_interleaved: bool = False, num_threads: Optional[int] = None) -> None:
+               rotary_interleaved: bool = False, num_threads: Optional[int] = None,
+               token_ids: Optional[NDArray[np.integer[Any]]] = None) -> None:
         """Write new positions of several sequences after the ones they hold.
 
         Parameters
@@ -358,6 +386,11 @@ class PagedKVCache(KeyOptions):
         rotary_interleaved : bool
             GPT-J's pairs (2i, 2i + 1) instead of GPT-NeoX's halves.
         num_threads : int or None
+        token_ids : int array (n,) or None
+            With enable_prefix_caching, the ids of the n tokens (packed as
+            key): each block they fill is named by them, for
+            ``match_prefix``.  A sequence appended to without them has no
+            named block from there on.  Unused otherwise.
 
         Raises
         ------
@@ -381,6 +414,7 @@ class PagedKVCache(KeyOptions):
             means = [self._means.get(s) for s in ids]
         n = self._core.check_rows(key, value, self._layouts[0], self._layouts[1], "tokens")
         cu = self._cu(cu_seqlens, "cu_seqlens", len(ids), n)
+        tokens = None if token_ids is None else _token_ids(token_ids, n)
         counts = [int(c) for c in cu[1:] - cu[:-1]]
         nthreads = _runtime.resolve_threads(num_threads)
         interleaved = C.check_bool(rotary_interleaved, "rotary_interleaved")
@@ -430,10 +464,71 @@ class PagedKVCache(KeyOptions):
             if self._k_scale is not None and self._v_scale is not None:
                 self._k_scale[where[0], :, where[1]] = key_scale
                 self._v_scale[where[0], :, where[1]] = value_scale
-            for s, c, m in zip(ids, counts, means):
+            for b, (s, c, m) in enumerate(zip(ids, counts, means)):
                 self._lens[s] += c
                 if self._keys.smooth and m is not None and c > 0 and s not in self._means:
                     self._means[s] = m
+                if self._prefix is not None and c > 0:
+                    self._name_blocks(s, None if tokens is None else tokens[cu[b]:cu[b + 1]])
+
+    def _name_blocks(self, s: int, new: Optional[list[int]]) -> None:
+        """Sequence s's new tokens' ids (None: not given, and no more names
+        for it), and the names of the blocks they filled."""
+        assert self._prefix is not None
+        held = self._tokens[s]
+        if held is None or new is None:
+            self._tokens[s] = None
+            return
+        held.extend(new)
+        names, bs = self._names[s], self.block_size
+        while len(names) < len(held) // bs:
+            k = len(names)
+            names.append(chain(names[-1] if names else None, held[k * bs:(k + 1) * bs]))
+            self._prefix.register(self._blocks[s][k], names[-1])
+
+    def match_prefix(self, seq_id: int, token_ids: NDArray[np.integer[Any]]) -> int:
+        """Give the empty sequence seq_id the named blocks of the longest
+        prefix of token_ids that whole blocks hold, shared (vLLM's
+        automatic prefix caching; enable_prefix_caching).  The last token
+        is left out, so that at least one is computed (its logits are the
+        next step's).  Returns the positions it now holds: append the
+        tokens from there on (token_ids[n:]) as usual.
+
+        Raises
+        ------
+        TypeError
+            seq_id not an int, token_ids not a 1-D int array.
+        ValueError
+            A cache without enable_prefix_caching, a sequence that is not
+            live or holds positions already.
+        """
+        if self._prefix is None:
+            raise ValueError("match_prefix needs a PagedKVCache made with "
+                             "enable_prefix_caching=True")
+        tokens = _token_ids(token_ids, None)
+        bs = self.block_size
+        with self._lock:
+            s = self._one(seq_id)
+            if self._lens[s] != 0:
+                raise ValueError(f"sequence {s} holds {self._lens[s]} positions; match_prefix "
+                                 "starts an empty one")
+            names: list[bytes] = []
+            blocks: list[int] = []
+            for k in range((len(tokens) - 1) // bs):
+                name = chain(names[-1] if names else None, tokens[k * bs:(k + 1) * bs])
+                block = self._prefix.lookup(name)
+                if block is None:
+                    break
+                names.append(name)
+                blocks.append(block)
+            for block in blocks:
+                if self._refs[block] == 0:
+                    self._prefix.claim(block)
+                self._refs[block] += 1
+            n = len(blocks) * bs
+            self._blocks[s], self._lens[s] = blocks, n
+            self._tokens[s], self._names[s] = tokens[:n], names
+            return n
 
     def _room(self, ids: list[int], counts: list[int]) -> list[tuple[int, bool]]:
         """The plan of an append (_plan), or OutOfBlocksError when the pool
@@ -484,12 +579,23 @@ class PagedKVCache(KeyOptions):
                 self._lens[s] = n
                 if n == 0:
                     self._means.pop(s, None)
+                tokens = self._tokens[s]  # (empty: its ids may be given again)
+                self._tokens[s] = [] if n == 0 else None if tokens is None else tokens[:n]
+                del self._names[s][n // self.block_size:]
+                if self._prefix and n % self.block_size and self._refs[blocks[-1]] == 1:
+                    self._prefix.forget(blocks[-1])  # its own block, written from n on
 
     def _take(self) -> int:
+        """A free block: one given back, else a never used one, else the
+        least recently freed named one (its name forgotten)."""
         if self._free:
             block = self._free.pop()
-        else:
+        elif self._fresh < self.num_blocks:
             block, self._fresh = self._fresh, self._fresh + 1
+        else:
+            evicted = self._prefix.evict() if self._prefix is not None else None
+            assert evicted is not None, "_room counted the free blocks"
+            block = evicted
         self._refs[block] = 1
         return block
 
@@ -615,3 +721,15 @@ class PagedKVCache(KeyOptions):
         if isinstance(result, tuple):
             return narrow(result[0], rounded_to, nthreads, out), result[1]
         return narrow(result, rounded_to, nthreads, out)
+
+
+def _token_ids(token_ids: object, n: Optional[int]) -> list[int]:
+    """token_ids as a list of ints: a 1-D integer array (of n entries when n
+    is given)."""
+    a = C.require_array(token_ids, "token_ids")
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"token_ids must be a 1-D array of ints, got {a.dtype} of shape "
+                        f"{C.shape_str(a.shape)}")
+    if n is not None and a.shape[0] != n:
+        raise ValueError(f"token_ids holds {a.shape[0]} ids; expected one per token ({n})")
+    return [int(t) for t in a]
