@@ -271,7 +271,8 @@ class PagedKVCache(KeyOptions):
 
     def _give_back(self, blocks: list[int]) -> None:
         """Drop one holder of each block; those no sequence holds are free."""
-        for block in blocks:
+        # a named chain's tail idles first, so that it is evicted first
+        for block in reversed(blocks) if self._prefix is not None else blocks:
             self._refs[block] -= 1
             if self._refs[block] == 0 and not (self._prefix and self._prefix.release(block)):
                 self._free.append(block)
@@ -446,8 +447,10 @@ class PagedKVCache(KeyOptions):
                                    "was written")
             plans = self._room(ids, counts)
             # from here on nothing can fail: blocks taken, shared ones copied, rows written
-            for s, (take, copy) in zip(ids, plans):
+            for s, (take, copy), c in zip(ids, plans, counts):
                 blocks = self._blocks[s]
+                if self._prefix is not None and c and self._lens[s] % self.block_size:
+                    self._prefix.forget(blocks[-1])  # a partly filled block written in place
                 if copy:  # the shared, partly filled last block: this sequence's own copy
                     old, new = blocks[-1], self._take()
                     for buf in (self._key, self._value, self._k_scale, self._v_scale):
@@ -582,8 +585,9 @@ class PagedKVCache(KeyOptions):
                 tokens = self._tokens[s]  # (empty: its ids may be given again)
                 self._tokens[s] = [] if n == 0 else None if tokens is None else tokens[:n]
                 del self._names[s][n // self.block_size:]
-                if self._prefix and n % self.block_size and self._refs[blocks[-1]] == 1:
-                    self._prefix.forget(blocks[-1])  # its own block, written from n on
+                if self._prefix and n % self.block_size:
+                    # written from n on in place once its other holders let go
+                    self._prefix.forget(blocks[-1])
 
     def _take(self) -> int:
         """A free block: one given back, else a never used one, else the
@@ -724,12 +728,16 @@ class PagedKVCache(KeyOptions):
 
 
 def _token_ids(token_ids: object, n: Optional[int]) -> list[int]:
-    """token_ids as a list of ints: a 1-D integer array (of n entries when n
-    is given)."""
-    a = C.require_array(token_ids, "token_ids")
-    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+    """token_ids as a list of ints: a 1-D integer array or a list of ints (of
+    n entries when n is given), each an int64, before anything is written."""
+    a = (np.asarray(token_ids) if isinstance(token_ids, (list, tuple))
+         else C.require_array(token_ids, "token_ids"))
+    if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
         raise TypeError(f"token_ids must be a 1-D array of ints, got {a.dtype} of shape "
                         f"{C.shape_str(a.shape)}")
     if n is not None and a.shape[0] != n:
         raise ValueError(f"token_ids holds {a.shape[0]} ids; expected one per token ({n})")
-    return [int(t) for t in a]
+    ids = [int(t) for t in a]
+    if ids and not -2**63 <= min(ids) <= max(ids) < 2**63:
+        raise ValueError(f"token_ids holds {max(ids, key=abs)}; ids are int64")
+    return ids

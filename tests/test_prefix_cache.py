@@ -100,12 +100,9 @@ def test_shared_blocks_are_copied_before_a_write():
     cache.append([b], *prompt_kv([99, 98]), np.array([0, 2]), token_ids=np.array([99, 98]))
     np.testing.assert_array_equal(cache.attend([a], q), before)
     assert cache.block_table([b])[0, 1] != cache.block_table([a])[0, 1]
-    # a block truncated into by its only holder loses its name
+    # the block truncated into lost its name (b could have written into it
+    # in place had a let go first): only the first block still matches
     cache.free(a)
-    c = cache.add_sequence()
-    assert cache.match_prefix(c, np.arange(10)) == 8  # a's blocks, idle, still named
-    cache.truncate([c], [5])
-    cache.append([c], *prompt_kv([7, 7, 7]), np.array([0, 3]), token_ids=np.array([7, 7, 7]))
     assert cache.match_prefix(cache.add_sequence(), np.arange(10)) == 4
 
 
@@ -139,3 +136,44 @@ def test_forks_keep_their_names():
     cache.append([child], *prompt_kv([6, 7]), np.array([0, 2]), token_ids=np.array([6, 7]))
     # the child's block 1 is now full: named as tokens 4..7 after tokens 0..3
     assert cache.match_prefix(cache.add_sequence(), np.arange(9)) == 8
+
+
+def test_a_truncate_into_a_shared_named_block_unnames_it():
+    """A truncate ends mid-block in a block another sequence still holds:
+    once that one lets go, the truncated sequence writes into it in place,
+    so the block must no longer be matched by its old name."""
+    cache = fastattn.PagedKVCache(16, BS, H, E, enable_prefix_caching=True)
+    tokens = list(range(100, 109))
+    a, _ = prefill(cache, tokens)
+    b = cache.add_sequence()
+    assert cache.match_prefix(b, np.array(tokens)) == 8
+    cache.truncate([b], [2])  # into block 0, which a holds too
+    cache.free(a)
+    cache.append([b], *prompt_kv([900, 901]), np.array([0, 2]), token_ids=np.array([900, 901]))
+    c, n = prefill(cache, tokens)
+    plain = fastattn.PagedKVCache(8, BS, H, E)
+    r = plain.add_sequence()
+    plain.append([r], *prompt_kv(tokens), np.array([0, len(tokens)]))
+    q = np.ones((1, 2 * H, E), np.float32)
+    np.testing.assert_array_equal(cache.attend([c], q), plain.attend([r], q))
+
+
+def test_token_ids_are_int64_and_checked_before_writing():
+    cache = fastattn.PagedKVCache(8, 2, H, E, enable_prefix_caching=True)
+    s, t = cache.add_sequence(), cache.add_sequence()
+    k, v = prompt_kv([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="int64"):
+        cache.append([s, t], k, v, np.array([0, 2, 4]),
+                     token_ids=np.array([2**63, 5, 6, 7], np.uint64))
+    assert cache.seq_lens == {s: 0, t: 0} and cache.num_free_blocks == 8
+    cache.append([s, t], k, v, np.array([0, 2, 4]), token_ids=[1, 2, 3, 4])  # a list will do
+    assert cache.match_prefix(cache.add_sequence(), [1, 2, 9]) == 2
+
+
+def test_a_freed_chain_is_evicted_from_its_tail():
+    cache = fastattn.PagedKVCache(3, 2, H, E, enable_prefix_caching=True)
+    a, _ = prefill(cache, [1, 2, 3, 4, 5, 6])
+    cache.free(a)  # three named blocks idle
+    cache.append([cache.add_sequence()], *prompt_kv([7, 8]), np.array([0, 2]))
+    # the tail went: the first two blocks still match
+    assert cache.match_prefix(cache.add_sequence(), np.array([1, 2, 3, 4, 5, 6])) == 4
