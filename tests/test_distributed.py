@@ -339,7 +339,8 @@ def test_restore_is_all_or_nothing(tmp_path):
         good, bad = tmp_path / "good", tmp_path / "bad"
         cache.snapshot(good)
         cache.snapshot(bad)
-        ray.kill(cache._actors[1])  # and restore before any call notices
+        ray.kill(cache._actors[1])  # and restore before any call of the cache notices
+        dead(cache._actors[1])  # (ray.kill returns before the process is gone)
         cache.restore(good)
         np.testing.assert_array_equal(cache.attend(q), want)
 
@@ -375,6 +376,17 @@ def test_restore_is_all_or_nothing(tmp_path):
         np.testing.assert_array_equal(cache.attend(q), want)
         cache.restore(good)
         np.testing.assert_array_equal(cache.attend(q), want)
+
+
+def dead(actor):
+    """Waits, at most 30 s, until a killed actor's calls fail."""
+    for _ in range(300):
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed actor still answers")
 
 
 def sha256(name):
