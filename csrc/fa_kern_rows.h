@@ -158,9 +158,9 @@ static void FA_NAME(values_i8_group)(const fa_attn_args *a, fa_idx n, fa_idx n4,
  * folded into s by rows_values: the keys s0..s0+nk-1 in groups of
  * FA_IGROUP positions fixed by position (j / FA_IGROUP, cut at the block's
  * ends), whatever the block placement, each group's weights rounded to one
- * scale and summed in integers (values_i8_group), the groups added in order.  Q4 values keep the exact
- * sum: integers measured no faster there, each block's scale making a
- * scale per block of weights (threads-and-speed.md, "The int8 mode"). */
+ * scale and summed in integers (values_i8_group), the groups added in
+ * order.  Q4 values keep the exact sum: integers measured no faster there
+ * (threads-and-speed.md, "The int8 mode"). */
 static void FA_NAME(rows_values_int8)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                       const void *v, fa_idx nq, fa_idx s0, fa_idx nk, T *s, T *o)
 {

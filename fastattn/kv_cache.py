@@ -473,7 +473,6 @@ class KVCache(KeyOptions):
         """
         half = self._core.check_query(query, self._layouts[2], 1)
         mode = C.check_precision(precision)
-        caller_query = query
         if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
             raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
                              f"holds {self._length}: with is_causal the queries are the last "
@@ -484,42 +483,27 @@ class KVCache(KeyOptions):
                 and isinstance(attn_mask, np.ndarray) and C.overlap(out, attn_mask)):
             # the kernel's call sees the mask combined with the padding, not the caller's
             raise ValueError("out overlaps attn_mask; pass a separate output array")
-        if self._keys.rotate:
-            return self._attend_rotated(query, half, mask, is_causal, scale, need_weights,
-                                        return_lse, window_size, alibi_slopes, softcap, sinks,
-                                        out, num_threads, mode)
+        # rotate_k: the query rotated (a 16-bit one read as float32, its output
+        # and weights rounded once to its dtype at the end, as the kernels do)
+        rounded_to = query.dtype if self._keys.rotate and half else None
+        if self._keys.rotate and out is not None:  # (the call sees the rotated copy)
+            C.check_out(out, query.shape[:3] + (self._value_dim,), query.dtype,
+                        {"query": query})
+        q = self._keys.rotated(query if rounded_to is None else query.astype(np.float32))
         key, value, stored = self._rows(0, self._length)
         # the functional API's call, through its fast path when it takes it
-        return cast("Result[Float]", route(
-            query, key, value, mask, 0.0, is_causal, scale, True, "lower_right", need_weights,
-            return_lse, window_size, alibi_slopes, softcap, sinks, out, num_threads,
-            None if key.dtype == query.dtype and stored.key_mean is None
-            else stored._replace(precision=mode)))
-
-    def _attend_rotated(self, query: NDArray[Any], half: bool, mask: Optional[MaskArray],
-                        is_causal: bool, scale: Optional[float], need_weights: bool,
-                        return_lse: bool, window_size: Optional[tuple[int, int]],
-                        alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
-                        sinks: Optional[NDArray[Any]], out: Optional[NDArray[Any]],
-                        num_threads: Optional[int], mode: int) -> Result[Float]:
-        """attend's call with rotate_k: the query rotated (a 16-bit one read
-        as float32, its output and weights rounded once to its dtype at the
-        end, as the kernels do for 16-bit queries)."""
-        B, Hq, L = query.shape[:3]
-        if out is not None:
-            C.check_out(out, (B, Hq, L, self._value_dim), query.dtype, {"query": query})
-        rotated = self._keys.rotated(query.astype(np.float32) if half else query)
-        key, value, stored = self._rows(0, self._length)
-        result = route(rotated, key, value, mask, 0.0, is_causal, scale, True, "lower_right",
+        result = route(q, key, value, mask, 0.0, is_causal, scale, True, "lower_right",
                        need_weights, return_lse, window_size, alibi_slopes, softcap, sinks,
-                       None if half else out, num_threads, stored._replace(precision=mode))
-        if not half:
+                       out if rounded_to is None else None, num_threads,
+                       None if key.dtype == q.dtype and stored.key_mean is None
+                       else stored._replace(precision=mode))
+        if rounded_to is None:
             return cast("Result[Float]", result)
         parts = list(result) if isinstance(result, tuple) else [result]
         nthreads = _runtime.resolve_threads(num_threads)
-        parts[0] = _storage.narrow(parts[0], query.dtype, nthreads, out)
+        parts[0] = _storage.narrow(parts[0], rounded_to, nthreads, out)
         if need_weights:  # (a bool, route checked it)
-            parts[1] = _storage.narrow(parts[1], query.dtype, nthreads)
+            parts[1] = _storage.narrow(parts[1], rounded_to, nthreads)
         return cast("Result[Float]", parts[0] if len(parts) == 1 else tuple(parts))
 
     def _rows(self, start: int, stop: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:

@@ -274,7 +274,8 @@ class PagedKVCache(KeyOptions):
         # a named chain's tail idles first, so that it is evicted first
         for block in reversed(blocks) if self._prefix is not None else blocks:
             self._refs[block] -= 1
-            if self._refs[block] == 0 and not (self._prefix and self._prefix.release(block)):
+            if self._refs[block] == 0 and not (self._prefix is not None
+                                               and self._prefix.release(block)):
                 self._free.append(block)
 
     def _one(self, seq_id: object) -> int:
@@ -429,8 +430,7 @@ class PagedKVCache(KeyOptions):
         if self._keys.smooth:  # a sequence's first append fixes its mean
             means = [KeyTransform.mean(rotated[cu[b]:cu[b + 1]], None, 0) if n0 == 0 else m
                      for b, (n0, m) in enumerate(zip(before, means))]
-            zero = np.zeros(key.shape[1:], key.dtype)
-            rows_mean = np.stack([zero if m is None else m for m in means] or [zero])[seq]
+            rows_mean = self._stacked(means)[seq]
         held = self._keys.stored(key, rotated, rows_mean)
         try:
             keys, key_scale = _storage.encode(held, self._storage, "key", nthreads)
@@ -473,6 +473,12 @@ class PagedKVCache(KeyOptions):
                     self._means[s] = m
                 if self._prefix is not None and c > 0:
                     self._name_blocks(s, None if tokens is None else tokens[cu[b]:cu[b + 1]])
+
+    def _stacked(self, means: list[Optional[NDArray[Any]]]) -> NDArray[Any]:
+        """The sequences' key means as one (B, num_kv_heads, head_dim) array,
+        0 for a sequence that has none yet (B >= 1)."""
+        zero = np.zeros((self.num_kv_heads, self.head_dim), self._dtype)
+        return np.stack([zero if m is None else m for m in means] or [zero])
 
     def _name_blocks(self, s: int, new: Optional[list[int]]) -> None:
         """Sequence s's new tokens' ids (None: not given, and no more names
@@ -585,7 +591,7 @@ class PagedKVCache(KeyOptions):
                 tokens = self._tokens[s]  # (empty: its ids may be given again)
                 self._tokens[s] = [] if n == 0 else None if tokens is None else tokens[:n]
                 del self._names[s][n // self.block_size:]
-                if self._prefix and n % self.block_size:
+                if self._prefix is not None and n % self.block_size:
                     # written from n on in place once its other holders let go
                     self._prefix.forget(blocks[-1])
 
@@ -698,10 +704,7 @@ class PagedKVCache(KeyOptions):
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
                                  _runtime.resolve_threads(num_threads))
         query = self._keys.rotated(query)
-        key_mean = None
-        if self._keys.smooth:
-            zero = np.zeros((self.num_kv_heads, self.head_dim), self._dtype)
-            key_mean = np.stack([zero if m is None else m for m in means] or [zero])
+        key_mean = self._stacked(means) if self._keys.smooth else None
         # paged_attention's call without its checks of what the cache keeps
         # good (its pool, table, lengths and scales): they took more than half
         # of a short call's time (threads-and-speed.md, "Small calls")
