@@ -449,8 +449,8 @@ class ShardedKVCache(KeyOptions):
     Raises
     ------
     TypeError, ValueError
-        Sizes, dtype or storage as ``KVCache`` refuses them (buffers no
-        address space holds included); an unknown placement;
+        Sizes, dtype, storage, smooth_k or rotate_k as ``KVCache`` refuses
+        them (buffers no address space holds included); an unknown placement;
         num_cpus_per_shard not > 0, timeout not in (0, 2**31]; more CPUs
         than the cluster has in all (an autoscaling cluster: add the nodes
         first).
