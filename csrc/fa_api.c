@@ -195,7 +195,7 @@ static int attn_shape_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, const fa_a
     return a->L >= 0 && a->S >= 0 && attn_features_ok(a) && rows_ok(a, i0, i1, elsize) &&
            (next == NULL || rows_ok(a, next->i0, next->i1, elsize)) &&
            (a->mask_kind == FA_MASK_NONE || a->mask_kind == FA_MASK_BOOL ||
-            a->mask_kind == FA_MASK_ADD) &&
+            a->mask_kind == FA_MASK_ADD) && a->m_s0 >= 0 &&
            -1 <= a->window_left && a->window_left <= FA_MAX_WINDOW && -1 <= a->window_right &&
            a->window_right <= FA_MAX_WINDOW && a->softcap >= 0 &&
            a->sink == a->sink && a->sink < INFINITY &&

@@ -231,33 +231,41 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
                                  FA_NAME(ahead) *ahead, FA_NAME(ahead) *block)
 {
     const T ninf = -(T)INFINITY;
-    const int per_key = a->mask_kind != FA_MASK_NONE && a->m_ls == 0;
-    const int tile = a->mask_kind != FA_MASK_NONE && a->m_ls != 0;
+    const int masked = FA_NAME(masked)(a, s0, nk);
+    const int per_key = masked && a->m_ls == 0;
+    const int tile = masked && a->m_ls != 0;
     const int edge = FA_NAME(block_edge)(a, i0, nq, s0, nk);
+    /* keys r0..nk-1 of the block are the mask's columns c0..: those before
+     * m_s0 are not masked (bias 0) */
+    const fa_idx r0 = a->m_s0 > s0 ? a->m_s0 - s0 : 0, c0 = s0 + r0 - a->m_s0;
 
     if (tile) { /* the mask of the block, transposed like the query block */
         if (a->mask_kind == FA_MASK_BOOL) { /* as 0 / -inf rows in st, free until the scores */
             for (fa_idx j = 0; j < nq; ++j) {
-                const unsigned char *row = (const unsigned char *)mask + (i0 + j) * a->m_ls + s0 * a->m_ss;
-                for (fa_idx r = 0; r < nk; ++r) st[j * nk + r] = row[r * a->m_ss] ? 0 : ninf;
+                const unsigned char *row = (const unsigned char *)mask + (i0 + j) * a->m_ls + c0 * a->m_ss;
+                for (fa_idx r = r0; r < nk; ++r) st[j * nk + r] = row[(r - r0) * a->m_ss] ? 0 : ninf;
             }
-            FA_NAME(pack_t)(nq, nk, st, nk, 1, 1, bias, ld, 1);
+            FA_NAME(pack_t)(nq, nk - r0, st + r0, nk, 1, 1, bias + r0 * ld, ld, 1);
         } else {
-            FA_NAME(pack_t)(nq, nk, (const T *)mask + i0 * a->m_ls + s0 * a->m_ss, a->m_ls,
-                            a->m_ss, 1, bias, ld, 1);
+            FA_NAME(pack_t)(nq, nk - r0, (const T *)mask + i0 * a->m_ls + c0 * a->m_ss, a->m_ls,
+                            a->m_ss, 1, bias + r0 * ld, ld, 1);
         }
         int any = 0;
         for (fa_idx r = 0; r < nk; ++r) {
-            for (fa_idx j = 0; j < nq; ++j) any |= bias[r * ld + j] != ninf;
+            for (fa_idx j = 0; j < nq; ++j) {
+                if (r < r0) bias[r * ld + j] = 0;
+                any |= bias[r * ld + j] != ninf;
+            }
             for (fa_idx j = nq; j < ld; ++j) bias[r * ld + j] = 0;
         }
         if (!any) return 0;
     } else if (per_key) {
         int any = 0;
         for (fa_idx r = 0; r < nk; ++r) {
-            const fa_idx off = (s0 + r) * a->m_ss;
-            bias[r] = a->mask_kind == FA_MASK_BOOL ? (((const unsigned char *)mask)[off] ? 0 : ninf)
-                                                   : ((const T *)mask)[off];
+            const fa_idx off = (r - r0 + c0) * a->m_ss;
+            bias[r] = r < r0 ? 0
+                      : a->mask_kind == FA_MASK_BOOL ? (((const unsigned char *)mask)[off] ? 0 : ninf)
+                                                     : ((const T *)mask)[off];
             any |= bias[r] != ninf;
         }
         if (!any) return 0;
@@ -477,12 +485,13 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
                 FA_NAME(exp_block)(lo, hi, FA_NR, ld, st + p, ms + p, bl + p, 1);
             }
         } else {
-            FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl, a->mask_kind != FA_MASK_NONE);
+            FA_NAME(exp_block)(0, nk, ld, ld, st, ms, bl, FA_NAME(masked)(a, s0, nk));
         }
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
         FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
-        if (zero_hidden) vt = FA_NAME(hidden_values)(a, vt, bias, nq, ld, nk, vpanel);
+        if (zero_hidden && FA_NAME(masked)(a, s0, nk))
+            vt = FA_NAME(hidden_values)(a, vt, bias, nq, ld, nk, vpanel);
         for (fa_idx c = 0, mr; c < Ev; c += mr) {
             mr = FA_NAME(tile_rows)(Ev, c);
             for (fa_idx p = 0; p < ld; p += FA_NR) {
@@ -541,7 +550,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
                                                   nk, st, bias, bm, panel, NULL, NULL);
         if (visible) /* exp(z - m); their sums, unused, in alpha (bl flags the rows recomputed) */
             FA_NAME(exp_block)(0, nk, ld, ld, st, ms, alpha,
-                               FA_NAME(block_edge)(a, i0, nq, s0, nk) || a->mask_kind != FA_MASK_NONE);
+                               FA_NAME(block_edge)(a, i0, nq, s0, nk) || FA_NAME(masked)(a, s0, nk));
         for (fa_idx j = 0; j < nq; ++j) {
             if (bl[j] != 0) continue; /* recomputed, weights and all, above */
             T *wrow = w + (i0 + j) * a->w_ls + s0 * a->w_ss;

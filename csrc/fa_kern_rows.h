@@ -402,7 +402,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
         for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] += w->shift[t];
     /* the rest of the per-score stage; nothing to do past the soft-cap
      * without a mask or ALiBi in a block the bounds leave whole */
-    const int whole = a->mask_kind == FA_MASK_NONE && a->alibi_slope == 0 &&
+    const int whole = !FA_NAME(masked)(a, s0, nk) && a->alibi_slope == 0 &&
                       a->head_slopes == NULL && s0 >= FA_NAME(key_lo)(a, i0 + n - 1) &&
                       s0 + nk - 1 <= FA_NAME(key_hi)(a, i0);
     for (fa_idx t = 0; t < nq; ++t) {

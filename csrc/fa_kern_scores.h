@@ -8,7 +8,9 @@
  *   1. scale    z = scale * q_i . k_j          (Vaswani et al. 2017)
  *               + scale * q_i . m              (k_mean: keys stored less m)
  *   2. softcap  z = c * tanh(z / c)            (Gemma 2: before masks and biases)
- *   3. mask     z = z + M[i, j]; -inf where a boolean mask is false
+ *   3. mask     z = z + M[i, j - m_s0] for keys j >= m_s0; -inf where a
+ *               boolean mask is false (m_s0 > 0: a mask over the newest keys
+ *               only, as a tree of draft tokens is)
  *   4. ALiBi    z = z - slope * |i' - j|       (Press et al. 2022, FlashAttention's form)
  *   5. bounds   z = -inf unless i' - left <= j <= i' + right
  *               (sliding window, Beltagy et al. 2020; causal: right = 0)
@@ -84,15 +86,22 @@ static T FA_NAME(alibi)(const fa_attn_args *a, fa_idx i, fa_idx j)
     return -(T)a->alibi_slope * (T)(d < 0 ? -d : d);
 }
 
+/* Whether the mask covers some of the keys s0..s0+nk-1. */
+static int FA_NAME(masked)(const fa_attn_args *a, fa_idx s0, fa_idx nk)
+{
+    return a->mask_kind != FA_MASK_NONE && s0 + nk > a->m_s0;
+}
+
 /* Steps 3 to 5 for one score z (after steps 1 and 2) of query i and key j:
  * the row kernel's form; the block kernel does the same a tile at a time. */
 static T FA_NAME(modify)(const fa_attn_args *a, const void *mask, fa_idx i, fa_idx j, T z)
 {
     const T ninf = -(T)INFINITY;
-    if (a->mask_kind == FA_MASK_BOOL && !((const unsigned char *)mask)[i * a->m_ls + j * a->m_ss])
-        return ninf;
-    if (a->mask_kind == FA_MASK_ADD) {
-        const T b = ((const T *)mask)[i * a->m_ls + j * a->m_ss];
+    const fa_idx off = i * a->m_ls + (j - a->m_s0) * a->m_ss;
+    const fa_mask_kind mk = j >= a->m_s0 ? a->mask_kind : FA_MASK_NONE;
+    if (mk == FA_MASK_BOOL && !((const unsigned char *)mask)[off]) return ninf;
+    if (mk == FA_MASK_ADD) {
+        const T b = ((const T *)mask)[off];
         if (b == ninf) return ninf;
         z = z + b;
     }

@@ -71,7 +71,10 @@ typedef struct {
     fa_idx w_ls, w_ss;           /* weights (L, S), used when w != NULL */
     fa_idx lse_s;                /* stride of lse (L), used when lse != NULL */
     fa_mask_kind mask_kind;
-    fa_idx m_ls, m_ss;           /* mask (L, S) */
+    fa_idx m_ls, m_ss;           /* mask (L, S - m_s0) */
+    fa_idx m_s0;                 /* >= 0: the first key the mask covers (its column 0);
+                                  * keys before it are not masked (a tree mask over a
+                                  * sequence's newest keys); 0: all */
     /* The per-score stage, in this order (fa_kern_scores.h), for query i
      * and key j, with i' = i + causal_offset: */
     double scale;                /* multiplies Q K^T */

@@ -4,6 +4,7 @@ arrive, leave when done, and their blocks serve the next ones.
     python examples/serve.py                 # GPT-2 (learned positions)
     python examples/serve.py --rope          # the same model with rotary positions
     python examples/serve.py --plot serve.png
+    python examples/serve.py --draft 6       # speculative steps: trees of 6 drafts
 
 The model is the NumPy GPT-2 of examples/gpt2.py with random weights, every
 attention layer a fastattn.MultiHeadAttention over its own PagedKVCache
@@ -23,6 +24,15 @@ it alone (fastattn's attention gives each sequence the bits of a call of
 its own; NumPy's BLAS may round a projection of another batch differently
 in the last bits, which can only flip a token at a near-tie of its logits:
 reported if it happens).
+
+Then speculative decoding (SpecInfer, Medusa, EAGLE-2) of the first
+requests: each step verifies a tree of up to --draft tokens in one call
+(``tree_mask``: a draft sees the tokens before the tree and its own
+ancestors), keeps the longest path greedy decoding agrees with, and drops
+the rest (``PagedKVCache.accept_draft``).  The drafts come from the
+context itself, prompt-lookup style: the tokens that followed the last
+token where it occurred before.  Greedy verification gives the tokens of
+plain greedy decoding, which the example checks.
 """
 import argparse
 import os
@@ -57,9 +67,10 @@ class PagedGPT2(gpt2.GPT2):
     def new_paged_caches(self, num_blocks, block_size):
         return [mha.new_paged_cache(num_blocks, block_size) for mha in self.attn]
 
-    def forward_ragged(self, tokens, positions, seq_ids, cu, caches):
+    def forward_ragged(self, tokens, positions, seq_ids, cu, caches, tree_mask=None):
         """Logits (B, vocab) of the last new token of each of B sequences:
-        tokens and positions (n,) packed, sequence b's at cu[b]..cu[b+1]-1."""
+        tokens and positions (n,) packed, sequence b's at cu[b]..cu[b+1]-1;
+        with a tree_mask (paged_attention's), the logits of every token."""
         w, eps = self.w, self.eps
         x = w["transformer.wte.weight"][tokens]
         if self.rotary is None:  # GPT-2's learned positions; with rotary, none added here
@@ -67,12 +78,15 @@ class PagedGPT2(gpt2.GPT2):
         for i, mha in enumerate(self.attn):
             p = f"transformer.h.{i}."
             h = gpt2.layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
-            a, _ = mha(h, cache=caches[i], seq_ids=seq_ids, cu_seqlens=cu, rotary=self.rotary)
+            tree = {} if tree_mask is None else dict(
+                tree_mask=tree_mask, positions=None if self.rotary is None else positions)
+            a, _ = mha(h, cache=caches[i], seq_ids=seq_ids, cu_seqlens=cu, rotary=self.rotary,
+                       **tree)
             x = x + a
             h = gpt2.layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
             h = gpt2.gelu_new(gpt2.conv1d(h, w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"]))
             x = x + gpt2.conv1d(h, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"])
-        last = x[cu[1:] - 1]
+        last = x[cu[1:] - 1] if tree_mask is None else x
         last = gpt2.layer_norm(last, w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)
         return last @ self.lm_head.T
 
@@ -173,6 +187,61 @@ def alone(model, r, block_size):
     return tokens
 
 
+def draft_tree(context, root, size):
+    """A tree of at most `size` tokens after the context, rooted at its last
+    token `root` (not yet in the cache): each node's children are the
+    distinct tokens that followed its token in the context, latest first, a
+    breadth-first tree.  Returns its tokens, each one's parent (-1: the
+    root) and depth, in topological order."""
+    followers = {}
+    for a, b in zip(context, context[1:]):
+        followers.setdefault(a, []).insert(0, b)
+    tokens, parents, depths, at = [root], [-1], [0], 0
+    while at < len(tokens) and len(tokens) < size:
+        for t in dict.fromkeys(followers.get(tokens[at], [])):
+            if len(tokens) == size:
+                break
+            tokens.append(t)
+            parents.append(at)
+            depths.append(depths[at] + 1)
+        at += 1
+    return np.array(tokens), parents, np.array(depths)
+
+
+def speculate(model, r, block_size, size):
+    """Greedy decoding of request r with tree verification: (its tokens,
+    verify steps).  Each step feeds the tree rooted at the last token and
+    keeps the path whose every token is the argmax after its parent, plus
+    the argmax after the path (the step's free token)."""
+    caches = model.new_paged_caches(blocks(r, block_size) + -(-size // block_size) + 1, block_size)
+    for c in caches:
+        seq = c.add_sequence()
+    logits = model.forward_ragged(r.prompt, np.arange(len(r.prompt)), [seq],
+                                  np.array([0, len(r.prompt)]), caches)
+    tokens, steps = [int(np.argmax(logits[0]))], 0
+    while len(tokens) < r.new_tokens:
+        held = len(r.prompt) + len(tokens) - 1
+        tree, parents, depths = draft_tree(list(r.prompt) + tokens, tokens[-1], size)
+        mask = np.zeros((len(tree), len(tree)), bool)
+        for i, p in enumerate(parents):
+            mask[i] = mask[p] if p >= 0 else False
+            mask[i, i] = True
+        logits = model.forward_ragged(tree, held + depths, [seq], np.array([0, len(tree)]),
+                                      caches, tree_mask=mask.ravel())
+        path, node = [0], 0
+        while True:  # down the children greedy decoding agrees with
+            best = int(np.argmax(logits[node]))
+            child = next((i for i, p in enumerate(parents) if p == node and tree[i] == best), None)
+            tokens.append(best)
+            if child is None:
+                break
+            path.append(node := child)
+        for c in caches:
+            c.accept_draft([seq], [len(tree)], [path])
+        steps += 1
+    return tokens[:r.new_tokens], steps
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32, help="requests in the stream (32)")
@@ -186,10 +255,12 @@ def main(argv=None):
     parser.add_argument("--rope", action="store_true",
                         help="rotary positions (a Llama-like variant) instead of GPT-2's learned ones")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the stream")
+    parser.add_argument("--draft", type=int, default=6,
+                        help="tokens per tree in the speculative run of the first requests (6)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw tokens per step, blocks in use and a padded cache's size")
     args = parser.parse_args(argv)
-    for name in ("requests", "block_size", "blocks", "chunk"):
+    for name in ("requests", "block_size", "blocks", "chunk", "draft"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not args.rate > 0:
@@ -234,10 +305,18 @@ def main(argv=None):
     print(f"each request's tokens against generating it alone: {len(reqs) - len(differ)} of "
           f"{len(reqs)} equal" + (f" ({len(near_ties)} differ at a near-tie of their logits)"
                                   if differ else ""))
+    spec = reqs[:4]
+    runs = [speculate(model, r, args.block_size, args.draft) for r in spec]
+    tokens = sum(r.new_tokens for r in spec)
+    same = [r for r, (t, _) in zip(spec, runs) if t == alone(model, r, args.block_size)]
+    print(f"speculative decoding of the first {len(spec)} requests, trees of up to "
+          f"{args.draft} tokens: {tokens} tokens in {sum(n for _, n in runs)} verify steps "
+          f"(plain decoding: {tokens - len(spec)}); tokens equal to greedy decoding alone: "
+          f"{len(same)} of {len(spec)}")
     if args.plot:
         plot(log, args.plot, args.block_size)
         print(f"wrote {args.plot}")
-    return 0 if len(differ) == len(near_ties) else 1
+    return 0 if len(differ) == len(near_ties) and len(same) == len(spec) else 1
 
 
 def plot(log, path, block_size):

@@ -69,7 +69,7 @@ cdef extern from "fastattn.h" nogil:
         fa_idx L, S, E, Ev
         fa_idx q_ls, q_es, k_ss, k_es, v_ss, v_es, o_ls, o_es, w_ls, w_ss, lse_s
         fa_mask_kind mask_kind
-        fa_idx m_ls, m_ss
+        fa_idx m_ls, m_ss, m_s0
         double scale, softcap, alibi_slope
         int causal
         fa_idx window_left, window_right, causal_offset
@@ -356,6 +356,7 @@ cdef struct Ragged:
     const cnp.int64_t *kv_start   # or NULL: every sequence's keys from row 0
     const cnp.int64_t *cu_q       # or NULL: a.L rows from row 0
     const cnp.int64_t *seq_lens   # or NULL: a.S keys
+    const cnp.int64_t *tree_at    # or NULL: where each sequence's tree mask starts in m
     fa_idx table_s, Hq, group
     fa_idx kv_row_bytes   # a key row's and a value row's bytes
     fa_idx align_offset   # query i of a sequence is at key position i + this
@@ -415,6 +416,9 @@ cdef inline void ragged_args(const Ragged *p, fa_idx b, fa_idx h, fa_idx heads,
     if p.seq_lens != NULL:
         r.S = p.seq_lens[b]
     r.causal_offset = (r.S - r.L if p.lower_right else 0) + p.align_offset
+    if p.tree_at != NULL:  # an (L, L) bool mask over its last L keys, or none
+        r.mask_kind = FA_MASK_BOOL if p.tree_at[b] >= 0 else FA_MASK_NONE
+        r.m_ls, r.m_ss, r.m_s0 = r.L, 1, r.S - r.L
     r.block_table = p.table + b * p.table_s if p.table != NULL else NULL
     r.heads = heads
     if p.ahead_blocks and r.S * p.kv_row_bytes > L2_BYTES:
@@ -519,7 +523,8 @@ cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n
     cdef fa_attn_next cur = task_rows(p, &x, &ai)
     cdef fa_attn_next nxt
     cdef const fa_attn_next *hint = NULL
-    cdef void *m = start(&p.m, p, b, h, 0, 0)
+    cdef void *m = (start(&p.m, p, b, h, 0, 0) if p.tree_at == NULL
+                    else p.m.base + p.tree_at[b] if p.tree_at[b] >= 0 else NULL)
     cdef void *o = start(&p.o, p, b, h, q_row(p, b), ai.o_ls)
     cdef void *w = start(&p.w, p, b, h, 0, 0)
     cdef void *lse = start(&p.lse, p, b, h, q_row(p, b), ai.lse_s)
@@ -562,7 +567,7 @@ cdef inline fa_idx grouped(const Ragged *p, const fa_attn_args *a) noexcept nogi
     """Query heads of one key/value head computed together for a sequence
     of a->L queries: as many as the row kernel's 4 rows hold (1 when its
     L > 4 rows go to the block kernel, or the call cannot group)."""
-    if not p.can_group or a.L > 4:
+    if not p.can_group or a.L > 4 or a.mask_kind != FA_MASK_NONE:
         return 1
     return max(1, min(p.group, 4 // a.L))
 
@@ -834,7 +839,8 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
            double scale, int nthreads, fa_idx window_left, fa_idx window_right,
            double softcap, object slopes, object sinks, int q_store, int kv_store,
            int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES, bint ahead_blocks=True,
-           int precision=PRECISION_EXACT, object key_mean=None):
+           int precision=PRECISION_EXACT, object key_mean=None, object tree_mask=None,
+           object tree_at=None):
     """Attention of a ragged batch of sequences (checked by the caller): q
     (total_q, Hq, E) stored as q_store, key_cache (num_blocks, Hkv,
     block_size, E) and value_cache (..., Ev) as kv_store, with int8 and
@@ -847,11 +853,15 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
     key_cache and value_cache (packed sequences: varlen).  Query i of a
     sequence sits at key position i + align_offset, plus S - L with
     lower_right.  slopes (B, Hq) and sinks (Hq,) float64 or None; key_mean
-    None or (B, Hkv, E) in out's dtype, as in attention().  The tasks:
+    None or (B, Hkv, E) in out's dtype, as in attention().  tree_mask: None,
+    or a C-contiguous bool array holding, for each sequence b with
+    tree_at[b] >= 0 (int64 (B,)), an (L, L) mask from element tree_at[b]
+    over its L queries and its last L keys (fa_attn_args' m_s0). The tasks:
     schedule()'s; prefetch, ahead_blocks and precision as in attention()."""
     cdef Ragged p
     cdef const int32_t[:, ::1] table
     cdef const cnp.int64_t[::1] starts
+    cdef const cnp.int64_t[::1] trees
     cdef fa_idx nseq = cu_q.shape[0] - 1
     memset(&p, 0, sizeof(p))
     p.seqs.nd, p.seqs.shape[0], p.seqs.count = 1, nseq, nseq
@@ -898,6 +908,11 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
         p.kv_start = &starts[0]
     p.a.block_table = p.table  # (fa_attn_work_bytes: paged reads need tile buffers)
     p.cu_q, p.seq_lens = &cu_q[0], (&seq_lens[0] if nseq > 0 else NULL)
+    if tree_mask is not None and nseq > 0:  # (mask_kind: what fa_attn_work_bytes sizes)
+        p.a.mask_kind = FA_MASK_BOOL
+        operand(&p.m, tree_mask, 0, -1)
+        trees = tree_at
+        p.tree_at = &trees[0]
     if (p.table == NULL and p.kv_start == NULL) or p.Hq == 0:
         return
     schedule(isa, &p, q.nbytes + key_cache.nbytes + value_cache.nbytes + out.nbytes, nthreads)

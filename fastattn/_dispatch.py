@@ -20,6 +20,7 @@ import numpy as np
 from . import _checks as C
 from . import _core, _runtime, _tuning, _variants
 from ._storage import narrow, query_store
+from ._tree import Trees
 from ._typing import Alignment, Float, MaskArray, NDArray, Result
 
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
@@ -365,7 +366,8 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
            alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
            sinks: Optional[NDArray[Any]], return_lse: bool, out: Optional[NDArray[Any]],
            num_threads: Optional[int], inputs: Mapping[str, Optional[NDArray[Any]]],
-           precision: int = _core.PRECISION_EXACT, key_mean: Optional[NDArray[Any]] = None
+           precision: int = _core.PRECISION_EXACT, key_mean: Optional[NDArray[Any]] = None,
+           trees: Optional[Trees] = None
            ) -> Union[NDArray[Any], tuple[NDArray[Any], NDArray[Any]]]:
     """A ragged batch's call once its caches, keys' places, lengths and
     offsets are known good (_core.ragged's arguments: a block table, or
@@ -375,7 +377,8 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
     and PagedKVCache.attend (with its own arrays, which it keeps good) come
     here.  inputs: what out must not overlap; precision: C.check_precision's;
     key_mean: (B, Hkv, E) C-contiguous in the compute dtype, the mean each
-    sequence's keys were stored less (PagedKVCache's smooth_k), or None."""
+    sequence's keys were stored less (PagedKVCache's smooth_k), or None;
+    trees: _tree.check's, or None."""
     total_q, Hq, E = query.shape
     Hkv = key_cache.shape[1]
     B = lens.shape[0]
@@ -412,6 +415,8 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
                         result, lse, Hq // Hkv, causal, lower_right, offset, scale, nthreads,
                         variants.window_left,
                         variants.window_right, variants.softcap, slopes, sink, q_store,
-                        kv_store, prefetch=prefetch, precision=precision, key_mean=key_mean))
+                        kv_store, prefetch=prefetch, precision=precision, key_mean=key_mean,
+                        tree_mask=None if trees is None else trees.mask,
+                        tree_at=None if trees is None else trees.at))
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result
     return out if lse is None else (out, lse)

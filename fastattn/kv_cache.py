@@ -7,7 +7,7 @@ from typing import Any, Literal, Mapping, Optional, cast, overload
 import numpy as np
 
 from . import _checks as C
-from . import _cache, _masks, _runtime, _storage
+from . import _cache, _masks, _runtime, _storage, _tree
 from ._cache import Layout
 from ._keys import KeyOptions, KeyTransform
 from ._dispatch import StoredKV, route
@@ -394,7 +394,8 @@ class KVCache(KeyOptions):
                window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
-               num_threads: Optional[int] = None, precision: str = "exact") -> NDArray[Float]: ...
+               num_threads: Optional[int] = None, precision: str = "exact",
+               tree_mask: Optional[NDArray[np.bool_]] = None) -> NDArray[Float]: ...
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
@@ -403,7 +404,8 @@ class KVCache(KeyOptions):
                window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
-               num_threads: Optional[int] = None, precision: str = "exact") -> tuple[NDArray[Float], NDArray[Float]]: ...
+               num_threads: Optional[int] = None, precision: str = "exact",
+               tree_mask: Optional[NDArray[np.bool_]] = None) -> tuple[NDArray[Float], NDArray[Float]]: ...
 
     @overload
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
@@ -411,14 +413,16 @@ class KVCache(KeyOptions):
                return_lse: bool = False, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
-               num_threads: Optional[int] = None, precision: str = "exact") -> Result[Float]: ...
+               num_threads: Optional[int] = None, precision: str = "exact",
+               tree_mask: Optional[NDArray[np.bool_]] = None) -> Result[Float]: ...
 
     def attend(self, query: NDArray[Float], *, attn_mask: Optional[MaskArray] = None,
                is_causal: bool = True, scale: Optional[float] = None, need_weights: bool = False,
                return_lse: bool = False, window_size: Optional[tuple[int, int]] = None,
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, out: Optional[NDArray[Float]] = None,
-               num_threads: Optional[int] = None, precision: str = "exact") -> Result[Float]:
+               num_threads: Optional[int] = None, precision: str = "exact",
+               tree_mask: Optional[NDArray[np.bool_]] = None) -> Result[Float]:
         """Attention of query over every position held (padding hidden).
 
         Parameters
@@ -447,6 +451,15 @@ class KVCache(KeyOptions):
             groups of 32 key positions count the cache's slots, padding
             included: a row of a padded batch and the same tokens unpadded
             differ in the mode's rounding.
+        tree_mask : bool ndarray (L, L) or (batch_size, L, L), or None
+            Speculative decoding with a tree of draft tokens (SpecInfer,
+            Medusa, EAGLE-2): the L queries are the draft tokens, the last
+            L positions held, and draft token i may see draft token t where
+            ``tree_mask[..., i, t]`` is True (its ancestors and itself);
+            every position before them stays visible.  Combined with
+            attn_mask and the padding, and the same as the attn_mask of
+            all the positions that it stands for (``paged_attention``'s
+            ``tree_mask``, one sequence per batch row).
 
         Returns
         -------
@@ -463,7 +476,8 @@ class KVCache(KeyOptions):
             float32 cache); a precision that is not a str; and those of
             ``scaled_dot_product_attention``.
         ValueError
-            A precision other than "exact" and "int8"; with is_causal, more queries than positions held: the queries
+            A precision other than "exact" and "int8"; a tree_mask that is
+            not bool of shape (L, L) or (batch_size, L, L); with is_causal (or a tree_mask), more queries than positions held: the queries
             are the last positions, so that would mean their keys were not
             appended (``scaled_dot_product_attention`` with
             ``causal_alignment="lower_right"`` and FlashAttention give such
@@ -473,12 +487,14 @@ class KVCache(KeyOptions):
         """
         half = self._core.check_query(query, self._layouts[2], 1)
         mode = C.check_precision(precision)
-        if C.check_bool(is_causal, "is_causal") and query.shape[2] > self._length:
+        tree = self._tree(tree_mask, query.shape[2])
+        if (C.check_bool(is_causal, "is_causal") or tree_mask is not None) and \
+                query.shape[2] > self._length:
             raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
                              f"holds {self._length}: with is_causal the queries are the last "
                              "positions held; append their keys and values first")
-        mask = _masks.both(attn_mask, "attn_mask", self.attn_mask, "the cache's padding",
-                           self.dtype)
+        mask = _masks.both(_masks.both(tree, "tree_mask", attn_mask, "attn_mask", self.dtype),
+                           "attn_mask", self.attn_mask, "the cache's padding", self.dtype)
         if (mask is not attn_mask and isinstance(out, np.ndarray)
                 and isinstance(attn_mask, np.ndarray) and C.overlap(out, attn_mask)):
             # the kernel's call sees the mask combined with the padding, not the caller's
@@ -505,6 +521,23 @@ class KVCache(KeyOptions):
         if need_weights:  # (a bool, route checked it)
             parts[1] = _storage.narrow(parts[1], rounded_to, nthreads)
         return cast("Result[Float]", parts[0] if len(parts) == 1 else tuple(parts))
+
+    def _tree(self, tree_mask: object, L: int) -> Optional[NDArray[np.bool_]]:
+        """attend's tree_mask as a (batch_size or 1, 1, L, length) mask of
+        every position held, or None."""
+        if tree_mask is None:
+            return None
+        tree = C.require_array(tree_mask, "tree_mask", "bool")
+        if tree.dtype != np.bool_:
+            raise TypeError(f"tree_mask has dtype {tree.dtype}; expected bool (True = may "
+                            "attend)")
+        if tree.shape not in ((L, L), (self.batch_size, L, L)):
+            raise ValueError(f"tree_mask has shape {C.shape_str(tree.shape)}; expected (L, L) "
+                             f"or (batch_size, L, L) = ({self.batch_size}, {L}, {L}) for "
+                             f"{L} queries")
+        if L > self._length:
+            return None  # (attend's error names the positions)
+        return _tree.dense(tree.reshape((-1, 1, L, L)), self._length)
 
     def _rows(self, start: int, stop: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:
         """Views of the keys and values held at positions start..stop-1, as

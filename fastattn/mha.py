@@ -348,7 +348,10 @@ class MultiHeadAttention:
                 cu_seqlens: Optional[NDArray[np.integer[Any]]] = None,
                 rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
                 rotary_interleaved: bool = False,
-                precision: str = "exact") -> Tuple[Array, Optional[Array]]:
+                precision: str = "exact", positions: Optional[NDArray[np.integer[Any]]] = None,
+                tree_mask: Optional[NDArray[np.bool_]] = None,
+                tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None
+                ) -> Tuple[Array, Optional[Array]]:
         """Attention of query over key/value, with the projections.
 
         The arguments up to is_causal have the names and order of
@@ -409,6 +412,11 @@ class MultiHeadAttention:
             Rotary position embedding of the queries and keys at each
             token's position in its sequence (``fastattn.rotary``'s
             (cos, sin) tables).
+        positions, tree_mask, tree_mask_indptr : with a PagedKVCache only
+            Speculative decoding's verify step: ``PagedKVCache.append``'s
+            rotary positions of the new tokens (each draft token at its
+            depth), and ``paged_attention``'s tree masks over them; then
+            ``cache.accept_draft`` keeps the verified path.
         window_size, alibi_slopes, softcap, sinks
             The attention variants of ``scaled_dot_product_attention``
             (sliding window, ALiBi, soft-cap, sinks), per head of this layer;
@@ -470,9 +478,14 @@ class MultiHeadAttention:
                                  "PagedKVCache: each sequence sees its own positions, ragged, "
                                  "with no padding")
             return self._forward_paged(query, cache, seq_ids, cu_seqlens, is_causal, rotary,
-                                       rotary_interleaved, with_cache, num_threads)
-        if seq_ids is not None or cu_seqlens is not None or rotary is not None:
-            raise ValueError("seq_ids, cu_seqlens and rotary go with a PagedKVCache cache")
+                                       rotary_interleaved, positions,
+                                       dict(with_cache, tree_mask=tree_mask,
+                                            tree_mask_indptr=tree_mask_indptr), num_threads)
+        if (seq_ids is not None or cu_seqlens is not None or rotary is not None
+                or positions is not None or tree_mask is not None
+                or tree_mask_indptr is not None):
+            raise ValueError("seq_ids, cu_seqlens, rotary, positions and tree_mask go with a "
+                             "PagedKVCache cache")
         self._check_inputs(query, key, value)
         batched = query.ndim == 3
         self_attention = key is None  # and value too (checked)
@@ -545,7 +558,8 @@ class MultiHeadAttention:
     def _forward_paged(self, query: Array, cache: PagedKVCache, seq_ids: object,
                        cu_seqlens: Optional[NDArray[np.integer[Any]]], is_causal: bool,
                        rotary: Optional[tuple[NDArray[Any], NDArray[Any]]],
-                       rotary_interleaved: bool, variants: dict[str, Any],
+                       rotary_interleaved: bool, positions: Optional[NDArray[Any]],
+                       variants: dict[str, Any],
                        num_threads: Optional[int]) -> Tuple[Array, Optional[Array]]:
         """forward with a PagedKVCache: the new tokens of a ragged batch
         projected, appended to their sequences and attended, packed."""
@@ -579,10 +593,11 @@ class MultiHeadAttention:
         concat = np.empty((total, self.embed_dim), self._compute)
         cache.append(ids, k.reshape(total, Hkv, D), v.reshape(total, Hkv, D), cu_seqlens,
                      rotary=rotary, rotary_interleaved=rotary_interleaved,
-                     num_threads=num_threads)
+                     num_threads=num_threads, positions=positions)
         try:
             cache.attend(ids, q.reshape(total, H, D), cu_seqlens, is_causal=is_causal,
                          rotary=rotary, rotary_interleaved=rotary_interleaved,
+                         positions=positions,
                          out=concat.reshape(total, H, D), num_threads=num_threads, **variants)
         except BaseException:  # KeyboardInterrupt: the step did not happen
             cache.truncate(ids, [int(n) for n in before])

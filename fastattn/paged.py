@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _core, _storage
+from . import _core, _storage, _tree
 from ._dispatch import ragged
 from ._storage import query_store
 from ._typing import Float, NDArray
@@ -147,6 +147,8 @@ def paged_attention(
         value_dim: Optional[int] = None,
         out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
         precision: str = "exact", key_mean: Optional[NDArray[Any]] = None,
+        tree_mask: Optional[NDArray[np.bool_]] = None,
+        tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None,
 ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """Attention of a ragged batch of sequences over a paged key/value cache,
     in one call: a serving step that mixes prefill chunks, single decoding
@@ -252,6 +254,26 @@ def paged_attention(
         sequence b and key head h, so the results are those of the keys
         before (softcap, sinks and the lse see the true logits).  Float32
         (float64 for a float64 query), finite; None: none.
+    tree_mask : ndarray of bool, shape (sum of L_b**2,), or None
+        Speculative decoding with a tree of draft tokens (SpecInfer, Medusa,
+        EAGLE-2): sequence b's L_b query rows are its draft tokens, its
+        last L_b positions, and ``tree_mask`` holds its L_b x L_b mask,
+        row-major, from ``tree_mask_indptr[b]``: True where draft token i
+        may see draft token t (its ancestors and itself).  Every position
+        before the tree stays visible, and ``is_causal``, the window and
+        the other options still apply (with the tokens in topological
+        order, every ancestor before its descendants, as those methods lay
+        them out, ``is_causal`` hides nothing the tree shows).  FlashInfer's
+        ``custom_mask`` layout with its ``mask_indptr``, over the new
+        tokens only, as vLLM's tree attention.  Each sequence's output is
+        bitwise that of ``scaled_dot_product_attention`` with the same
+        mask over all its keys.
+    tree_mask_indptr : int array (B + 1,) or None
+        Where each sequence's mask starts in ``tree_mask`` (int32 or int64,
+        from 0, never decreasing, ending at its length); a sequence whose
+        range is empty has no tree (a prefill chunk or a plain decoding
+        token in the same call).  None: every sequence's mask, packed in
+        order.
 
     Returns
     -------
@@ -270,10 +292,14 @@ def paged_attention(
         without their scales or scales for other caches; caches that are not
         uint8 (or that float8 dtype) with kv_cache_dtype; flags that are not
         bools; a precision that is not a str; a key_mean that is not an
-        array of float32 (float64 for a float64 query).
+        array of float32 (float64 for a float64 query); a tree_mask that is
+        not bool.
     ValueError
         A precision other than "exact" and "int8"; shapes that do not
-        agree (key_mean's included); a key_mean that is not finite; Hq not a multiple of Hkv; cu_seqlens_q
+        agree (key_mean's included); a key_mean that is not finite; a
+        tree_mask whose sequences' masks are not L_b x L_b or hold more
+        tokens than their keys, or tree_mask_indptr without tree_mask;
+        Hq not a multiple of Hkv; cu_seqlens_q
         not starting at 0, decreasing or not ending at total_q; a seq_lens
         entry below 0 or beyond max_blocks x block_size; a block-table entry
         that a sequence reads and that is not a block of the caches (the
@@ -339,11 +365,13 @@ def paged_attention(
                          "whose keys and values must be in the cache first")
     inputs = {"query": query, "key_cache": key_cache, "value_cache": value_cache,
               "block_table": block_table, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q,
-              "k_scale": k_scale, "v_scale": v_scale, "key_mean": key_mean}
+              "k_scale": k_scale, "v_scale": v_scale, "key_mean": key_mean,
+              "tree_mask": tree_mask}
     mean = None if key_mean is None else _key_mean(key_mean, (B, Hkv, E), query.dtype)
+    trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, lens)
     return ragged(query, key_cache, value_cache, table, None, lens, cu_q, q_lens, scales,
                   q_store, kv_store, Ev, causal, True, 0, scale, window_size, alibi_slopes,
-                  softcap, sinks, lse_wanted, out, num_threads, inputs, mode, mean)
+                  softcap, sinks, lse_wanted, out, num_threads, inputs, mode, mean, trees)
 
 
 def _key_mean(key_mean: object, shape: tuple[int, int, int], dtype: np.dtype[Any]

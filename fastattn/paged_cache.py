@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from . import _checks as C
-from . import _cache, _runtime, _storage
+from . import _cache, _runtime, _storage, _tree
 from ._cache import Layout
 from ._dispatch import ragged
 from ._keys import KeyOptions, KeyTransform
@@ -368,7 +368,8 @@ class PagedKVCache(KeyOptions):
                cu_seqlens: Optional[NDArray[np.integer[Any]]] = None, *,
                rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
                rotary_interleaved: bool = False, num_threads: Optional[int] = None,
-               token_ids: Optional[NDArray[np.integer[Any]]] = None) -> None:
+               token_ids: Optional[NDArray[np.integer[Any]]] = None,
+               positions: Optional[NDArray[np.integer[Any]]] = None) -> None:
         """Write new positions of several sequences after the ones they hold.
 
         Parameters
@@ -387,6 +388,11 @@ class PagedKVCache(KeyOptions):
             applied on the threads before the rows are written.
         rotary_interleaved : bool
             GPT-J's pairs (2i, 2i + 1) instead of GPT-NeoX's halves.
+        positions : int array (n,) or None
+            The positions rotary rotates the tokens at (vLLM's
+            ``positions``); None: the slots they are written to.  A tree of
+            draft tokens puts each at its depth after the tokens before the
+            tree (``accept_draft`` then moves the kept ones to those slots).
         num_threads : int or None
         token_ids : int array (n,) or None
             With enable_prefix_caching, the ids of the n tokens (packed as
@@ -423,9 +429,11 @@ class PagedKVCache(KeyOptions):
         with self._lock:  # the pool first: an append that cannot fit does no work
             self._room(ids, counts)
         seq = np.repeat(np.arange(len(ids)), counts)
-        positions = np.array(before, np.int64)[seq] + np.arange(n) - cu[:-1][seq]
+        slots = np.array(before, np.int64)[seq] + np.arange(n) - cu[:-1][seq]
+        _no_positions(positions, rotary)
         if rotary is not None:
-            key = self._rotate(key, positions, rotary, interleaved, nthreads)
+            key = self._rotate(key, _positions(positions, n, slots), rotary, interleaved,
+                               nthreads)
         rotated, rows_mean = self._keys.rotated(key), None
         if self._keys.smooth:  # a sequence's first append fixes its mean
             means = [KeyTransform.mean(rotated[cu[b]:cu[b + 1]], None, 0) if n0 == 0 else m
@@ -461,7 +469,7 @@ class PagedKVCache(KeyOptions):
                     take -= 1
                 blocks.extend(self._take() for _ in range(take))
             table = self._table(ids)
-            where = table[seq, positions // self.block_size], positions % self.block_size
+            where = table[seq, slots // self.block_size], slots % self.block_size
             self._key[where[0], :, where[1]] = keys
             self._value[where[0], :, where[1]] = values
             if self._k_scale is not None and self._v_scale is not None:
@@ -581,19 +589,121 @@ class PagedKVCache(KeyOptions):
                                      f"{self._lens[s]} positions: truncate keeps a prefix "
                                      "of them")
             for s, n in zip(ids, counts):
-                blocks = self._blocks[s]
-                keep = -(-n // self.block_size)
-                self._give_back(blocks[keep:])
-                del blocks[keep:]
-                self._lens[s] = n
-                if n == 0:
-                    self._means.pop(s, None)
-                tokens = self._tokens[s]  # (empty: its ids may be given again)
-                self._tokens[s] = [] if n == 0 else None if tokens is None else tokens[:n]
-                del self._names[s][n // self.block_size:]
-                if self._prefix is not None and n % self.block_size:
-                    # written from n on in place once its other holders let go
-                    self._prefix.forget(blocks[-1])
+                self._cut(s, n)
+
+    def _cut(self, s: int, n: int) -> None:
+        """Sequence s keeps its first n positions (n <= its length), its
+        blocks past them given back (the lock held)."""
+        blocks = self._blocks[s]
+        keep = -(-n // self.block_size)
+        self._give_back(blocks[keep:])
+        del blocks[keep:]
+        self._lens[s] = n
+        if n == 0:
+            self._means.pop(s, None)
+        tokens = self._tokens[s]  # (empty: its ids may be given again)
+        self._tokens[s] = [] if n == 0 else None if tokens is None else tokens[:n]
+        del self._names[s][n // self.block_size:]
+        if self._prefix is not None and n % self.block_size:
+            # written from n on in place once its other holders let go
+            self._prefix.forget(blocks[-1])
+
+    def accept_draft(self, seq_ids: SeqIds, num_draft_tokens: Sequence[int],
+                     accepted: Sequence[Sequence[int]]) -> None:
+        """Keep the verified path of each sequence's tree of draft tokens
+        and drop the rest (speculative decoding's step after ``attend``
+        with a ``tree_mask``).
+
+        Sequence seq_ids[b] holds its num_draft_tokens[b] draft tokens as
+        its last positions; accepted[b] lists, in increasing order, the
+        indices among them of the tokens kept (the accepted path, root
+        first; empty: none).  Their rows move, as stored, bit for bit, to
+        the positions right after the tokens before the tree, and the
+        sequence is truncated after them: blocks left empty go back to the
+        pool.  With rotary, append the drafts at their depth's positions
+        (``append``'s ``positions``), which are the slots they are moved to.
+        A block another sequence shares is copied before it is written, as
+        by ``append``; a named block written in place loses its name.
+
+        Raises
+        ------
+        TypeError
+            seq_ids, num_draft_tokens or accepted not ints.
+        ValueError
+            A sequence that is not live or named twice; as many counts or
+            lists as sequences missing; more draft tokens than positions
+            held; indices that are not increasing or not below the count.
+            Nothing is changed then.
+        OutOfBlocksError
+            Shared blocks to copy and no free block for them (a
+            MemoryError); nothing is changed.
+        """
+        counts = [C.check_index(n, f"num_draft_tokens[{i}]", 0)
+                  for i, n in enumerate(num_draft_tokens)]
+        if not isinstance(accepted, (list, tuple)):
+            raise TypeError(f"accepted must be a list with a list of indices per sequence, "
+                            f"got {type(accepted).__name__}")
+        paths = [[C.check_index(x, f"accepted[{b}][{i}]", 0) for i, x in enumerate(path)]
+                 for b, path in enumerate(accepted)]
+        with self._lock:
+            ids = self._ids(seq_ids, distinct=True)
+            if not len(counts) == len(paths) == len(ids):
+                raise ValueError(f"num_draft_tokens has {len(counts)} entries and accepted "
+                                 f"{len(paths)}; expected one per sequence ({len(ids)})")
+            for b, (s, n, path) in enumerate(zip(ids, counts, paths)):
+                if n > self._lens[s]:
+                    raise ValueError(f"num_draft_tokens[{b}] = {n}; sequence {s} holds "
+                                     f"{self._lens[s]} positions")
+                if any(y <= x for x, y in zip(path, path[1:])) or (path and path[-1] >= n):
+                    raise ValueError(f"accepted[{b}] = {path}: expected increasing indices "
+                                     f"below num_draft_tokens[{b}] = {n}")
+            bs, copies = self.block_size, 0
+            holders: dict[int, int] = {}
+            writes = []  # per sequence: (first draft slot, the moves' sources and slots)
+            for s, n, path in zip(ids, counts, paths):
+                base = self._lens[s] - n
+                moved = [(base + x, base + i) for i, x in enumerate(path) if x != i]
+                writes.append((base, moved))
+                for k in sorted({dst // bs for _, dst in moved}):
+                    block = self._blocks[s][k]
+                    left = holders.get(block, int(self._refs[block]))
+                    holders[block] = left - 1 if left > 1 else left
+                    copies += left > 1
+            if copies > self.num_free_blocks:
+                raise OutOfBlocksError(f"accepting these paths copies {copies} shared blocks "
+                                       f"and the pool has {self.num_free_blocks} free")
+            for s, path, (base, moved) in zip(ids, paths, writes):
+                if moved:
+                    self._move(s, moved)
+                tokens = self._tokens[s]
+                if self._prefix is not None and tokens is not None:
+                    tokens[base:base + len(path)] = [tokens[base + x] for x in path]
+                self._cut(s, base + len(path))
+                if moved and self._prefix is not None:
+                    del self._names[s][moved[0][1] // bs:]
+                    self._name_blocks(s, [])
+
+    def _move(self, s: int, moved: list[tuple[int, int]]) -> None:
+        """Rows of sequence s from slot src to slot dst for each (src, dst)
+        (every dst below its src), its blocks written copied first when
+        shared (the lock held)."""
+        bs, blocks = self.block_size, self._blocks[s]
+        for k in sorted({dst // bs for _, dst in moved}):
+            old = blocks[k]
+            if self._refs[old] > 1:  # copy-on-write, as append's
+                new = self._take()
+                for buf in (self._key, self._value, self._k_scale, self._v_scale):
+                    if buf is not None:
+                        buf[new] = buf[old]
+                self._refs[old] -= 1
+                blocks[k] = new
+            elif self._prefix is not None:
+                self._prefix.forget(old)
+        src, dst = (np.array(x, np.int64) for x in zip(*moved))
+        table = np.array(blocks, np.int64)
+        for buf in (self._key, self._value, self._k_scale, self._v_scale):
+            if buf is not None:  # gathered before written (fancy indexing copies)
+                buf[table[dst // bs], :, dst % bs] = buf[table[src // bs], :, src % bs]
 
     def _take(self) -> int:
         """A free block: one given back, else a never used one, else the
@@ -649,7 +759,9 @@ class PagedKVCache(KeyOptions):
                alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
                sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
                out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
-               precision: str = "exact"
+               precision: str = "exact", tree_mask: Optional[NDArray[np.bool_]] = None,
+               tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None,
+               positions: Optional[NDArray[np.integer[Any]]] = None
                ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
         """Attention of each sequence's new queries over every position it
         holds: one ``paged_attention`` call.
@@ -665,12 +777,15 @@ class PagedKVCache(KeyOptions):
             keys and values were appended first.
         cu_seqlens_q : int array (B + 1,) or None
             As ``append``'s cu_seqlens (None: one query each).
-        rotary, rotary_interleaved
-            As ``append``'s, at each query's position (its sequence's length
-            minus its L queries, plus its row).
-        scale, is_causal, window_size, alibi_slopes, softcap, sinks, return_lse, out, num_threads, precision
+        rotary, rotary_interleaved, positions
+            As ``append``'s, at each query's position (by default its
+            sequence's length minus its L queries, plus its row).
+        scale, is_causal, window_size, alibi_slopes, softcap, sinks, return_lse, out, num_threads, precision, tree_mask, tree_mask_indptr
             As ``paged_attention``'s (the cache passes its own scales,
-            storage and value_dim).
+            storage and value_dim).  With a tree, pass each draft token's
+            own position (its depth after the tokens before the tree) as
+            ``positions`` to ``append`` and here when the cache applies
+            rotary; ``accept_draft`` keeps the verified path.
 
         Returns and raises as ``paged_attention``; ValueError for a sequence
         that is not live or named twice, or, with is_causal, that holds fewer positions
@@ -693,13 +808,16 @@ class PagedKVCache(KeyOptions):
             raise ValueError(f"sequence {ids[b]} has {counts[b]} quer{'y' if counts[b] == 1 else 'ies'} "
                              f"but holds {lens[b]} position{'' if lens[b] == 1 else 's'}: with is_causal the queries are its last positions; "
                              "append their keys and values first")
+        trees = _tree.check(tree_mask, tree_mask_indptr, counts, lens)
+        _no_positions(positions, rotary)
         rounded_to = None
         if half and (rotary is not None or self._keys.rotate):
             # rotated in float32, the output rounded to the query's dtype at the end
             rounded_to, query = query.dtype, query.astype(np.float32)
         if rotary is not None:
             seq = np.repeat(np.arange(len(ids)), counts)
-            positions = (lens - counts)[seq] + np.arange(query.shape[0]) - cu[:-1][seq]
+            positions = _positions(positions, query.shape[0], (lens - counts)[seq] +
+                                   np.arange(query.shape[0]) - cu[:-1][seq])
             query = self._rotate(query, positions, rotary,
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
                                  _runtime.resolve_threads(num_threads))
@@ -710,7 +828,7 @@ class PagedKVCache(KeyOptions):
         # of a short call's time (threads-and-speed.md, "Small calls")
         inputs = {"query": caller_query, "key_cache": self._key, "value_cache": self._value,
                   "k_scale": self._k_scale, "v_scale": self._v_scale,
-                  "cu_seqlens_q": cu_seqlens_q}
+                  "cu_seqlens_q": cu_seqlens_q, "tree_mask": tree_mask}
         if table.shape[1] == 0:  # no sequence holds a key: a column the kernels never read
             table = np.zeros((len(ids), 1), np.int32)
         if rounded_to is not None and out is not None:  # filled at the end, in its dtype
@@ -721,13 +839,34 @@ class PagedKVCache(KeyOptions):
                         _storage.store(self._storage), self._value_dim, causal, True, 0,
                         scale, window_size, alibi_slopes, softcap, sinks, return_lse,
                         out if rounded_to is None else None, num_threads, inputs, mode,
-                        key_mean)
+                        key_mean, trees)
         if rounded_to is None:
             return result
         nthreads = _runtime.resolve_threads(num_threads)
         if isinstance(result, tuple):
             return narrow(result[0], rounded_to, nthreads, out), result[1]
         return narrow(result, rounded_to, nthreads, out)
+
+
+def _no_positions(positions: object, rotary: object) -> None:
+    if positions is not None and rotary is None:
+        raise ValueError("positions are where rotary rotates the tokens; pass rotary too")
+
+
+def _positions(positions: object, n: int, slots: NDArray[np.int64]) -> NDArray[np.int64]:
+    """The rotary positions of n tokens: positions (checked), else their slots."""
+    if positions is None:
+        return slots
+    a = C.require_array(positions, "positions", "np.int64")
+    if a.dtype.kind not in "iu" or a.ndim != 1:
+        raise TypeError(f"positions must be a 1-D int array, got {a.dtype} of shape "
+                        f"{C.shape_str(a.shape)}")
+    if a.shape[0] != n:
+        raise ValueError(f"positions holds {a.shape[0]} values; expected one per token ({n})")
+    if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int64).max // 2):
+        raise ValueError(f"positions holds {a.min() if a.min() < 0 else a.max()}; expected "
+                         "positions from 0")
+    return C.contiguous(a, np.int64)
 
 
 def _token_ids(token_ids: object, n: Optional[int]) -> list[int]:

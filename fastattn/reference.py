@@ -146,13 +146,18 @@ def rotary(x: Array, positions: NDArray[np.integer[Any]], cos: Array, sin: Array
 def paged_attention(query: Array, key_cache: Array, value_cache: Array,
                     block_table: NDArray[np.integer[Any]], seq_lens: NDArray[np.integer[Any]],
                     cu_seqlens_q: NDArray[np.integer[Any]], *, is_causal: bool = True,
-                    key_mean: Optional[Array] = None, **options: Any) -> Array:
+                    key_mean: Optional[Array] = None,
+                    tree_mask: Optional[NDArray[np.bool_]] = None,
+                    tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None,
+                    **options: Any) -> Array:
     """fastattn.paged_attention (float caches): each sequence's keys and
     values gathered from its blocks in order (with key_mean (B, Hkv, E),
     sequence b's keys are the stored ones plus key_mean[b]), then attention
-    of its queries, its last positions, with lower-right alignment.
-    options as for scaled_dot_product_attention; alibi_slopes (B, Hq) are
-    per sequence."""
+    of its queries, its last positions, with lower-right alignment, under
+    its tree mask where it has one (an (L, L) block of tree_mask from
+    tree_mask_indptr[b], over its last L keys; the keys before all
+    visible).  options as for scaled_dot_product_attention; alibi_slopes
+    (B, Hq) are per sequence."""
     block_size = key_cache.shape[2]
     outs = []
     for b in range(len(seq_lens)):
@@ -164,6 +169,13 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array,
         v = value_cache[blocks, :, j % block_size].transpose(1, 0, 2)
         q = query[cu_seqlens_q[b]:cu_seqlens_q[b + 1]].transpose(1, 0, 2)
         seq = dict(options)
+        L, S = q.shape[1], len(j)
+        if tree_mask is not None:
+            at = (np.concatenate(([0], np.cumsum(np.diff(cu_seqlens_q) ** 2)))
+                  if tree_mask_indptr is None else tree_mask_indptr)
+            if at[b + 1] > at[b]:
+                seq["attn_mask"] = np.ones((L, S), np.bool_)
+                seq["attn_mask"][:, S - L:] = tree_mask[at[b]:at[b + 1]].reshape(L, L)
         if seq.get("alibi_slopes") is not None and np.ndim(seq["alibi_slopes"]) == 2:
             seq["alibi_slopes"] = seq["alibi_slopes"][b]
         out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True,

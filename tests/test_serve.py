@@ -37,6 +37,27 @@ def test_the_stream(capsys):
     assert serve.main(["--requests", "12", "--blocks", "24", "--rope"]) == 0
     out = capsys.readouterr().out
     assert "12 of 12 equal" in out and "padded dense cache" in out
+    assert "tokens equal to greedy decoding alone: 4 of 4" in out
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("size, block_size", [(1, 4), (5, 1), (8, 4), (12, 16)])
+def test_speculative_steps_give_greedy_tokens(rope, size, block_size):
+    """Trees verified in one call each (a tree of 1: plain decoding) give the
+    tokens of greedy decoding alone, in fewer steps when drafts are kept."""
+    rng = np.random.default_rng(size)
+    model = serve.PagedGPT2(serve.gpt2.random_state_dict(50, 64, 32, 2, rng), 4, rope)
+    r = serve.Request(0, 0, rng.integers(0, 50, 12), 30)
+    tokens, steps = serve.speculate(model, r, block_size, size)
+    assert tokens == serve.alone(model, r, block_size)
+    assert steps <= 29 if size > 1 else steps == 29
+
+
+def test_draft_tree_is_topological():
+    tokens, parents, depths = serve.draft_tree([1, 2, 3, 1, 4, 1, 2, 5], 2, 6)
+    assert tokens[0] == 2 and all(p < i for i, p in enumerate(parents))
+    assert list(tokens) == [2, 5, 3, 1, 2, 4]  # after 2: 5, 3 (latest first); 5: none; 1: 2, 4
+    assert list(depths) == [0, 1, 1, 2, 3, 3]
 
 
 @pytest.mark.parametrize("args,words", [

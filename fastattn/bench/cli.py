@@ -135,7 +135,8 @@ def add_arguments(p):
                         "--shapes is ignored)")
     p.add_argument("--serving", action="store_true",
                    help="instead of the shapes: one serving step of 64 sequences over a paged "
-                        "cache (decoding, and decoding mixed with prefill chunks) against a "
+                        "cache (decoding; decoding mixed with prefill chunks; a tree of 8 draft "
+                        "tokens each) against a "
                         "padded cache, one call per sequence and PyTorch (fastattn/bench/"
                         "serving.py); --threads, --repeat, --seed and --json apply.  About 7 minutes "
                         "on 2 cores at 1,2 threads, and 12 GB of memory (its padded rows of the "

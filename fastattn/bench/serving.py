@@ -2,11 +2,13 @@
 cache against the ways to do it without one, measured side by side in one
 process (alternating rounds, medians).
 
-Two steps of a Llama-shaped attention layer (32 query heads over 8
+Three steps of a Llama-shaped attention layer (32 query heads over 8
 key/value heads of 128, float32): "decode-64", one new token for each of 64
-sequences whose lengths are drawn from 64 to 8192 (fixed seed), and
-"mixed", the same 64 sequences where 4 bring a prefill chunk of 512 tokens
-and 60 a decoding token.  The rows:
+sequences whose lengths are drawn from 64 to 8192 (fixed seed); "mixed",
+the same 64 sequences where 4 bring a prefill chunk of 512 tokens and 60 a
+decoding token; and "tree-8", speculative decoding's verify step: each of
+the 64 brings a random tree of 8 draft tokens under its tree mask.  The
+rows:
 
   paged           fastattn.paged_attention, blocks of 128 in shuffled order
   paged-16        the same with blocks of 16 (each block's rows of a head
@@ -21,8 +23,12 @@ and 60 a decoding token.  The rows:
                   to the longest, queries too, a key padding mask
   per-sequence    (b) one scaled_dot_product_attention call per sequence
   torch-padded    (c) PyTorch's SDPA on the padded batch with a bool mask
+  plain           tree-8 only: the paged call of the same query tokens with
+                  no tree (causal), what the tree mask is measured against
 
-Every row's output is checked against the paged call's before it is timed.
+Every row's output but plain's is checked against the paged call's before
+it is timed; the padded and per-sequence rows of tree-8 take each tree as a
+mask of all the keys.
 """
 import contextlib
 import statistics
@@ -43,6 +49,7 @@ class Step:
     name: str
     q_lens: np.ndarray    # new tokens per sequence
     k_lens: np.ndarray    # keys held per sequence, the new ones included
+    trees: Optional[List[np.ndarray]] = None  # each sequence's (L, L) tree mask
 
     @property
     def kv_bytes(self):
@@ -56,7 +63,18 @@ def steps(seed=0):
     decode = Step("decode-64", np.ones(64, np.int64), lens)
     q_lens = np.ones(64, np.int64)
     q_lens[rng.choice(64, 4, replace=False)] = 512
-    return [decode, Step("mixed", q_lens, np.maximum(lens, q_lens))]
+    trees = [random_tree(rng, 8) for _ in range(64)]
+    return [decode, Step("mixed", q_lens, np.maximum(lens, q_lens)),
+            Step("tree-8", np.full(64, 8, np.int64), lens, trees)]
+
+
+def random_tree(rng, n):
+    """The (n, n) mask of a random tree of n draft tokens in topological
+    order: token i sees itself and its ancestors."""
+    mask = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        mask[i] |= mask[int(rng.integers(0, i))]
+    return mask
 
 
 class Batch:
@@ -129,10 +147,17 @@ def rows(batch, threads) -> Dict[str, Callable[[], np.ndarray]]:
     """Each row's call, returning the packed (total_q, HQ, E) output."""
     s = batch.step
     calls = {}
+    tree = None if s.trees is None else np.concatenate([t.ravel() for t in s.trees])
     for name, bs in (("paged", BLOCK), ("paged-16", 16)):
         key, value, table = batch.pools[bs]
         calls[name] = (lambda key=key, value=value, table=table: fastattn.paged_attention(
-            batch.query, key, value, table, s.k_lens, batch.cu_q, num_threads=threads))
+            batch.query, key, value, table, s.k_lens, batch.cu_q, num_threads=threads,
+            tree_mask=tree))
+    if tree is not None:
+        key, value, table = batch.pools[BLOCK]
+        calls["plain"] = lambda: fastattn.paged_attention(
+            batch.query, key, value, table, s.k_lens, batch.cu_q, num_threads=threads)
+        return _tree_rows(batch, threads, calls)
     calls["contiguous"] = lambda: fastattn.varlen_attention(
         batch.query, batch.key, batch.value, batch.cu_q, batch.cu_k, is_causal=True,
         causal_alignment="lower_right", num_threads=threads)
@@ -154,6 +179,28 @@ def rows(batch, threads) -> Dict[str, Callable[[], np.ndarray]]:
         num_threads=threads).transpose(1, 0, 2) for q, k, v in seqs])
     with contextlib.suppress(ImportError):
         calls["torch-padded"] = _torch_padded(batch, pq, pk, pv, real, threads)
+    return calls
+
+
+def _tree_rows(batch, threads, calls):
+    """tree-8's rows besides the paged ones: each tree as a mask of all the
+    keys, in the padded batch and per sequence."""
+    s = batch.step
+    pq, pk, pv, real = batch.padded()
+    Lm, Sm = pq.shape[2], pk.shape[2]
+    mask = np.repeat(real, Lm, axis=2)
+    for b, t in enumerate(s.trees):  # (left padded: every tree ends at Sm)
+        mask[b, 0, Lm - len(t):, Sm - len(t):] &= t
+    calls["padded"] = lambda: batch.from_padded(fastattn.scaled_dot_product_attention(
+        pq, pk, pv, attn_mask=mask, is_causal=True, causal_alignment="lower_right",
+        enable_gqa=True, num_threads=threads))
+    seqs = [batch.seq(b) for b in range(len(s.q_lens))]
+    full = [mask[b, :, Lm - L:, Sm - S:] for b, (L, S) in enumerate(zip(s.q_lens, s.k_lens))]
+    calls["per-sequence"] = lambda: np.concatenate([fastattn.scaled_dot_product_attention(
+        q, k, v, attn_mask=m, is_causal=True, causal_alignment="lower_right", enable_gqa=True,
+        num_threads=threads).transpose(1, 0, 2) for (q, k, v), m in zip(seqs, full)])
+    with contextlib.suppress(ImportError):
+        calls["torch-padded"] = _torch_padded(batch, pq, pk, pv, mask, threads)
     return calls
 
 
@@ -193,7 +240,8 @@ def measure(step, threads, *, rounds=5, seed=0, only: Optional[List[str]] = None
         start = perf_counter()
         out = call()
         first = perf_counter() - start
-        result[name] = {"max_abs_diff": float(np.abs(out - want).max()) if out.size else 0.0,
+        same = out.size and name != "plain"  # (plain: another step's output)
+        result[name] = {"max_abs_diff": float(np.abs(out - want).max()) if same else 0.0,
                         "times": [], "rounds": rounds if first < 2.0 else 1}
         if progress:
             progress(name)
