@@ -161,11 +161,22 @@ size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
     return elsize == 4 ? fa_attn_work_f32_portable(a) : fa_attn_work_f64_portable(a);
 }
 
+/* Rows i0..i1-1 of `heads` query heads: at most a query block of rows in
+ * all (the block kernel folds more than FA_ROWS_MAX of them into its
+ * columns), with no mask when heads share the call. */
 static int rows_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
 {
-    return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= fa_attn_query_block(elsize) &&
-           (a->heads <= 1 || (a->heads <= FA_ROWS_MAX && a->heads * (i1 - i0) <= FA_ROWS_MAX &&
-                              a->mask_kind == FA_MASK_NONE));
+    const fa_idx qb = fa_attn_query_block(elsize);
+    return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= qb &&
+           (a->heads <= 1 ||
+            (a->heads <= qb && a->heads * (i1 - i0) <= qb && a->mask_kind == FA_MASK_NONE));
+}
+
+/* What the row kernel alone takes (split keys, their merge and repair):
+ * at most FA_ROWS_MAX rows of every head. */
+static int row_kernel_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1)
+{
+    return i1 - i0 <= FA_ROWS_MAX && (a->heads <= 1 || a->heads * (i1 - i0) <= FA_ROWS_MAX);
 }
 
 /* far past any length, and far from overflowing i + offset -+ window */
@@ -251,6 +262,22 @@ fa_idx fa_attn_splits(const fa_attn_args *a)
     return n < FA_SPLIT_MAX ? n : FA_SPLIT_MAX;
 }
 
+fa_idx fa_attn_group(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx group)
+{
+    const fa_idx L = a->L > 1 ? a->L : 1, qb = fa_attn_query_block(elsize);
+    const fa_idx fold = group < qb / L ? group : qb / L;
+    /* the int8 mode's integer rows are the row kernel's; the portable block
+     * kernel (products in scalar C) is slower than 4-row groups of the row
+     * kernel, so it folds only rows that would go to it anyway */
+    const int integer = a->precision == FA_PRECISION_INT8 &&
+                        (a->kv_store == FA_STORE_I8 || a->kv_store == FA_STORE_Q4);
+    if (L * group > FA_ROWS_MAX && fold * L >= 8 && !integer &&
+        (isa != FA_ISA_PORTABLE || L > FA_ROWS_MAX))
+        return fold;
+    if (L > FA_ROWS_MAX || group < 1) return 1;
+    return group < FA_ROWS_MAX / L ? group : FA_ROWS_MAX / L;
+}
+
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
 {
     return (a->heads > 1 ? a->heads : 1) * (i1 - i0) * (FA_STATE_HEAD + a->Ev);
@@ -259,7 +286,7 @@ fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
 static int part_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                    int elsize)
 {
-    return elsize_ok(elsize) && attn_ok(a, i0, i1, NULL, elsize) && i1 - i0 <= FA_ROWS_MAX &&
+    return elsize_ok(elsize) && attn_ok(a, i0, i1, NULL, elsize) && row_kernel_ok(a, i0, i1) &&
            0 <= s_lo && s_lo <= s_hi && s_hi <= a->S;
 }
 
@@ -276,7 +303,9 @@ int fa_attn_part(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, c
 int fa_attn_merge(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx nsplit,
                   const void *states, void *out, void *ml, fa_idx i0, fa_idx i1)
 {
-    if (!elsize_ok(elsize) || nsplit < 1 || !attn_shape_ok(a, i0, i1, NULL, elsize)) return -1;
+    if (!elsize_ok(elsize) || nsplit < 1 || !attn_shape_ok(a, i0, i1, NULL, elsize) ||
+        !row_kernel_ok(a, i0, i1))
+        return -1;
     isa = attn_isa(isa, a, elsize);
     FA_DISPATCH_ES(isa, elsize, attn_merge, (a, nsplit, states, out, ml, i0, i1));
     return 0;
@@ -297,7 +326,7 @@ int fa_attn_repair(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
                    const void *states, void *out, void *lse, fa_idx i0, fa_idx i1, void *work)
 {
     if (!elsize_ok(elsize) || nsplit < 1 || !attn_ok(a, i0, i1, NULL, elsize) ||
-        i1 - i0 > FA_ROWS_MAX)
+        !row_kernel_ok(a, i0, i1))
         return -1;
     isa = attn_isa(isa, a, elsize);
     FA_DISPATCH_ES(isa, elsize, attn_repair,

@@ -200,12 +200,13 @@ size_t FA_NAME(attn_work)(const fa_attn_args *a)
 }
 
 /* Keys lo..hi-1 of the block s0..s0+nk-1: those the bounds let one of the
- * FA_NR queries j0..j0+FA_NR-1 see. */
-static void FA_NAME(tile_keys)(const fa_attn_args *a, fa_idx j0, fa_idx s0, fa_idx nk,
-                               fa_idx *lo, fa_idx *hi)
+ * FA_NR columns p..p+FA_NR-1 see, column j being the query at position
+ * i0 + j / G (G query heads folded, fa_attn_args' heads). */
+static void FA_NAME(tile_keys)(const fa_attn_args *a, fa_idx i0, fa_idx G, fa_idx p, fa_idx s0,
+                               fa_idx nk, fa_idx *lo, fa_idx *hi)
 {
-    const fa_idx first = FA_NAME(key_lo)(a, j0) - s0;
-    const fa_idx last = FA_NAME(key_hi)(a, j0 + FA_NR - 1) - s0 + 1;
+    const fa_idx first = FA_NAME(key_lo)(a, i0 + p / G) - s0;
+    const fa_idx last = FA_NAME(key_hi)(a, i0 + (p + FA_NR - 1) / G) - s0 + 1;
     *lo = first < 0 ? 0 : first > nk ? nk : first;
     *hi = last < *lo ? *lo : last > nk ? nk : last;
 }
@@ -218,16 +219,18 @@ static int FA_NAME(block_edge)(const fa_attn_args *a, fa_idx i0, fa_idx nq, fa_i
     return s0 < FA_NAME(key_lo)(a, i0 + nq - 1) || s0 + nk - 1 > FA_NAME(key_hi)(a, i0);
 }
 
-/* st[r, j] = logit of query i0 + j and key s0 + r: the score through the
+/* st[r, j] = logit of column j and key s0 + r: the score through the
  * per-score stage (fa_kern_scores.h), a tile at a time; bm[j] = the maximum
- * of column j (NaN ignored).  Columns nq..ld-1 are padding.  Returns 0, with
+ * of column j (NaN ignored).  Column j is query head j % G at position
+ * i0 + j / G (G = 1 but for folded heads, which take no mask); columns
+ * G nq..ld-1 are padding.  Returns 0, with
  * st untouched, when the mask hides every key of the block from every query
  * row (the block is then skipped without reading K).  The scale is qp's
  * (the packed queries) times alpha; shift[j]: query j's term of the key
  * mean (k_mean). */
 static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, const T *shift,
-                                 const void *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx ld,
-                                 fa_idx s0, fa_idx nk, T *st, T *bias, T *bm, T *panel,
+                                 const void *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx G,
+                                 fa_idx ld, fa_idx s0, fa_idx nk, T *st, T *bias, T *bm, T *panel,
                                  FA_NAME(ahead) *ahead, FA_NAME(ahead) *block)
 {
     const T ninf = -(T)INFINITY;
@@ -273,8 +276,8 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
 
     const FA_NAME(tile) kt = FA_NAME(key_tile)(a, k, s0, nk, panel);
     for (fa_idx j = 0; j < ld; ++j) bm[j] = ninf;
-    const int plain = !per_key && !tile && !edge && a->softcap == 0 && a->alibi_slope == 0 &&
-                      a->k_mean == NULL;
+    const int alibi = a->alibi_slope != 0 || a->head_slopes != NULL;
+    const int plain = !per_key && !tile && !edge && a->softcap == 0 && !alibi && a->k_mean == NULL;
     const fa_idx h = a->E >= 2 * FA_EC ? a->E / 2 : 0; /* features of the first half */
     for (fa_idx r = 0, mr; r < nk; r += mr) {
         mr = FA_NAME(tile_rows)(nk, r);
@@ -282,7 +285,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
         for (fa_idx p = 0; p < ld; p += FA_NR) {
             T *c = st + r * ld + p;
             fa_idx lo, hi; /* the keys of the block these NR queries may see */
-            if (edge && (FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi), r >= hi || r + mr <= lo)) {
+            if (edge && (FA_NAME(tile_keys)(a, i0, G, p, s0, nk, &lo, &hi), r >= hi || r + mr <= lo)) {
                 for (fa_idx t = 0; t < mr; ++t) /* hidden: left to the stage's -inf */
                     for (fa_idx j = 0; j < FA_NR; ++j) c[t * ld + j] = ninf;
                 continue;
@@ -319,13 +322,16 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
             /* -inf hides the key whatever the score, even a NaN one */
             for (fa_idx j = 0; j < ld; ++j) z[j] = b[j] == ninf ? ninf : z[j] + b[j];
         }
-        if (a->alibi_slope != 0)
-            for (fa_idx j = 0; j < ld; ++j) z[j] = z[j] + FA_NAME(alibi)(a, i0 + j, key);
-        if (edge) { /* only the rows lo..hi-1 see this key */
+        if (alibi)
+            for (fa_idx j = 0; j < ld; ++j) {
+                const T slope = a->head_slopes != NULL ? (T)a->head_slopes[j % G] : (T)a->alibi_slope;
+                z[j] = z[j] + FA_NAME(alibi)(slope, a->causal_offset, i0 + j / G, key);
+            }
+        if (edge) { /* only the positions lo..hi-1, columns G lo..G hi-1, see this key */
             fa_idx lo, hi;
-            FA_NAME(key_rows)(a, key, i0, ld, &lo, &hi);
-            for (fa_idx j = 0; j < lo; ++j) z[j] = ninf;
-            for (fa_idx j = hi; j < ld; ++j) z[j] = ninf;
+            FA_NAME(key_rows)(a, key, i0, (ld + G - 1) / G, &lo, &hi);
+            for (fa_idx j = 0; j < lo * G && j < ld; ++j) z[j] = ninf;
+            for (fa_idx j = hi * G; j < ld; ++j) z[j] = ninf;
         }
     }
     /* the maximum down each column, eight rows at a time held in registers
@@ -391,7 +397,9 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
                                 fa_idx i0, fa_idx i1, const fa_attn_next *next, void *work,
                                 int zero_hidden)
 {
-    const fa_idx nq = i1 - i0, ld = (nq + FA_NR - 1) / FA_NR * FA_NR;
+    /* columns: G query heads of each row, folded (fa_attn_args' heads) */
+    const fa_idx G = a->heads > 1 ? a->heads : 1, nq = i1 - i0, nc = G * nq;
+    const fa_idx ld = (nc + FA_NR - 1) / FA_NR * FA_NR;
     const fa_idx E = a->E, Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     T *qp = (T *)FA_ALIGNED(work); /* E x ld: query block, transposed, zero padded */
@@ -410,7 +418,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
 
     if (nq <= 0) return;
-    if (nq <= FA_ROWS_MAX || a->heads > 1) { /* (heads x rows <= FA_ROWS_MAX: fa_api.c) */
+    if (nc <= FA_ROWS_MAX) {
         FA_NAME(attn_rows)(a, q, k, v, mask, out, w, lse, i0, i1, qp);
         return;
     }
@@ -425,19 +433,23 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     const T qscale = frexp((double)(T)a->scale, &e2) == 0.5 && e2 > -60 && e2 <= 1 ? (T)a->scale : 1;
     const T sscale = (T)a->scale / qscale; /* the scores' part */
     if (a->q_store == FA_STORE_NATIVE) {
-        FA_NAME(pack_t)(nq, E, (const T *)q + i0 * a->q_ls, a->q_ls, a->q_es, qscale, qp, ld, 1);
+        for (fa_idx g = 0; g < G; ++g)
+            FA_NAME(pack_t)(nq, E, (const T *)q + g * a->q_hs + i0 * a->q_ls, a->q_ls, a->q_es,
+                            qscale, qp + g, ld, G);
     } else { /* converted row by row (FA_QB <= FA_KB rows fit the panel), then packed */
-        for (fa_idx j = 0; j < nq; ++j)
-            FA_NAME(load_row)(a->q_store, E, FA_NAME(st_at)(a->q_store, q, (i0 + j) * a->q_ls),
+        for (fa_idx j = 0; j < nc; ++j)
+            FA_NAME(load_row)(a->q_store, E,
+                              FA_NAME(st_at)(a->q_store, q, j % G * a->q_hs + (i0 + j / G) * a->q_ls),
                               a->q_es, panel + j * FA_EP(a));
-        FA_NAME(pack_t)(nq, E, panel, FA_EP(a), 1, qscale, qp, ld, 1);
+        FA_NAME(pack_t)(nc, E, panel, FA_EP(a), 1, qscale, qp, ld, 1);
     }
     for (fa_idx e = 0; e < E; ++e) /* padding columns */
-        for (fa_idx j = nq; j < ld; ++j) qp[e * ld + j] = 0;
+        for (fa_idx j = nc; j < ld; ++j) qp[e * ld + j] = 0;
     for (fa_idx j = 0; j < ld; ++j)
         shift[j] = a->k_mean != NULL ? FA_NAME(mean_shift)(a, qp + j, ld, qscale) : 0;
     for (fa_idx j = 0; j < ld; ++j) {
-        FA_NAME(sink_start)(a, m + j, l + j);
+        const fa_attn_args h = FA_NAME(head_args)(a, j % G); /* its sink */
+        FA_NAME(sink_start)(&h, m + j, l + j);
         ms[j] = m[j] == ninf ? 0 : m[j];
     }
     /* O^T holds nothing until the first block visited writes it, tile by
@@ -457,8 +469,8 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
         const fa_idx nn = s_end - s0 - nk < FA_KB ? s_end - s0 - nk : FA_KB; /* the next block's */
         FA_NAME(ahead) block = FA_NAME(ahead_of_block)(a, k, v, s0 + nk, nn, tiles * (ld / FA_NR));
-        if (!FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, ld, s0, nk, st, bias,
-                                   bm, panel, &ahead, &block))
+        if (!FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, G, ld, s0, nk, st,
+                                   bias, bm, panel, &ahead, &block))
             continue;
 
         int rescale = 0;
@@ -481,7 +493,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         if (edge) { /* only the keys each NR queries may see, as below */
             for (fa_idx p = 0; p < ld; p += FA_NR) {
                 fa_idx lo, hi;
-                FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
+                FA_NAME(tile_keys)(a, i0, G, p, s0, nk, &lo, &hi);
                 FA_NAME(exp_block)(lo, hi, FA_NR, ld, st + p, ms + p, bl + p, 1);
             }
         } else {
@@ -500,7 +512,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
                 /* only the keys these NR queries may see: the others have
                  * weight 0, whose products add nothing */
                 fa_idx lo = 0, hi = nk;
-                if (edge) FA_NAME(tile_keys)(a, i0 + p, s0, nk, &lo, &hi);
+                if (edge) FA_NAME(tile_keys)(a, i0, G, p, s0, nk, &lo, &hi);
                 T *o = ot + c * ld + p;
                 if (hi > lo)
                     FA_NAME(ukr)((int)mr, hi - lo, vt.p + lo * vt.ss + c * vt.es, vt.es, vt.ss,
@@ -518,7 +530,9 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     /* l is 0 exactly when no key was visible (the maximum alone gives 1);
      * NaN when a visible logit was NaN */
     FA_NAME(normalize)(Ev, ld, ot, l, bl);
-    FA_NAME(pack_t)(Ev, nq, ot, ld, 1, 1, out + i0 * a->o_ls, a->o_ls, a->o_es);
+    for (fa_idx g = 0; g < G; ++g)
+        FA_NAME(pack_t)(Ev, nq, ot + g, ld, G, 1, out + g * a->o_hs + i0 * a->o_ls, a->o_ls,
+                        a->o_es);
     /* Zero weights times a non-finite value of a hidden key give NaN in the
      * products above.  Padding positions hold whatever was there: with a
      * mask, the block runs once more with the rows of the keys it hides from
@@ -529,16 +543,18 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
      * weights too (a row whose score overflowed has no m and l here to give
      * them). */
     int bad = 0;
-    for (fa_idx j = 0; j < nq; ++j) bad |= bl[j] != 0;
+    for (fa_idx j = 0; j < nc; ++j) bad |= bl[j] != 0;
     if (bad && !zero_hidden && a->mask_kind != FA_MASK_NONE) {
         FA_NAME(attn_block)(a, q, k, v, mask, out, w, lse, i0, i1, next, work, 1);
         return;
     }
-    for (fa_idx j = 0; j < nq; ++j) {
+    for (fa_idx j = 0; j < nc; ++j) { /* head j % G at position i0 + j / G */
+        const FA_NAME(one_head) h = FA_NAME(one_head_of)(a, j % G, q, out, lse);
+        const fa_idx i = i0 + j / G;
         if (bl[j] != 0)
-            FA_NAME(attn_rows)(a, q, k, v, mask, out, w, lse, i0 + j, i0 + j + 1, rows_work);
+            FA_NAME(attn_rows)(&h.a, h.q, k, v, mask, h.out, w, h.lse, i, i + 1, rows_work);
         else if (lse)
-            lse[(i0 + j) * a->lse_s] = FA_NAME(lse)(m[j], l[j]);
+            h.lse[i * a->lse_s] = FA_NAME(lse)(m[j], l[j]);
     }
 
     if (w == NULL) return;
@@ -546,8 +562,8 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     for (fa_idx s0 = 0; s0 < a->S; s0 += FA_KB) {
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
-                            FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, ld, s0,
-                                                  nk, st, bias, bm, panel, NULL, NULL);
+                            FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, 1, ld,
+                                                  s0, nk, st, bias, bm, panel, NULL, NULL);
         if (visible) /* exp(z - m); their sums, unused, in alpha (bl flags the rows recomputed) */
             FA_NAME(exp_block)(0, nk, ld, ld, st, ms, alpha,
                                FA_NAME(block_edge)(a, i0, nq, s0, nk) || FA_NAME(masked)(a, s0, nk));

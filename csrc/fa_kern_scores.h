@@ -79,11 +79,11 @@ static void FA_NAME(softcap)(const fa_attn_args *a, fa_idx n, T *z)
     for (fa_idx j = 0; j < n; ++j) z[j] *= c;
 }
 
-/* Step 4's bias of query i and key j. */
-static T FA_NAME(alibi)(const fa_attn_args *a, fa_idx i, fa_idx j)
+/* Step 4's bias of query i and key j, for a head of this slope. */
+static T FA_NAME(alibi)(T slope, fa_idx causal_offset, fa_idx i, fa_idx j)
 {
-    const fa_idx d = i + a->causal_offset - j;
-    return -(T)a->alibi_slope * (T)(d < 0 ? -d : d);
+    const fa_idx d = i + causal_offset - j;
+    return -slope * (T)(d < 0 ? -d : d);
 }
 
 /* Whether the mask covers some of the keys s0..s0+nk-1. */
@@ -105,7 +105,7 @@ static T FA_NAME(modify)(const fa_attn_args *a, const void *mask, fa_idx i, fa_i
         if (b == ninf) return ninf;
         z = z + b;
     }
-    if (a->alibi_slope != 0) z = z + FA_NAME(alibi)(a, i, j);
+    if (a->alibi_slope != 0) z = z + FA_NAME(alibi)((T)a->alibi_slope, a->causal_offset, i, j);
     return j < FA_NAME(key_lo)(a, i) || j > FA_NAME(key_hi)(a, i) ? ninf : z;
 }
 

@@ -104,16 +104,20 @@ typedef struct {
     const int32_t *block_table;
     fa_idx block_size;
     fa_idx k_bs, v_bs, ksc_bs, vsc_bs;
-    /* Query heads that share these keys and values, computed in one call of
-     * the row kernel so that the keys and values are read once for all of
-     * them (grouped-query attention).  heads <= 1: one head.  With heads =
-     * G > 1, a call for rows i0..i1-1 (G (i1 - i0) <= 4, no mask, no
-     * weights) computes those rows of G heads: head g's queries at q + g *
-     * q_hs, its output at out + g * o_hs and its lse at lse + g * lse_hs,
-     * with ALiBi slope head_slopes[g] and sink head_sinks[g] where those are
-     * not NULL (else alibi_slope and sink).  Each head gets the bits of a
-     * call of its own: every row is computed alone over the same key
-     * blocks. */
+    /* Query heads that share these keys and values, computed in one call so
+     * that the keys and values are read once for all of them (grouped-query
+     * attention; Multi-head Latent Attention's absorbed form).  heads <= 1:
+     * one head.  With heads = G > 1, a call for rows i0..i1-1 (G (i1 - i0)
+     * at most a query block, no mask, no weights) computes those rows of G
+     * heads: head g's queries at q + g * q_hs, its output at out + g * o_hs
+     * and its lse at lse + g * lse_hs, with ALiBi slope head_slopes[g] and
+     * sink head_sinks[g] where those are not NULL (else alibi_slope and
+     * sink).  Up to FA_ROWS_MAX rows in all, the row kernel computes each
+     * row alone over the same key blocks, so each head gets the bits of a
+     * call of its own; beyond, the block kernel folds the G heads of each
+     * row into its columns (a matrix product over each key block), each
+     * column the bits of the same row in a block-kernel call of its head
+     * over the same rows i0..i1-1. */
     fa_idx heads;
     fa_idx q_hs, o_hs, lse_hs;
     const double *head_slopes;
@@ -186,6 +190,16 @@ int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const 
  * It depends on the shape of one (batch, head) alone, never on the batch,
  * the thread count, the strides nor on whether weights are wanted. */
 fa_idx fa_attn_splits(const fa_attn_args *a);
+/* Query heads of one key/value head to compute together (heads) for a
+ * sequence of a->L query rows whose key/value heads serve `group` query
+ * heads each, by its shape and the path alone: up to FA_ROWS_MAX rows of
+ * heads, the row kernel's; beyond, when at least 8 rows of heads fit a
+ * query block, as many as fit, folded by the block kernel (not the int8
+ * mode's integer rows, nor, on the portable path, rows of 4 or fewer
+ * queries, which its row kernel computes faster); else 1 (or the row
+ * kernel's 4 rows).  The caller leaves heads at 1 where a mask, weights or
+ * per-head slopes and sinks not one element apart forbid sharing. */
+fa_idx fa_attn_group(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx group);
 /* Values of state one piece holds: heads * (i1 - i0) * (Ev + 2). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
 /* The running maximum, sum, lowest logit of nonzero weight and unnormalised output of rows i0..i1-1 over

@@ -119,6 +119,7 @@ cdef extern from "fastattn.h" nogil:
                 const void *v, const void *mask, void *out, void *w, void *lse, fa_idx i0,
                 fa_idx i1, const fa_attn_next *next, void *work)
     fa_idx fa_attn_splits(const fa_attn_args *a)
+    fa_idx fa_attn_group(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx group)
     fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
     int fa_attn_part(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
                      const void *k, const void *v, const void *mask, fa_idx i0, fa_idx i1,
@@ -365,6 +366,7 @@ cdef struct Ragged:
     bint ahead            # fa_attn_next hints: the operands exceed the threads' L2
     bint can_group        # query heads may share their key/value head's reads
     int es                # of out, weights and lse: the kernels' type
+    int isa               # the path the call's kernels take
 
 
 cdef struct RaggedTask:
@@ -538,7 +540,7 @@ cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n
         # this call: prefetched as this one ends (only a hint)
         if p.ahead and t + nthreads < n:
             plan_task(p, pl, t + nthreads, False, &nx)
-            if nx.nsplit == 1 and nx.i1 <= ai.L and (ai.heads <= 1 or ai.heads * (nx.i1 - nx.i0) <= 4):
+            if nx.nsplit == 1 and nx.i1 <= ai.L and ai.heads * (nx.i1 - nx.i0) <= fa_attn_query_block(p.es):
                 nxt = task_rows(p, &nx, &ai)
                 hint = &nxt
         return fa_attn(<fa_isa>isa, p.es, &ai, cur.q, cur.k, cur.v, m, o, w, lse, x.i0, x.i1,
@@ -565,11 +567,10 @@ cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n
 
 cdef inline fa_idx grouped(const Ragged *p, const fa_attn_args *a) noexcept nogil:
     """Query heads of one key/value head computed together for a sequence
-    of a->L queries: as many as the row kernel's 4 rows hold (1 when its
-    L > 4 rows go to the block kernel, or the call cannot group)."""
-    if not p.can_group or a.L > 4 or a.mask_kind != FA_MASK_NONE:
+    of a->L queries: fa_attn_group's, never with a mask or weights."""
+    if not p.can_group or a.mask_kind != FA_MASK_NONE:
         return 1
-    return max(1, min(p.group, 4 // a.L))
+    return fa_attn_group(<fa_isa>p.isa, p.es, a, p.group)
 
 
 cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
@@ -629,8 +630,8 @@ cdef void implicit_plan(const Ragged *p, Plan *pl) noexcept nogil:
     if ai.L == 0:
         return
     pl.L, pl.S = ai.L, ai.S
-    pl.nsplit = fa_attn_splits(&ai)
     pl.together = grouped(p, &ai)
+    pl.nsplit = fa_attn_splits(&ai) if pl.together * ai.L <= 4 else 1  # (folded: unsplit)
     pl.cpk = (p.group + pl.together - 1) // pl.together
     pl.chunks = (p.Hq // p.group) * pl.cpk
     pl.nqb = (ai.L + qb - 1) // qb
@@ -656,8 +657,8 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
         ragged_args(p, b, 0, 1, &ai)
         if ai.L == 0:
             continue
-        nsplit = fa_attn_splits(&ai)
         together = grouped(p, &ai)
+        nsplit = fa_attn_splits(&ai) if together * ai.L <= 4 else 1
         k = (p.Hq // p.group) * ((p.group + together - 1) // together)
         ntasks += k * (nsplit if nsplit > 1 else (ai.L + qb - 1) // qb)
         nitems += k if nsplit > 1 else 0
@@ -675,8 +676,8 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
         ragged_args(p, b, 0, 1, &ai)
         if ai.L == 0:
             continue
-        nsplit = fa_attn_splits(&ai)
         together = grouped(p, &ai)
+        nsplit = fa_attn_splits(&ai) if together * ai.L <= 4 else 1
         nqb = (ai.L + qb - 1) // qb
         chunk = (ai.S + nsplit - 1) // nsplit
         for h0 in range(p.Hq):  # chunks of `together` heads of one key/value head
@@ -728,6 +729,7 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except
     cdef int err = 0
     cdef char *states = NULL
     memset(&pl, 0, sizeof(pl))
+    p.isa = isa
     pl.ascending = p.a.window_left >= 0
     stop_init(&stop)
     if p.cu_q == NULL:  # a few operations: not worth releasing the GIL

@@ -597,12 +597,15 @@ def test_running_maximum_rises_block_by_block(simd, dtype, rng, step):
 @pytest.mark.parametrize("nan_value", [False, True])
 def test_grouped_query_decoding_is_each_head_alone(simd, dtype, L, Hq, Hkv, S, nan_value):
     """Decoding with grouped-query attention computes the query heads of a
-    key/value head together (their keys read once); each head keeps the
-    bits of the same call with the keys repeated per head (one head per
-    call), with its own slope and sink, its lse, split keys or not; also
-    where a NaN value row sends heads through the row kernel's second pass
-    (which took head 0's slope and sink for every head: the helper's
-    reproducer of 2026-12-04), seen by some heads only."""
+    key/value head together (their keys read once): up to 4 rows in all
+    (the row kernel), each head keeps the bits of the same call with the
+    keys repeated per head (one head per call), with its own slope and
+    sink, its lse, split keys or not; also where a NaN value row sends
+    heads through the row kernel's second pass (which took head 0's slope
+    and sink for every head: the helper's reproducer of 2026-12-04), seen
+    by some heads only.  More rows of heads (8 heads of a token, 4 of two)
+    are folded into the block kernel's columns: the values of the one-head
+    calls, to the suite's bound."""
     rng = np.random.default_rng(Hq * S + L)
     q = rng.standard_normal((2, Hq, L, 32)).astype(dtype)
     k = rng.standard_normal((2, Hkv, S, 32)).astype(dtype)
@@ -617,8 +620,12 @@ def test_grouped_query_decoding_is_each_head_alone(simd, dtype, L, Hq, Hkv, S, n
     group = Hq // Hkv
     ko, vo = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     want, want_lse = fastattn.scaled_dot_product_attention(q, ko, vo, **options)
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(lse, want_lse)
+    if group * L <= 4:
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(lse, want_lse)
+    else:
+        assert_close(out, want.astype(np.float64), dtype, 32 + S)
+        assert_close(lse, want_lse.astype(np.float64), dtype, 32 + S, magnitude=10.0)
 
 
 @pytest.mark.skipif("avx512" not in fastattn.available_simd_paths(), reason="no AVX-512 here")

@@ -12,7 +12,7 @@ code; the quantisation error against its bound per element; and the
 attention's error against the float64 reference, per storage."""
 import numpy as np
 import pytest
-from conftest import simd_path
+from conftest import simd_path, tolerance
 from hypothesis import given
 from hypothesis import strategies as st
 from test_low_precision import filled_cache
@@ -355,16 +355,18 @@ def test_bad_paged_arguments_are_clear_errors(change, error, words):
 
 @pytest.mark.parametrize("storage", ["float16", "bfloat16", "int8"] + STORAGES)
 @pytest.mark.parametrize("Ev", [16, 80, 128, 208])
-@pytest.mark.parametrize("L", [1, 2])
-def test_grouped_query_decoding_is_each_head_alone_in_every_storage(simd, storage, Ev, L):
-    """Decoding with 4 query heads per key/value head reads each value row
-    once for the group (the AVX-512 path converts it once for them all, in
-    tiles of 4 vectors: widths of whole tiles and part tiles; other widths
-    take the AVX2 kernels there); every head keeps the bits of a cache that
-    holds its keys and values alone, also where some weights underflow to 0
-    and the values there are NaN."""
+@pytest.mark.parametrize("L,G", [(1, 4), (2, 2), (1, 8), (2, 4)])
+def test_grouped_query_decoding_is_each_head_alone_in_every_storage(simd, storage, Ev, L, G):
+    """Decoding with up to 4 rows of query heads per key/value head reads
+    each value row once for the group (the AVX-512 path converts it once for
+    them all, in tiles of 4 vectors: widths of whole tiles and part tiles;
+    other widths take the AVX2 kernels there); every head keeps the bits of
+    a cache that holds its keys and values alone, also where some weights
+    underflow to 0 and the values there are NaN.  8 rows of heads are
+    folded into the block kernel's columns: the values of that cache, to
+    the suite's bound, with the same NaN and finite rows."""
     rng = np.random.default_rng(Ev + L)
-    B, Hkv, G, S, E = 2, 2, 4, 600, 64
+    B, Hkv, S, E = 2, 2, 600, 64
     k = rng.standard_normal((B, Hkv, S, E)).astype(np.float32)
     v = rng.standard_normal((B, Hkv, S, Ev)).astype(np.float32)
     q = rng.standard_normal((B, Hkv * G, L, E)).astype(np.float32)
@@ -378,8 +380,12 @@ def test_grouped_query_decoding_is_each_head_alone_in_every_storage(simd, storag
     grouped.append(k, v)
     alone = fastattn.KVCache(B, Hkv * G, S, E, value_dim=Ev, storage=storage)
     alone.append(np.repeat(k, G, axis=1), np.repeat(v, G, axis=1))
-    got = grouped.attend(q)
-    np.testing.assert_array_equal(got, alone.attend(q))
+    got, want = grouped.attend(q), alone.attend(q)
+    if G * L <= 4:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=tolerance(np.float32, E + S),
+                                   atol=tolerance(np.float32, E + S))
     assert np.isfinite(got[0, 0, 0]).all() and np.isfinite(got[:, G:]).all()
 
 
