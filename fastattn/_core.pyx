@@ -418,9 +418,11 @@ cdef inline void ragged_args(const Ragged *p, fa_idx b, fa_idx h, fa_idx heads,
     if p.seq_lens != NULL:
         r.S = p.seq_lens[b]
     r.causal_offset = (r.S - r.L if p.lower_right else 0) + p.align_offset
-    if p.tree_at != NULL:  # an (L, L) bool mask over its last L keys, or none
-        r.mask_kind = FA_MASK_BOOL if p.tree_at[b] >= 0 else FA_MASK_NONE
-        r.m_ls, r.m_ss, r.m_s0 = r.L, 1, r.S - r.L
+    if p.tree_at != NULL:  # an (L, L) bool mask over its last L keys (L <= S), or none
+        r.mask_kind = FA_MASK_NONE
+        if p.tree_at[b] >= 0:
+            r.mask_kind = FA_MASK_BOOL
+            r.m_ls, r.m_ss, r.m_s0 = r.L, 1, r.S - r.L
     r.block_table = p.table + b * p.table_s if p.table != NULL else NULL
     r.heads = heads
     if p.ahead_blocks and r.S * p.kv_row_bytes > L2_BYTES:

@@ -66,6 +66,19 @@ def check(tree_mask: object, tree_mask_indptr: object, q_lens: NDArray[np.int64]
     return Trees(C.contiguous(mask), np.where(has, at[:-1], -1).astype(np.int64))
 
 
+def no_positions(window_size: object, alibi_slopes: object) -> None:
+    """ValueError for a tree with a window or ALiBi: a draft sits at its slot
+    (its index among the drafts after the tokens before the tree), not at
+    its depth, and those options would count slots."""
+    window = window_size is not None and not (isinstance(window_size, (tuple, list))
+                                              and tuple(window_size) == (-1, -1))
+    if window or alibi_slopes is not None:
+        raise ValueError("tree_mask does not go with window_size or alibi_slopes: a draft "
+                         "token sits at its slot among the drafts, not at its depth in the "
+                         "tree, and a window or ALiBi would count slots (a path's bias or "
+                         "window would differ from decoding it token by token)")
+
+
 def dense(tree: NDArray[Any], S: int) -> NDArray[np.bool_]:
     """An (..., L, L) tree mask as the (..., L, S) bool mask of every key:
     the S - L keys before the tree visible."""

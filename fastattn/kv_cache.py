@@ -459,7 +459,9 @@ class KVCache(KeyOptions):
             every position before them stays visible.  Combined with
             attn_mask and the padding, and the same as the attn_mask of
             all the positions that it stands for (``paged_attention``'s
-            ``tree_mask``, one sequence per batch row).
+            ``tree_mask``, one sequence per batch row).  Not with
+            window_size nor alibi_slopes, which would count a draft's slot
+            rather than its depth.
 
         Returns
         -------
@@ -473,11 +475,14 @@ class KVCache(KeyOptions):
         ------
         TypeError
             A query whose dtype is not the cache's (nor 16-bit for a
-            float32 cache); a precision that is not a str; and those of
+            float32 cache); a precision that is not a str; a tree_mask that
+            is not a bool array; and those of
             ``scaled_dot_product_attention``.
         ValueError
-            A precision other than "exact" and "int8"; a tree_mask that is
-            not bool of shape (L, L) or (batch_size, L, L); with is_causal (or a tree_mask), more queries than positions held: the queries
+            A precision other than "exact" and "int8"; a tree_mask not of
+            shape (L, L) or (batch_size, L, L), with window_size or
+            alibi_slopes, or overlapping out; with is_causal (or a
+            tree_mask), more queries than positions held: the queries
             are the last positions, so that would mean their keys were not
             appended (``scaled_dot_product_attention`` with
             ``causal_alignment="lower_right"`` and FlashAttention give such
@@ -487,12 +492,14 @@ class KVCache(KeyOptions):
         """
         half = self._core.check_query(query, self._layouts[2], 1)
         mode = C.check_precision(precision)
-        tree = self._tree(tree_mask, query.shape[2])
+        tree = self._tree(tree_mask, query.shape[2], window_size, alibi_slopes, out)
         if (C.check_bool(is_causal, "is_causal") or tree_mask is not None) and \
                 query.shape[2] > self._length:
             raise ValueError(f"query has {_count(query.shape[2], 'position')} but the cache "
-                             f"holds {self._length}: with is_causal the queries are the last "
-                             "positions held; append their keys and values first")
+                             f"holds {self._length}: with "
+                             f"{'is_causal' if tree_mask is None else 'a tree_mask'} the "
+                             "queries are the last positions held; append their keys and "
+                             "values first")
         mask = _masks.both(_masks.both(tree, "tree_mask", attn_mask, "attn_mask", self.dtype),
                            "attn_mask", self.attn_mask, "the cache's padding", self.dtype)
         if (mask is not attn_mask and isinstance(out, np.ndarray)
@@ -522,11 +529,13 @@ class KVCache(KeyOptions):
             parts[1] = _storage.narrow(parts[1], rounded_to, nthreads)
         return cast("Result[Float]", parts[0] if len(parts) == 1 else tuple(parts))
 
-    def _tree(self, tree_mask: object, L: int) -> Optional[NDArray[np.bool_]]:
+    def _tree(self, tree_mask: object, L: int, window_size: object, alibi_slopes: object,
+              out: object) -> Optional[NDArray[np.bool_]]:
         """attend's tree_mask as a (batch_size or 1, 1, L, length) mask of
         every position held, or None."""
         if tree_mask is None:
             return None
+        _tree.no_positions(window_size, alibi_slopes)
         tree = C.require_array(tree_mask, "tree_mask", "bool")
         if tree.dtype != np.bool_:
             raise TypeError(f"tree_mask has dtype {tree.dtype}; expected bool (True = may "
@@ -535,9 +544,12 @@ class KVCache(KeyOptions):
             raise ValueError(f"tree_mask has shape {C.shape_str(tree.shape)}; expected (L, L) "
                              f"or (batch_size, L, L) = ({self.batch_size}, {L}, {L}) for "
                              f"{L} queries")
+        if isinstance(out, np.ndarray) and C.overlap(out, tree):
+            raise ValueError("out overlaps tree_mask; pass a separate output array")
         if L > self._length:
             return None  # (attend's error names the positions)
-        return _tree.dense(tree.reshape((-1, 1, L, L)), self._length)
+        return _tree.dense(tree.reshape((tree.shape[0] if tree.ndim == 3 else 1, 1, L, L)),
+                           self._length)
 
     def _rows(self, start: int, stop: int) -> tuple[NDArray[Any], NDArray[Any], StoredKV]:
         """Views of the keys and values held at positions start..stop-1, as

@@ -261,9 +261,11 @@ def paged_attention(
         row-major, from ``tree_mask_indptr[b]``: True where draft token i
         may see draft token t (its ancestors and itself).  Every position
         before the tree stays visible, and ``is_causal``, the window and
-        the other options still apply (with the tokens in topological
+        softcap and sinks still apply (with the tokens in topological
         order, every ancestor before its descendants, as those methods lay
-        them out, ``is_causal`` hides nothing the tree shows).  FlashInfer's
+        them out, ``is_causal`` hides nothing the tree shows); not
+        ``window_size`` nor ``alibi_slopes``, which would count a draft's
+        slot rather than its depth.  FlashInfer's
         ``custom_mask`` layout with its ``mask_indptr``, over the new
         tokens only, as vLLM's tree attention.  Each sequence's output is
         bitwise that of ``scaled_dot_product_attention`` with the same
@@ -298,7 +300,8 @@ def paged_attention(
         A precision other than "exact" and "int8"; shapes that do not
         agree (key_mean's included); a key_mean that is not finite; a
         tree_mask whose sequences' masks are not L_b x L_b or hold more
-        tokens than their keys, or tree_mask_indptr without tree_mask;
+        tokens than their keys, with window_size or alibi_slopes, or
+        tree_mask_indptr without tree_mask;
         Hq not a multiple of Hkv; cu_seqlens_q
         not starting at 0, decreasing or not ending at total_q; a seq_lens
         entry below 0 or beyond max_blocks x block_size; a block-table entry
@@ -369,6 +372,8 @@ def paged_attention(
               "tree_mask": tree_mask}
     mean = None if key_mean is None else _key_mean(key_mean, (B, Hkv, E), query.dtype)
     trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, lens)
+    if trees is not None:
+        _tree.no_positions(window_size, alibi_slopes)
     return ragged(query, key_cache, value_cache, table, None, lens, cu_q, q_lens, scales,
                   q_store, kv_store, Ev, causal, True, 0, scale, window_size, alibi_slopes,
                   softcap, sinks, lse_wanted, out, num_threads, inputs, mode, mean, trees)

@@ -144,6 +144,9 @@ class PagedKVCache(KeyOptions):
         self._prefix = PrefixTable() if prefix else None
         self._tokens: dict[int, Optional[list[int]]] = {}
         self._names: dict[int, list[bytes]] = {}
+        # the first draft position of a sequence holding unverified drafts
+        # (append's draft): no block from there on is named
+        self._drafts: dict[int, int] = {}
         self._next_id = 0
         self._lock = threading.Lock()  # around the bookkeeping above, never a kernel
 
@@ -256,6 +259,8 @@ class PagedKVCache(KeyOptions):
             tokens = self._tokens[seq_id]
             self._tokens[child] = None if tokens is None else list(tokens)
             self._names[child] = list(self._names[seq_id])
+            if seq_id in self._drafts:
+                self._drafts[child] = self._drafts[seq_id]
             self._refs[self._blocks[child]] += 1
             return child
 
@@ -267,6 +272,7 @@ class PagedKVCache(KeyOptions):
             self._give_back(self._blocks.pop(seq_id))
             del self._lens[seq_id]
             self._means.pop(seq_id, None)
+            self._drafts.pop(seq_id, None)
             del self._tokens[seq_id], self._names[seq_id]
 
     def _give_back(self, blocks: list[int]) -> None:
@@ -369,7 +375,8 @@ class PagedKVCache(KeyOptions):
                rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
                rotary_interleaved: bool = False, num_threads: Optional[int] = None,
                token_ids: Optional[NDArray[np.integer[Any]]] = None,
-               positions: Optional[NDArray[np.integer[Any]]] = None) -> None:
+               positions: Optional[NDArray[np.integer[Any]]] = None,
+               draft: bool = False) -> None:
         """Write new positions of several sequences after the ones they hold.
 
         Parameters
@@ -399,6 +406,12 @@ class PagedKVCache(KeyOptions):
             key): each block they fill is named by them, for
             ``match_prefix``.  A sequence appended to without them has no
             named block from there on.  Unused otherwise.
+        draft : bool
+            The tokens are draft tokens awaiting verification (a tree of
+            them, speculative decoding): with enable_prefix_caching no
+            block from the first of them on is named until
+            ``accept_draft`` (or a ``truncate`` before them) settles them,
+            so that no other request matches unverified rows.
 
         Raises
         ------
@@ -426,6 +439,7 @@ class PagedKVCache(KeyOptions):
         counts = [int(c) for c in cu[1:] - cu[:-1]]
         nthreads = _runtime.resolve_threads(num_threads)
         interleaved = C.check_bool(rotary_interleaved, "rotary_interleaved")
+        drafts = C.check_bool(draft, "draft")
         with self._lock:  # the pool first: an append that cannot fit does no work
             self._room(ids, counts)
         seq = np.repeat(np.arange(len(ids)), counts)
@@ -476,6 +490,8 @@ class PagedKVCache(KeyOptions):
                 self._k_scale[where[0], :, where[1]] = key_scale
                 self._v_scale[where[0], :, where[1]] = value_scale
             for b, (s, c, m) in enumerate(zip(ids, counts, means)):
+                if drafts and c > 0:
+                    self._drafts.setdefault(s, self._lens[s])
                 self._lens[s] += c
                 if self._keys.smooth and m is not None and c > 0 and s not in self._means:
                     self._means[s] = m
@@ -498,7 +514,7 @@ class PagedKVCache(KeyOptions):
             return
         held.extend(new)
         names, bs = self._names[s], self.block_size
-        while len(names) < len(held) // bs:
+        while len(names) < min(len(held), self._drafts.get(s, len(held))) // bs:
             k = len(names)
             names.append(chain(names[-1] if names else None, held[k * bs:(k + 1) * bs]))
             self._prefix.register(self._blocks[s][k], names[-1])
@@ -601,6 +617,8 @@ class PagedKVCache(KeyOptions):
         self._lens[s] = n
         if n == 0:
             self._means.pop(s, None)
+        if self._drafts.get(s, n) >= n:  # no draft left
+            self._drafts.pop(s, None)
         tokens = self._tokens[s]  # (empty: its ids may be given again)
         self._tokens[s] = [] if n == 0 else None if tokens is None else tokens[:n]
         del self._names[s][n // self.block_size:]
@@ -623,28 +641,31 @@ class PagedKVCache(KeyOptions):
         pool.  With rotary, append the drafts at their depth's positions
         (``append``'s ``positions``), which are the slots they are moved to.
         A block another sequence shares is copied before it is written, as
-        by ``append``; a named block written in place loses its name.
+        by ``append``.  With prefix caching, the blocks of the tree lose
+        their names and the full blocks of the kept path are named by its
+        tokens' ids (append the drafts with ``draft=True`` so that none is
+        named before).
 
         Raises
         ------
         TypeError
-            seq_ids, num_draft_tokens or accepted not ints.
+            seq_ids, num_draft_tokens or accepted not ints, or not lists of
+            them (accepted: one list of indices per sequence).
         ValueError
             A sequence that is not live or named twice; as many counts or
             lists as sequences missing; more draft tokens than positions
             held; indices that are not increasing or not below the count.
             Nothing is changed then.
         OutOfBlocksError
-            Shared blocks to copy and no free block for them (a
-            MemoryError); nothing is changed.
+            Shared blocks to copy and too few free blocks for them, counting
+            those the dropped drafts give back (a MemoryError); nothing is
+            changed.
         """
         counts = [C.check_index(n, f"num_draft_tokens[{i}]", 0)
-                  for i, n in enumerate(num_draft_tokens)]
-        if not isinstance(accepted, (list, tuple)):
-            raise TypeError(f"accepted must be a list with a list of indices per sequence, "
-                            f"got {type(accepted).__name__}")
-        paths = [[C.check_index(x, f"accepted[{b}][{i}]", 0) for i, x in enumerate(path)]
-                 for b, path in enumerate(accepted)]
+                  for i, n in enumerate(_items(num_draft_tokens, "num_draft_tokens", "ints"))]
+        paths = [[C.check_index(x, f"accepted[{b}][{i}]", 0)
+                  for i, x in enumerate(_items(path, f"accepted[{b}]", "indices"))]
+                 for b, path in enumerate(_items(accepted, "accepted", "lists of indices"))]
         with self._lock:
             ids = self._ids(seq_ids, distinct=True)
             if not len(counts) == len(paths) == len(ids):
@@ -657,31 +678,51 @@ class PagedKVCache(KeyOptions):
                 if any(y <= x for x, y in zip(path, path[1:])) or (path and path[-1] >= n):
                     raise ValueError(f"accepted[{b}] = {path}: expected increasing indices "
                                      f"below num_draft_tokens[{b}] = {n}")
-            bs, copies = self.block_size, 0
-            holders: dict[int, int] = {}
-            writes = []  # per sequence: (first draft slot, the moves' sources and slots)
-            for s, n, path in zip(ids, counts, paths):
-                base = self._lens[s] - n
-                moved = [(base + x, base + i) for i, x in enumerate(path) if x != i]
-                writes.append((base, moved))
-                for k in sorted({dst // bs for _, dst in moved}):
-                    block = self._blocks[s][k]
-                    left = holders.get(block, int(self._refs[block]))
-                    holders[block] = left - 1 if left > 1 else left
-                    copies += left > 1
-            if copies > self.num_free_blocks:
-                raise OutOfBlocksError(f"accepting these paths copies {copies} shared blocks "
-                                       f"and the pool has {self.num_free_blocks} free")
-            for s, path, (base, moved) in zip(ids, paths, writes):
+            plans = [self._accept_plan(s, n, path) for s, n, path in zip(ids, counts, paths)]
+            self._check_accept(ids, plans)
+            for s, path, (base, needed, moved) in zip(ids, paths, plans):
+                if self._prefix is not None:  # the tree's blocks were named by drafts
+                    for block in self._blocks[s][base // self.block_size:]:
+                        self._prefix.forget(block)
+                    del self._names[s][base // self.block_size:]
+                self._cut(s, needed)  # the drafts past the last one kept
                 if moved:
                     self._move(s, moved)
                 tokens = self._tokens[s]
                 if self._prefix is not None and tokens is not None:
                     tokens[base:base + len(path)] = [tokens[base + x] for x in path]
                 self._cut(s, base + len(path))
-                if moved and self._prefix is not None:
-                    del self._names[s][moved[0][1] // bs:]
+                if self._prefix is not None:
                     self._name_blocks(s, [])
+
+    def _accept_plan(self, s: int, n: int, path: list[int]) -> tuple[int, int, list[tuple[int, int]]]:
+        """accept_draft's plan for sequence s: its first draft slot, the
+        slots it needs until the moves are done, and the moves (src, dst)."""
+        base = self._lens[s] - n
+        return (base, base + (path[-1] + 1 if path else 0),
+                [(base + x, base + i) for i, x in enumerate(path) if x != i])
+
+    def _check_accept(self, ids: list[int], plans: list[tuple[int, int, list[tuple[int, int]]]]
+                      ) -> None:
+        """OutOfBlocksError unless the free blocks, with those the dropped
+        drafts give back first, cover the copies of shared blocks the moves
+        write (the lock held)."""
+        bs, copies, freed = self.block_size, 0, 0
+        holders: dict[int, int] = {}
+        for s, (_, needed, moved) in zip(ids, plans):
+            for block in self._blocks[s][-(-needed // bs):]:  # given back by the first cut
+                left = holders.get(block, int(self._refs[block])) - 1
+                holders[block] = left
+                freed += left == 0
+            for k in sorted({dst // bs for _, dst in moved}):
+                block = self._blocks[s][k]
+                left = holders.get(block, int(self._refs[block]))
+                holders[block] = left - 1 if left > 1 else left
+                copies += left > 1
+        if copies > self.num_free_blocks + freed:
+            raise OutOfBlocksError(f"accepting these paths copies {copies} shared blocks and "
+                                   f"the pool has {self.num_free_blocks} free (and {freed} the "
+                                   "dropped drafts give back)")
 
     def _move(self, s: int, moved: list[tuple[int, int]]) -> None:
         """Rows of sequence s from slot src to slot dst for each (src, dst)
@@ -809,6 +850,8 @@ class PagedKVCache(KeyOptions):
                              f"but holds {lens[b]} position{'' if lens[b] == 1 else 's'}: with is_causal the queries are its last positions; "
                              "append their keys and values first")
         trees = _tree.check(tree_mask, tree_mask_indptr, counts, lens)
+        if trees is not None:
+            _tree.no_positions(window_size, alibi_slopes)
         _no_positions(positions, rotary)
         rounded_to = None
         if half and (rotary is not None or self._keys.rotate):
@@ -846,6 +889,15 @@ class PagedKVCache(KeyOptions):
         if isinstance(result, tuple):
             return narrow(result[0], rounded_to, nthreads, out), result[1]
         return narrow(result, rounded_to, nthreads, out)
+
+
+def _items(x: object, name: str, what: str) -> list[Any]:
+    """x as a list: a list, tuple or 1-D array of `what`."""
+    if isinstance(x, np.ndarray) and x.ndim >= 1:
+        return list(x)
+    if not isinstance(x, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {what}, got {type(x).__name__}")
+    return list(x)
 
 
 def _no_positions(positions: object, rotary: object) -> None:

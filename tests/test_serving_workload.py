@@ -34,10 +34,12 @@ class Workload:
         self.tokens = {}  # sequence -> its token ids, position by position
 
     # ---- operations: each leaves the shadow equal to the cache ------------
-    def add(self):
-        base = PROMPTS[self.rng.integers(len(PROMPTS))]
-        ids = base[:self.rng.integers(1, len(base) + 1)] + \
-            list(self.rng.integers(0, 50, self.rng.integers(0, 6)))
+    def add(self, ids=None):
+        """A new request: ids, or a prompt drawn from the shared ones."""
+        if ids is None:
+            base = PROMPTS[self.rng.integers(len(PROMPTS))]
+            ids = base[:self.rng.integers(1, len(base) + 1)] + \
+                list(self.rng.integers(0, 50, self.rng.integers(0, 6)))
         s = self.cache.add_sequence()
         n = self.cache.match_prefix(s, np.array(ids))
         assert n % BS == 0 and n < len(ids)
@@ -76,7 +78,8 @@ class Workload:
             depth[i] = depth[p] + 1 if p >= 0 else 0
         drafts = list(self.rng.integers(0, 50, n))
         held = len(self.tokens[s])
-        if not self._append(s, drafts, held + depth):
+        before = list(self.tokens[s])
+        if not self._append(s, drafts, held + depth, draft=bool(self.rng.integers(2))):
             return
         ids = [s] + [o for o in dict.fromkeys(others) if o != s and self.tokens[o]]
         q_lens = [n] + [1] * (len(ids) - 1)
@@ -109,15 +112,18 @@ class Workload:
         path = [i for i in range(n) if tree[node, i]]
         self.cache.accept_draft([s], [n], [path])
         self.tokens[s] += [drafts[i] for i in path]
+        if self.rng.integers(2):  # a request whose prompt is the drafts in tree order
+            self.add(before + drafts + [7])
 
-    def _append(self, s, ids, positions):
+    def _append(self, s, ids, positions, draft=False):
         """Rows of ids at positions appended to s; False (nothing written)
         when the pool lacks the blocks."""
         if not len(ids):
             return True
         k, v = rows(ids, positions)
         try:
-            self.cache.append([s], k, v, np.array([0, len(ids)]), token_ids=np.array(ids))
+            self.cache.append([s], k, v, np.array([0, len(ids)]), token_ids=np.array(ids),
+                              draft=draft)
         except fastattn.OutOfBlocksError:
             return False
         return True
@@ -154,8 +160,8 @@ class Workload:
             self.fork(s)
         elif op in ("decode", "truncate", "free"):
             getattr(self, op)(s)
-        if len(self.tokens) > 10:  # the server's finished requests
-            self.free(live[0])
+        while len(self.tokens) > 10:  # the server's finished requests
+            self.free(next(iter(self.tokens)))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -50,9 +50,8 @@ K_LENS = [90, 40, 12, 9, 2200, 5]
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 128])
-@pytest.mark.parametrize("options", [{}, {"window_size": (20, 0)}, {"softcap": 5.0},
-                                     {"sinks": "per head"}, {"alibi_slopes": "per head"}],
-                         ids=["plain", "window", "softcap", "sinks", "alibi"])
+@pytest.mark.parametrize("options", [{}, {"softcap": 5.0}, {"sinks": "per head"}],
+                         ids=["plain", "softcap", "sinks"])
 def test_each_sequence_is_sdpa_with_its_mask_bit_for_bit(simd, block_size, options):
     rng = np.random.default_rng(block_size)
     queries, keys, values = ragged(rng, Q_LENS, K_LENS)
@@ -339,7 +338,8 @@ def test_accept_keeps_the_prefix_cache_right():
     (([0], [5], [[1, 1]]), ValueError, "increasing indices below"),
     (([0], [5], [[0, 5]]), ValueError, "increasing indices below"),
     (([0], [5, 1], [[0]]), ValueError, "one per sequence"),
-    (([0], [5], [0]), TypeError, "object is not iterable"),
+    (([0], [5], [0]), TypeError, "accepted[0] must be a list of indices, got int"),
+    (([0], 5, [[0]]), TypeError, "num_draft_tokens must be a list of ints, got int"),
     (([0], [5], None), TypeError, "accepted must be a list"),
     (([0], [-1], [[]]), ValueError, "num_draft_tokens[0]"),
     (([7], [1], [[]]), ValueError, "is not a live sequence"),
@@ -370,3 +370,82 @@ def test_positions_need_rotary():
         cache.append([s], k, k, np.array([0, 2]), rotary=(cos, sin),
                      positions=np.array([0, -1]))
     assert cache.seq_lens == {s: 0}
+
+
+def test_trees_refuse_windows_and_alibi():
+    """A draft sits at its slot, not its depth: a window or ALiBi would
+    count slots, so a tree refuses them (a fresh tester's finding: a path's
+    bias differed from decoding it token by token)."""
+    tree = np.ones(9, bool)
+    for option in ({"window_size": (4, 0)}, {"alibi_slopes": np.ones(4)}):
+        with pytest.raises(ValueError, match="does not go with window_size or alibi_slopes"):
+            tree_call(tree_mask=tree, tree_mask_indptr=np.array([0, 9, 9]), **option)
+    cache = fastattn.KVCache(1, 1, 8, 4)
+    cache.append(np.ones((1, 1, 5, 4), np.float32), np.ones((1, 1, 5, 4), np.float32))
+    with pytest.raises(ValueError, match="does not go with window_size"):
+        cache.attend(np.ones((1, 1, 2, 4), np.float32), tree_mask=np.eye(2, dtype=bool),
+                     window_size=(1, 0))
+
+
+def test_sequences_with_more_queries_than_keys_beside_a_tree():
+    """is_causal=False lets a sequence have more queries than keys; with a
+    tree_mask in the call (its own range empty) it used to reach the kernel
+    with a negative mask offset (a fresh tester's finding)."""
+    q = np.ones((2, 1, 8), np.float32)
+    kc = np.ones((1, 1, 4, 8), np.float32)
+    args = (q, kc, kc, np.zeros((1, 1), np.int32), np.array([1]), np.array([0, 2]))
+    want = fastattn.paged_attention(*args, is_causal=False)
+    got = fastattn.paged_attention(*args, is_causal=False, tree_mask=np.zeros(0, bool),
+                                   tree_mask_indptr=np.array([0, 0]))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_kvcache_tree_of_no_query():
+    cache = fastattn.KVCache(1, 1, 8, 4)
+    cache.append(np.ones((1, 1, 3, 4), np.float32), np.ones((1, 1, 3, 4), np.float32))
+    out = cache.attend(np.ones((1, 1, 0, 4), np.float32), tree_mask=np.zeros((0, 0), bool))
+    assert out.shape == (1, 1, 0, 4)
+    buf = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="out overlaps tree_mask"):
+        cache.attend(np.ones((1, 1, 2, 4), np.float32), tree_mask=buf.view(bool)[:4].reshape(2, 2),
+                     out=buf.reshape(1, 1, 2, 4))
+
+
+def test_rejected_draft_blocks_keep_no_name():
+    """A block of drafts the tree rejects goes back unnamed: its rows sit at
+    their depths, not as the tokens in order (a fresh tester's finding: a
+    later match served them)."""
+    def rows(t, p):
+        t, p = np.asarray(t, float)[:, None, None], np.asarray(p, float)[:, None, None]
+        return np.sin(0.37 * t + 0.11 * p + 0.05 * np.arange(8)).astype(np.float32)
+
+    for draft in (False, True):
+        c = fastattn.PagedKVCache(8, 4, 1, 8, enable_prefix_caching=True)
+        s = c.add_sequence()
+        k = rows([1, 2, 3, 4], range(4))
+        c.append([s], k, k, np.array([0, 4]), token_ids=np.array([1, 2, 3, 4]))
+        k = rows([5, 6, 7, 8], 4 + np.array([0, 1, 1, 2]))  # 5 -> {6, 7}, 6 -> 8
+        c.append([s], k, k, np.array([0, 4]), token_ids=np.array([5, 6, 7, 8]), draft=draft)
+        if draft:  # not named before the verification either
+            probe = c.add_sequence()
+            assert c.match_prefix(probe, np.arange(1, 10)) == 4
+            c.free(probe)
+        c.accept_draft([s], [4], [[]])
+        t = c.add_sequence()
+        assert c.match_prefix(t, np.arange(1, 10)) == 4
+
+
+def test_accept_counts_the_blocks_dropped_drafts_give_back():
+    """A path that writes into a block shared with a fork, in a full pool:
+    the block the rejected drafts free pays for the copy."""
+    c = fastattn.PagedKVCache(3, 4, 1, 8)
+    s = c.add_sequence()
+    x = np.arange(96, dtype=np.float32).reshape(12, 1, 8)
+    c.append([s], x[:8], x[:8], np.array([0, 8]))
+    f = c.fork(s)
+    before = stored_rows(c, f)
+    c.append([s], x[8:], x[8:], np.array([0, 4]))  # the pool is now full
+    c.accept_draft([s], [8], [[0, 2]])
+    assert c.seq_lens[s] == 6
+    np.testing.assert_array_equal(stored_rows(c, s)[0][:, 0], x[[0, 1, 2, 3, 4, 6], 0])
+    assert_same_rows(stored_rows(c, f), before)
