@@ -65,7 +65,7 @@ class Core:
     class) for messages."""
 
     def __init__(self, owner: str, num_kv_heads: int, head_dim: int, value_dim: Optional[int],
-                 dtype: DTypeLike, storage: Optional[str]) -> None:
+                 dtype: DTypeLike, storage: Optional[str], latent: bool = False) -> None:
         self.owner = owner
         self.num_kv_heads = C.check_index(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = C.check_index(head_dim, "head_dim", 0)
@@ -74,6 +74,16 @@ class Core:
         self.dtype = _storage.cache_dtype(dtype, owner)
         self.storage = _storage.check(storage, self.dtype, owner)
         self.stored = _storage.storage_dtype(self.storage)
+        # MLA's latent rows: the values are the keys' first value_dim features
+        self.latent = C.check_bool(latent, "latent")
+        if self.latent and self.value_dim > self.head_dim:
+            raise ValueError(f"a latent {owner}'s values are its keys' first value_dim "
+                             f"features: value_dim = {self.value_dim} must not exceed "
+                             f"head_dim = {self.head_dim}")
+        if self.latent and self.storage == "int4" and self.value_dim % _storage.Q4_BLOCK:
+            raise ValueError(f"a latent int4 {owner} reads its values as whole blocks of "
+                             f"{_storage.Q4_BLOCK} of its keys: value_dim = {self.value_dim} "
+                             f"must be a multiple of {_storage.Q4_BLOCK}")
 
     def fits(self, lead: tuple[int, ...]) -> bool:
         """Whether NumPy can make the rows of these leading axes (and 4-byte scales)."""
@@ -95,10 +105,13 @@ class Core:
         widths = [_storage.width(self.storage, n) for n in (self.head_dim, self.value_dim)]
         scaled = self.storage in _storage.SCALED
         try:
-            rows = Rows(np.zeros(lead + (widths[0],), self.stored),
-                        np.zeros(lead + (widths[1],), self.stored),
-                        np.zeros(lead, np.float32) if scaled else None,
-                        np.zeros(lead, np.float32) if scaled else None)
+            key = np.zeros(lead + (widths[0],), self.stored)
+            key_scale = np.zeros(lead, np.float32) if scaled else None
+            if self.latent:  # views of the keys: the rows stored once
+                rows = Rows(key, key[..., :widths[1]], key_scale, key_scale)
+            else:
+                rows = Rows(key, np.zeros(lead + (widths[1],), self.stored), key_scale,
+                            np.zeros(lead, np.float32) if scaled else None)
             arrays = [np.zeros(s, d) for s, d in extra]
         except MemoryError:
             nbytes = (math.prod(lead) * (sum(widths) * self.stored.itemsize + (8 if scaled else 0))
@@ -111,15 +124,21 @@ class Core:
                    unit: str) -> int:
         """key and value as appended: arrays of the cache's dtype in these
         layouts, with as many units (positions, tokens) along their free
-        axis; that count."""
+        axis; that count.  A latent cache takes key alone (value None)."""
+        if self.latent != (value is None):
+            raise ValueError(f"a latent {self.owner} holds its values in its keys: pass "
+                             "value=None" if self.latent else
+                             f"value is None; this {self.owner} is not latent (latent=True "
+                             "makes the values the keys' first value_dim features)")
         counts = []
-        for name, a, want in (("key", key, layout), ("value", value, value_layout)):
+        pairs = (("key", key, layout),) + (() if self.latent else (("value", value, value_layout),))
+        for name, a, want in pairs:
             arr = C.require_array(a, name)
             if arr.dtype != self.dtype:
                 raise self._dtype_error(name, arr.dtype)
             want.require(arr, name)
             counts.append(int(arr.shape[want.sizes.index(None)]))
-        n, nv = counts
+        n, nv = counts[0], counts[-1]
         if nv != n:
             raise ValueError(f"key and value must hold the same number of {unit}, got {n} "
                              f"and {nv}")
@@ -136,6 +155,11 @@ class Core:
         layout.require(q, "query")
         C.check_head_groups(q.shape[heads_axis], self.num_kv_heads)
         return half
+
+    def owned(self, rows: Sequence[Optional[NDArray[Any]]]) -> list[NDArray[Any]]:
+        """The buffers of rows (key, value, key scale, value scale) that hold
+        their own memory: a latent cache's values are views of its keys."""
+        return [a for i, a in enumerate(rows) if a is not None and not (self.latent and i % 2)]
 
     def _dtype_error(self, name: str, dtype: np.dtype[Any]) -> TypeError:
         """An array of another dtype than the cache's, with the fix for a 16-bit one."""

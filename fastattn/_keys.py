@@ -54,9 +54,12 @@ def rotate(x: NDArray[Any]) -> NDArray[Any]:
 class KeyTransform:
     """A cache's choice of rotation and smoothing, checked."""
 
-    def __init__(self, smooth_k: object, rotate_k: object) -> None:
+    def __init__(self, smooth_k: object, rotate_k: object, latent: bool = False) -> None:
         self.smooth = C.check_bool(smooth_k, "smooth_k")
         self.rotate = C.check_bool(rotate_k, "rotate_k")
+        if latent and (self.smooth or self.rotate):  # (latent: checked by the cache's core)
+            raise ValueError("latent cannot go with smooth_k or rotate_k: a latent cache's "
+                             "values are its stored keys, which those would change")
 
     def rotated(self, x: NDArray[Any]) -> NDArray[Any]:
         """x (..., head_dim), float32 or float64, rotated (a new array), or

@@ -129,17 +129,29 @@ class KVCache(KeyOptions):
         sqrt(head_dim)): ``append`` says so then; with rotate_k, keys with
         an inf or a NaN are refused (the rotation would spread it over its
         block of features, and its scores come out NaN, not infinite).
+    latent : bool
+        Multi-head Latent Attention's cache (DeepSeek-V2, Liu et al. 2024;
+        FlashMLA's and vLLM's MLA layout, whose ``head_dim_v`` is
+        value_dim here): each position holds one row of head_dim features
+        (the compressed latent, then the decoupled rotary part), and its
+        value is the row's first value_dim features, a view of the same
+        storage: held once and read once for both products (with many
+        query heads per key/value head, MLA's absorbed form, a matrix
+        product).  ``append`` takes the keys alone (value None).  Not with
+        smooth_k nor rotate_k, which would change the values; value_dim a
+        multiple of 32 in int4 (default False).
 
     Raises
     ------
     TypeError
         Sizes that are not ints, a dtype other than float32 and float64
         (for a 16-bit one the message says how to store in 16 bits), or
-        smooth_k or rotate_k not bools.
+        smooth_k, rotate_k or latent not bools.
     ValueError
         Sizes below 1 (head_dim and value_dim may be 0), a storage not
-        among those above (or other than "float64" with float64), or
-        buffers larger than any address space.
+        among those above (or other than "float64" with float64),
+        buffers larger than any address space, or a latent cache with
+        value_dim above head_dim, smooth_k or rotate_k.
     ImportError
         storage="bfloat16" without the ml_dtypes package.
     MemoryError
@@ -150,10 +162,10 @@ class KVCache(KeyOptions):
     def __init__(self, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
                  storage: Optional[str] = None, smooth_k: bool = False,
-                 rotate_k: bool = False) -> None:
+                 rotate_k: bool = False, latent: bool = False) -> None:
         batch_size = C.check_index(batch_size, "batch_size", 1)
-        core = _cache.Core("KVCache", num_kv_heads, head_dim, value_dim, dtype, storage)
-        self._keys = KeyTransform(smooth_k, rotate_k)
+        core = _cache.Core("KVCache", num_kv_heads, head_dim, value_dim, dtype, storage, latent)
+        self._keys = KeyTransform(smooth_k, rotate_k, core.latent)
         capacity = C.check_index(capacity, "capacity", 1)
         sizes = (f"batch_size={batch_size}, num_kv_heads={core.num_kv_heads}, "
                  f"capacity={capacity}, head_dim={core.head_dim}, value_dim={core.value_dim}, "
@@ -217,9 +229,9 @@ class KVCache(KeyOptions):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers (keys, values, row scales, padding flags, key mean)."""
-        scales = [a.nbytes for a in (self._key_scale, self._value_scale, self._key_mean)
-                  if a is not None]
-        return int(self._key.nbytes + self._value.nbytes + self._real.nbytes + sum(scales))
+        rows = self._core.owned([self._key, self._value, self._key_scale, self._value_scale])
+        mean = 0 if self._key_mean is None else self._key_mean.nbytes
+        return int(sum(a.nbytes for a in rows) + self._real.nbytes + mean)
 
     @property
     def length(self) -> int:
@@ -268,11 +280,17 @@ class KVCache(KeyOptions):
         no padding was ever appended."""
         return _storage.read_only(self._real[:, None, None, :self._length]) if self._padded else None
 
+    @property
+    def latent(self) -> bool:
+        """Whether the values are the keys' first value_dim features (MLA)."""
+        return self._core.latent
+
     def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"capacity={self.capacity}, head_dim={self.head_dim}, "
                 f"value_dim={self.value_dim}, dtype={self.dtype.name}, storage={self.storage}, "
-                f"{self._keys.options_repr()}length={self.length})")
+                f"{self._keys.options_repr()}{'latent=True, ' if self._core.latent else ''}"
+                f"length={self.length})")
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept for the next sequence)."""
@@ -304,17 +322,18 @@ class KVCache(KeyOptions):
         self._length = length
         self._padded = not bool(self._real[:, :length].all())
 
-    def append(self, key: NDArray[np.floating[Any]], value: NDArray[np.floating[Any]],
+    def append(self, key: NDArray[np.floating[Any]], value: Optional[NDArray[np.floating[Any]]],
                key_padding_mask: Optional[NDArray[np.bool_]] = None) -> None:
         """Write L new positions after the ones held, in place.
 
         Parameters
         ----------
         key : ndarray, (batch_size, num_kv_heads, L, head_dim), the cache's dtype
-        value : ndarray, (batch_size, num_kv_heads, L, value_dim)
+        value : ndarray, (batch_size, num_kv_heads, L, value_dim), or None
             Any strides (for example head views of a projection); copied
             into the buffers in the cache's storage (rounded or quantised,
-            see the class), never kept.
+            see the class), never kept.  None for a latent cache, whose
+            values are the keys' first value_dim features.
         key_padding_mask : bool ndarray (batch_size, L) or None
             nn.MultiheadAttention's convention: True = padding, never
             attended by any later query.
@@ -367,14 +386,15 @@ class KVCache(KeyOptions):
             keys, key_scale = self._encode(held, "key")
         except ValueError as exc:
             raise self._keys.explain(exc, key) from None
-        values, value_scale = self._encode(value, "value")
+        values, value_scale = (None, None) if value is None else self._encode(value, "value")
         if self._key_mean is not None and mean is not None:
             self._key_mean[...] = mean
-        self._key[:, :, n:n + L] = keys
-        self._value[:, :, n:n + L] = values
-        if self._key_scale is not None and self._value_scale is not None:
-            self._key_scale[:, :, n:n + L] = key_scale
-            self._value_scale[:, :, n:n + L] = value_scale
+        writes = [(self._key, keys), (self._key_scale, key_scale)]
+        if not self._core.latent:  # (a latent cache's values are its keys)
+            writes += [(self._value, values), (self._value_scale, value_scale)]
+        for buf, rows in writes:
+            if buf is not None and rows is not None:
+                buf[:, :, n:n + L] = rows
         if key_padding_mask is None:
             self._real[:, n:n + L] = True
         else:

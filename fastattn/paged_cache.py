@@ -84,17 +84,25 @@ class PagedKVCache(KeyOptions):
         free meanwhile.  Shared blocks are never written (copy-on-write,
         as with ``fork``).  Not with smooth_k, whose keys are stored less
         their own sequence's mean (default False).
+    latent : bool
+        As ``KVCache``'s: Multi-head Latent Attention's pool, each row's
+        first value_dim features its value (``value_cache`` is a view of
+        ``key_cache``, as FlashMLA reads one cache with ``head_dim_v``);
+        ``append`` takes the keys alone, and ``rotary`` rotates the
+        features after value_dim (DeepSeek-V2's decoupled RoPE part) of
+        the keys and the queries (default False).
 
     Raises
     ------
     TypeError
         Sizes that are not ints, a dtype other than float32 and float64, or
-        smooth_k, rotate_k or enable_prefix_caching not bools.
+        smooth_k, rotate_k, enable_prefix_caching or latent not bools.
     ValueError
         Sizes below 1 (head_dim and value_dim may be 0), num_blocks above
         2**31 (block tables hold int32 ids), a storage it cannot hold, a
-        pool larger than any address space, or enable_prefix_caching with
-        smooth_k.
+        pool larger than any address space, enable_prefix_caching with
+        smooth_k, or a latent pool with value_dim above head_dim, smooth_k
+        or rotate_k.
     ImportError
         storage="bfloat16" without the ml_dtypes package.
     MemoryError
@@ -104,14 +112,16 @@ class PagedKVCache(KeyOptions):
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: DTypeLike = np.float32,
                  storage: Optional[str] = None, smooth_k: bool = False,
-                 rotate_k: bool = False, enable_prefix_caching: bool = False) -> None:
+                 rotate_k: bool = False, enable_prefix_caching: bool = False,
+                 latent: bool = False) -> None:
         num_blocks = C.check_index(num_blocks, "num_blocks", 1)
         if num_blocks > C.INT32_MAX + 1:  # block tables are int32, as vLLM's
             raise ValueError(f"num_blocks = {num_blocks}; at most 2**31 = {C.INT32_MAX + 1} "
                              "blocks (block tables hold int32 ids)")
         block_size = C.check_index(block_size, "block_size", 1)
-        core = _cache.Core("PagedKVCache", num_kv_heads, head_dim, value_dim, dtype, storage)
-        self._keys = KeyTransform(smooth_k, rotate_k)
+        core = _cache.Core("PagedKVCache", num_kv_heads, head_dim, value_dim, dtype, storage,
+                           latent)
+        self._keys = KeyTransform(smooth_k, rotate_k, core.latent)
         prefix = C.check_bool(enable_prefix_caching, "enable_prefix_caching")
         if prefix and self._keys.smooth:
             raise ValueError("enable_prefix_caching cannot go with smooth_k: a shared block "
@@ -189,8 +199,7 @@ class PagedKVCache(KeyOptions):
     @property
     def nbytes(self) -> int:
         """Bytes of the pool (keys, values and int8 scales)."""
-        scales = [a.nbytes for a in (self._k_scale, self._v_scale) if a is not None]
-        return int(self._key.nbytes + self._value.nbytes + sum(scales))
+        return int(sum(a.nbytes for a in self._buffers()))
 
     @property
     def seq_ids(self) -> list[int]:
@@ -224,11 +233,17 @@ class PagedKVCache(KeyOptions):
     def v_scale(self) -> Optional[NDArray[np.float32]]:
         return None if self._v_scale is None else _storage.read_only(self._v_scale.view())
 
+    @property
+    def latent(self) -> bool:
+        """Whether the values are the keys' first value_dim features (MLA)."""
+        return self._core.latent
+
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"value_dim={self.value_dim}, dtype={self.dtype.name}, storage={self.storage}, "
-                f"{self._keys.options_repr()}sequences={len(self._lens)}, "
+                f"{self._keys.options_repr()}{'latent=True, ' if self._core.latent else ''}"
+                f"sequences={len(self._lens)}, "
                 f"free blocks={self.num_free_blocks})")
 
     # ---- sequences ---------------------------------------------------------
@@ -370,7 +385,7 @@ class PagedKVCache(KeyOptions):
 
     # ---- writing -----------------------------------------------------------
     def append(self, seq_ids: SeqIds, key: NDArray[np.floating[Any]],
-               value: NDArray[np.floating[Any]],
+               value: Optional[NDArray[np.floating[Any]]],
                cu_seqlens: Optional[NDArray[np.integer[Any]]] = None, *,
                rotary: Optional[tuple[NDArray[Any], NDArray[Any]]] = None,
                rotary_interleaved: bool = False, num_threads: Optional[int] = None,
@@ -383,9 +398,10 @@ class PagedKVCache(KeyOptions):
         ----------
         seq_ids : list of int or 1-D int array, B distinct live sequences
         key : ndarray, (n, num_kv_heads, head_dim), the cache's dtype
-        value : ndarray, (n, num_kv_heads, value_dim)
+        value : ndarray, (n, num_kv_heads, value_dim), or None
             The new tokens of the B sequences, packed (any strides): rounded
-            or quantised into the storage, never kept.
+            or quantised into the storage, never kept.  None for a latent
+            pool, whose values are the keys' first value_dim features.
         cu_seqlens : int array (B + 1,) or None
             seq_ids[b] gets rows cu_seqlens[b] to cu_seqlens[b + 1] - 1; None
             means one token each (a decoding step, n = B).
@@ -446,8 +462,8 @@ class PagedKVCache(KeyOptions):
         slots = np.array(before, np.int64)[seq] + np.arange(n) - cu[:-1][seq]
         _no_positions(positions, rotary)
         if rotary is not None:
-            key = self._rotate(key, _positions(positions, n, slots), rotary, interleaved,
-                               nthreads)
+            key = self._rotated(key, _positions(positions, n, slots), rotary, interleaved,
+                                nthreads)
         rotated, rows_mean = self._keys.rotated(key), None
         if self._keys.smooth:  # a sequence's first append fixes its mean
             means = [KeyTransform.mean(rotated[cu[b]:cu[b + 1]], None, 0) if n0 == 0 else m
@@ -458,7 +474,8 @@ class PagedKVCache(KeyOptions):
             keys, key_scale = _storage.encode(held, self._storage, "key", nthreads)
         except ValueError as exc:
             raise self._keys.explain(exc, key) from None
-        values, value_scale = _storage.encode(value, self._storage, "value", nthreads)
+        values, value_scale = ((None, None) if value is None else
+                               _storage.encode(value, self._storage, "value", nthreads))
         with self._lock:
             self._ids(ids)  # none freed meanwhile
             grown = [s for s, n0 in zip(ids, before) if self._lens[s] != n0]
@@ -475,20 +492,21 @@ class PagedKVCache(KeyOptions):
                     self._prefix.forget(blocks[-1])  # a partly filled block written in place
                 if copy:  # the shared, partly filled last block: this sequence's own copy
                     old, new = blocks[-1], self._take()
-                    for buf in (self._key, self._value, self._k_scale, self._v_scale):
-                        if buf is not None:
-                            buf[new] = buf[old]
+                    for buf in self._buffers():
+                        buf[new] = buf[old]
                     self._refs[old] -= 1
                     blocks[-1] = new
                     take -= 1
                 blocks.extend(self._take() for _ in range(take))
             table = self._table(ids)
             where = table[seq, slots // self.block_size], slots % self.block_size
-            self._key[where[0], :, where[1]] = keys
-            self._value[where[0], :, where[1]] = values
-            if self._k_scale is not None and self._v_scale is not None:
-                self._k_scale[where[0], :, where[1]] = key_scale
-                self._v_scale[where[0], :, where[1]] = value_scale
+            writes: list[tuple[Optional[NDArray[Any]], Optional[NDArray[Any]]]] = [
+                (self._key, keys), (self._k_scale, key_scale)]
+            if not self._core.latent:  # (a latent pool's values are its keys)
+                writes += [(self._value, values), (self._v_scale, value_scale)]
+            for dst, rows in writes:
+                if dst is not None and rows is not None:
+                    dst[where[0], :, where[1]] = rows
             for b, (s, c, m) in enumerate(zip(ids, counts, means)):
                 if drafts and c > 0:
                     self._drafts.setdefault(s, self._lens[s])
@@ -733,18 +751,22 @@ class PagedKVCache(KeyOptions):
             old = blocks[k]
             if self._refs[old] > 1:  # copy-on-write, as append's
                 new = self._take()
-                for buf in (self._key, self._value, self._k_scale, self._v_scale):
-                    if buf is not None:
-                        buf[new] = buf[old]
+                for buf in self._buffers():
+                    buf[new] = buf[old]
                 self._refs[old] -= 1
                 blocks[k] = new
             elif self._prefix is not None:
                 self._prefix.forget(old)
         src, dst = (np.array(x, np.int64) for x in zip(*moved))
         table = np.array(blocks, np.int64)
-        for buf in (self._key, self._value, self._k_scale, self._v_scale):
-            if buf is not None:  # gathered before written (fancy indexing copies)
-                buf[table[dst // bs], :, dst % bs] = buf[table[src // bs], :, src % bs]
+        for buf in self._buffers():  # gathered before written (fancy indexing copies)
+            buf[table[dst // bs], :, dst % bs] = buf[table[src // bs], :, src % bs]
+
+    def _buffers(self) -> list[NDArray[Any]]:
+        """The pool's arrays that hold their own memory: keys, values, their
+        scales (a latent pool's values and value scales are views of its
+        keys': written through those alone, never twice)."""
+        return self._core.owned([self._key, self._value, self._k_scale, self._v_scale])
 
     def _take(self) -> int:
         """A free block: one given back, else a never used one, else the
@@ -790,6 +812,17 @@ class PagedKVCache(KeyOptions):
                 raise ValueError(f"rotary: the tables cover positions 0 to {cos.shape[0] - 1} "
                                  f"and this step reaches position {high}; make them longer")
         return rotate(x, positions, rotary[0], rotary[1], interleaved, nthreads)
+
+    def _rotated(self, x: NDArray[Any], positions: NDArray[np.int64], rotary: object,
+                 interleaved: bool, nthreads: int) -> NDArray[Any]:
+        """x (n, heads, head_dim) rotated at positions (a new array): all its
+        features, or a latent pool's after value_dim (the rotary part)."""
+        if not self._core.latent:
+            return self._rotate(x, positions, rotary, interleaved, nthreads)
+        y = np.array(x, copy=True)
+        y[..., self._value_dim:] = self._rotate(x[..., self._value_dim:], positions, rotary,
+                                                interleaved, nthreads)
+        return y
 
     # ---- attention ---------------------------------------------------------
     def attend(self, seq_ids: SeqIds, query: NDArray[Float],
@@ -861,7 +894,7 @@ class PagedKVCache(KeyOptions):
             seq = np.repeat(np.arange(len(ids)), counts)
             positions = _positions(positions, query.shape[0], (lens - counts)[seq] +
                                    np.arange(query.shape[0]) - cu[:-1][seq])
-            query = self._rotate(query, positions, rotary,
+            query = self._rotated(query, positions, rotary,
                                  C.check_bool(rotary_interleaved, "rotary_interleaved"),
                                  _runtime.resolve_threads(num_threads))
         query = self._keys.rotated(query)
