@@ -71,6 +71,24 @@ def test_runner_of_a_variant_matches_reference(name, shape):
     assert shape.flops == 2 * shape.B * shape.H * visible * (shape.E + shape.Ev)
 
 
+@pytest.mark.parametrize("name", list(RUNNERS))
+def test_runner_of_a_latent_shape_matches_reference(name):
+    """decode-mla-8192's kind, small: 8 query heads over one latent head
+    whose first features are the values; runners without grouped heads are
+    skipped."""
+    runner = available(name)
+    shape = Shape("mla", 2, 8, 1, 70, 48, kv_heads=1, value_dim=32, latent=True)
+    if runner.missing(shape):
+        pytest.skip(runner.missing(shape))
+    q, k, v = shape.inputs(seed=5)
+    with runner.setup(q, k, v, shape, 2) as prepared:
+        out = np.asarray(prepared.to_bhle(prepared.call()))
+    expected = reference.scaled_dot_product_attention(
+        *(np.repeat(a, 8 // a.shape[1], axis=1).astype(np.float64) for a in (q, k, v)))
+    assert_close(out, expected, np.float32, shape.E + shape.S, magnitude=4)
+    assert runners.output_errors(out, q, k, v, shape, np.arange(1))[0] < 1e-5
+
+
 def test_openvino_model_is_one_sdpa_op():
     available("openvino")
     model = runners.sdpa_model(2, 4, 5, 6, 8, 3, True, masked=False)
@@ -162,7 +180,7 @@ def test_shape_work():
                                         "decode-8192", "decode-8192-float16",
                                         "decode-8192-bfloat16", "decode-8192-int8",
                                         "decode-8192-float8_e4m3fn", "decode-8192-float8_e5m2",
-                                        "decode-8192-int4"]
+                                        "decode-8192-int4", "decode-mla-8192"]
     rows = 32 * 8192  # (head, position) rows of key and of value
     assert [ALL_SHAPES[f"decode-8192{x}"].kv_bytes for x in (
         "", "-float16", "-int8", "-float8_e4m3fn", "-float8_e5m2", "-int4")] == [
@@ -173,6 +191,11 @@ def test_shape_work():
     p = ALL_SHAPES["packed-16"]
     assert len(p.seqlens) == 16 and min(p.seqlens) == 32 and max(p.seqlens) == 1024
     assert p.L == p.S == sum(p.seqlens)
+    m = ALL_SHAPES["decode-mla-8192"]  # 128 heads over one latent row of 576, values its 512
+    assert m.flops == 2 * 128 * 8192 * (576 + 512) and m.kv_bytes == 8192 * 576 * 4
+    q, k, v = m.inputs()
+    assert q.shape == (1, 128, 1, 576) and k.shape == (1, 1, 8192, 576)
+    assert np.shares_memory(k, v) and v.shape == (1, 1, 8192, 512)
 
 
 @pytest.mark.parametrize("storage", ["float16", "int8"])

@@ -40,6 +40,8 @@ class Runner:
     # an untimed first step of L positions: not causal, no window, S >= 2 L
     whole_cache_decode: bool = False
     precision: str = "exact"       # fastattn's precision argument (its int8 mode: "int8")
+    gqa: bool = True               # takes fewer key/value heads than query heads
+    broadcast_heads_only: bool = False  # ... only one of them (broadcast to every head)
 
     def missing(self, shape=None) -> Optional[str]:
         """None when the runner can run here (on shape), else why not."""
@@ -48,6 +50,10 @@ class Runner:
             return f"{', '.join(absent)} not installed ({self.install})"
         if shape is not None and shape.mask() is not None and not self.masks:
             return "no sliding window, packed sequences or (L, S) mask in this runner"
+        if shape is not None and shape.Hkv != shape.H and not self.gqa:
+            return "no grouped-query or latent attention in this runner's operator"
+        if shape is not None and 1 != shape.Hkv != shape.H and self.broadcast_heads_only:
+            return "only one key/value head broadcast to every query head in this runner"
         if shape is not None and shape.storage != "float32" and self.library != "fastattn":
             # no article before the name, which "a int8" got wrong
             return f"{shape.storage} key/value caches are fastattn's (the others: float32)"
@@ -86,7 +92,8 @@ def _fastattn(q, k, v, shape, num_threads, precision="exact"):
 
     def call():
         return fastattn.scaled_dot_product_attention(q, k, v, is_causal=shape.causal,
-                                                     window_size=window, num_threads=num_threads)
+                                                     window_size=window, num_threads=num_threads,
+                                                     enable_gqa=shape.Hkv != shape.H)
     yield Prepared(call, lambda out: out)
 
 
@@ -117,8 +124,13 @@ def _numpy(q, k, v, shape, num_threads):
     from threadpoolctl import threadpool_limits
 
     mask = shape.mask()
+    B, H, L, E = q.shape
+    Hkv = k.shape[1]
+    if Hkv != H:  # a group's heads as query rows of its key/value head (not causal)
+        q = q.reshape(B, Hkv, H // Hkv * L, E)
     with threadpool_limits(limits=num_threads, user_api="blas"):
-        yield Prepared(lambda: numpy_attention(q, k, v, shape.causal, mask), lambda out: out)
+        yield Prepared(lambda: numpy_attention(q, k, v, shape.causal, mask),
+                       lambda out: out.reshape(B, H, L, -1))
 
 
 @contextlib.contextmanager
@@ -132,6 +144,8 @@ def _torch(q, k, v, shape, num_threads):
     mask = shape.mask()  # PyTorch has no window or packed option: the explicit mask
     options = ({"is_causal": shape.causal} if mask is None
                else {"attn_mask": torch.from_numpy(mask)})
+    if shape.Hkv != shape.H:
+        options["enable_gqa"] = True
 
     def call():
         return F.scaled_dot_product_attention(tq, tk, tv, **options)
@@ -207,16 +221,18 @@ def _onnxruntime(q, k, v, shape, num_threads, kv_heads_first=False):
                    allocates_output=False)
 
 
-def sdpa_model(B, H, L, S, E, Ev, is_causal, masked):
+def sdpa_model(B, H, L, S, E, Ev, is_causal, masked, Hkv=None):
     """An OpenVINO model of one opset-13 ScaledDotProductAttention op:
-    query (B, H, L, E), key (B, H, S, E), value (B, H, S, Ev), with an
-    additive (L, S) float mask input when masked; causal is upper-left, as
-    PyTorch's.  The default scale is 1/sqrt(E)."""
+    query (B, H, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev) (Hkv = 1
+    or H: the op broadcasts the heads), with an additive (L, S) float mask
+    input when masked; causal is upper-left, as PyTorch's.  The default
+    scale is 1/sqrt(E)."""
     import openvino as ov
     import openvino.opset13 as ops
 
-    inputs = [ops.parameter([B, H, n, d], ov.Type.f32, name=name)
-              for name, n, d in (("query", L, E), ("key", S, E), ("value", S, Ev))]
+    kv = H if Hkv is None else Hkv
+    inputs = [ops.parameter([B, h, n, d], ov.Type.f32, name=name)
+              for name, h, n, d in (("query", H, L, E), ("key", kv, S, E), ("value", kv, S, Ev))]
     if masked:
         inputs.append(ops.parameter([L, S], ov.Type.f32, name="mask"))
     out = ops.scaled_dot_product_attention(*inputs, causal=is_causal)
@@ -291,7 +307,8 @@ def _openvino(q, k, v, shape, num_threads):
         feeds = [np.ascontiguousarray(a) for a in (q, k[:, :, S - L:], v[:, :, S - L:])]
         feeds.append(beams)
     else:
-        model = sdpa_model(B, H, L, S, E, Ev, shape.causal and mask is None, mask is not None)
+        model = sdpa_model(B, H, L, S, E, Ev, shape.causal and mask is None, mask is not None,
+                           k.shape[1])
         request = ov.Core().compile_model(model, "CPU", _openvino_config(num_threads)
                                           ).create_infer_request()
         feeds = [np.ascontiguousarray(a) for a in (q, k, v)]
@@ -317,11 +334,13 @@ RUNNERS = {r.name: r for r in (
     Runner("numpy", "NumPy", "numpy", ("threadpoolctl",), "pip install threadpoolctl", _numpy,
            holds_scores=True),
     Runner("torch", "PyTorch", "torch", ("torch",), "pip install torch==2.13.0", _torch),
-    Runner("onnxruntime", "ORT BSD", "onnxruntime", *_ORT, _onnxruntime, masks=False),
+    Runner("onnxruntime", "ORT BSD", "onnxruntime", *_ORT, _onnxruntime, masks=False,
+           gqa=False),
     Runner("onnxruntime-bhsd", "ORT BHSD", "onnxruntime", *_ORT,
-           functools.partial(_onnxruntime, kv_heads_first=True), holds_scores=True, masks=False),
+           functools.partial(_onnxruntime, kv_heads_first=True), holds_scores=True, masks=False,
+           gqa=False),
     Runner("openvino", "OpenVINO", "openvino", ("openvino",), "pip install openvino", _openvino,
-           whole_cache_decode=True),
+           whole_cache_decode=True, broadcast_heads_only=True),
 )}
 # the libraries' names in prose (Runner.library -> name): the help texts
 # list the peers from here, so that a new runner's library is never left out
@@ -359,7 +378,9 @@ def output_errors(out, q, k, v, shape, rows):
     distance of the whole result, the fairer comparison between libraries."""
     from fastattn import reference
 
-    q64, k64, v64 = (a.astype(np.float64) for a in (q[..., rows, :], k, v))
+    group = q.shape[1] // k.shape[1]  # grouped-query shapes: each head its key/value head
+    q64 = q[..., rows, :].astype(np.float64)
+    k64, v64 = (np.repeat(a, group, axis=1).astype(np.float64) for a in (k, v))
     mask = shape.mask()
     if mask is not None:
         mask = mask[rows]

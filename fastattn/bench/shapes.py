@@ -7,8 +7,10 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Shape:
-    """One attention problem: query (B, H, L, E), key (B, H, S, E), value
-    (B, H, S, Ev), float32.
+    """One attention problem: query (B, H, L, E), key (B, Hkv, S, E), value
+    (B, Hkv, S, Ev), float32 (Hkv = kv_heads, or H; Ev = value_dim, or E;
+    latent: the values are the keys' first Ev features, a view, as
+    Multi-head Latent Attention's cache holds them).
 
     kind says how its speed is reported: "compute" in GFLOP/s, "decode"
     (one query row) in GB/s of key and value read, "overhead" (a tiny
@@ -32,10 +34,17 @@ class Shape:
     window: int = -1
     seqlens: Tuple[int, ...] = ()
     storage: str = "float32"
+    kv_heads: int = 0
+    value_dim: int = 0
+    latent: bool = False
 
     @property
     def Ev(self):
-        return self.E
+        return self.value_dim or self.E
+
+    @property
+    def Hkv(self):
+        return self.kv_heads or self.H
 
     @property
     def flops(self):
@@ -71,9 +80,10 @@ class Shape:
         float32 scale per row, int4 with a float16 scale per 32 elements):
         what a decoding step must read."""
         from fastattn._storage import SCALED, width  # (the bench imports fastattn late)
-        rows, st = self.B * self.H * self.S, self.storage
+        rows, st = self.B * self.Hkv * self.S, self.storage
         scales = 8 if st in SCALED else 0  # a float32 per key row and per value row
-        return rows * (STORAGE_BYTES[st] * (width(st, self.E) + width(st, self.Ev)) + scales)
+        values = 0 if self.latent else width(st, self.Ev)  # (latent: the keys' own)
+        return rows * (STORAGE_BYTES[st] * (width(st, self.E) + values) + scales)
 
     def stored_kv(self, seed=0):
         """The arrays a decoding step reads (key, value, and row scales),
@@ -83,7 +93,7 @@ class Shape:
 
         _, k, v = self.inputs(seed)
         if self.storage == "float32":
-            return [k, v]
+            return [k] if self.latent else [k, v]
         cache = fastattn.KVCache(self.B, self.H, self.S, self.E, value_dim=self.Ev,
                                  storage=self.storage)
         cache.append(k, v)
@@ -102,7 +112,10 @@ class Shape:
         return 4 * self.B * self.H * self.L * self.S
 
     def describe(self):
-        return (f"B={self.B} H={self.H} L={self.L} S={self.S} E=Ev={self.E}"
+        heads = f"H={self.H}" + (f"/{self.Hkv}" if self.Hkv != self.H else "")
+        dims = f"E=Ev={self.E}" if self.Ev == self.E else f"E={self.E} Ev={self.Ev}"
+        return (f"B={self.B} {heads} L={self.L} S={self.S} {dims}"
+                + (" latent" if self.latent else "")
                 + (f" {self.storage} cache" if self.storage != "float32" else "")
                 + (" causal" if self.causal else "")
                 + (f" window {self.window}" if self.window >= 0 else "")
@@ -116,8 +129,10 @@ class Shape:
         trained models."""
         rng = np.random.default_rng(seed)
         q = rng.standard_normal((self.B, self.H, self.L, self.E), dtype=np.float32)
-        k = rng.standard_normal((self.B, self.H, self.S, self.E), dtype=np.float32)
-        v = rng.standard_normal((self.B, self.H, self.S, self.Ev), dtype=np.float32)
+        k = rng.standard_normal((self.B, self.Hkv, self.S, self.E), dtype=np.float32)
+        if self.latent:
+            return q, k, k[..., :self.Ev]
+        v = rng.standard_normal((self.B, self.Hkv, self.S, self.Ev), dtype=np.float32)
         return q, k, v
 
 
@@ -144,6 +159,10 @@ SHAPES = (
     # a decoding step over a long cache in each storage
     *(Shape(f"decode-8192{'' if st == 'float32' else '-' + st}", 1, 32, 1, 8192, 128,
             kind="decode", storage=st) for st in STORAGE_BYTES),
+    # Multi-head Latent Attention's decoding step in its absorbed form
+    # (DeepSeek-V3): 128 query heads over one latent head of 512 + 64,
+    # the values its first 512 features; a matrix product, not a stream
+    Shape("decode-mla-8192", 1, 128, 1, 8192, 576, kv_heads=1, value_dim=512, latent=True),
 )
 # Call time where the work is negligible: what the Python side costs.
 TINY = Shape("tiny", 1, 1, 4, 4, 8, kind="overhead")
