@@ -57,6 +57,17 @@ def main():
             gq, k, v = arr(1, 4, 1, 16), arr(1, 1, 2100, 16), arr(1, 1, 2100, 8)
             close(fastattn.scaled_dot_product_attention(gq, k, v, enable_gqa=True),
                   ref.scaled_dot_product_attention(gq, k, v, enable_gqa=True), tol)
+            # heads folded into the block kernel's columns (16 over 1; 4 over
+            # 1 of 3 rows), odd sizes, per-head slopes and sinks, lse
+            for G, L in ((16, 1), (4, 3)):
+                gq, k, v = arr(1, G, L, 13), arr(1, 1, 300, 13), arr(1, 1, 300, 7)
+                opts = dict(enable_gqa=True, is_causal=True, causal_alignment="lower_right",
+                            alibi_slopes=rng.random(G), sinks=rng.standard_normal(G))
+                out, lse = fastattn.scaled_dot_product_attention(gq, k, v, return_lse=True,
+                                                                 **opts)
+                r_out, r_lse = ref.scaled_dot_product_attention(gq, k, v, return_lse=True, **opts)
+                close(out, r_out, tol)
+                close(lse, r_lse, tol * 100)
             # a paged cache: blocks of 5 in a shuffled pool, a prefill chunk,
             # a decoding token of a split sequence, speculative tokens
             lens, q_lens = np.array([70, 2100, 9]), np.array([67, 1, 2])
@@ -71,6 +82,12 @@ def main():
             pq = arr(int(cu[-1]), 2, 16)
             close(fastattn.paged_attention(pq, kc, vc, table, lens, cu, num_threads=2),
                   ref.paged_attention(pq, kc, vc, table, lens, cu), tol)
+            # a tree mask over the last 2 positions of the third sequence only
+            tree = np.array([True, False, True, True])
+            close(fastattn.paged_attention(pq, kc, vc, table, lens, cu, tree_mask=tree,
+                                           tree_mask_indptr=np.array([0, 0, 0, 4])),
+                  ref.paged_attention(pq, kc, vc, table, lens, cu, tree_mask=tree,
+                                      tree_mask_indptr=np.array([0, 0, 0, 4])), tol)
             # smooth_k and rotate_k: the key mean's term in both kernels
             k, v = arr(1, 2, 75, 40), arr(1, 2, 75, 24)
             smooth = fastattn.KVCache(1, 2, 80, 40, value_dim=24, dtype=dtype, smooth_k=True,
