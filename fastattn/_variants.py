@@ -45,7 +45,9 @@ def per_head(x: object, name: str, batch: C.Shape, finite: bool) -> NDArray[np.f
         raise TypeError(f"{name} has dtype {a.dtype}; expected a real dtype")
     Hq = batch[-1] if batch else 1
     if a.shape == (Hq,) or (len(batch) >= 2 and a.shape == (batch[0], Hq)):
-        values = a.astype(np.float64)
+        # C-contiguous: a group's heads one element apart, whatever the
+        # caller's layout, so that they fold alike (the kernels' heads)
+        values = np.ascontiguousarray(a, np.float64)
     else:
         expected = (f"({Hq},) or ({batch[0]}, {Hq}) (Hq, or batch and Hq) for a call of "
                     f"batch shape {C.shape_str(batch)}" if len(batch) >= 2 else

@@ -125,3 +125,19 @@ def test_the_int8_mode_keeps_the_row_kernel():
     alone = [cache.attend(q[:, h:h + 1], precision="int8") for h in range(8)]
     np.testing.assert_array_equal(mode, np.concatenate(alone, axis=1))
     assert not np.array_equal(mode, cache.attend(q))
+
+
+@pytest.mark.parametrize("layout", ["fortran", "broadcast", "transposed"])
+def test_slopes_and_sinks_layout_changes_no_bit(layout):
+    """Per-head slopes and sinks of any memory layout fold as C-contiguous
+    ones do (a fresh tester's finding: another layout kept the heads apart,
+    with other bits)."""
+    rng = np.random.default_rng(0)
+    q, k, v = gqa(rng, 2, 1, 16, 1, 200, 32, 32)
+    s = rng.uniform(0.01, 0.2, (2, 16))
+    x = {"fortran": np.asfortranarray(s), "broadcast": np.broadcast_to(s[:1], (2, 16)),
+         "transposed": np.ascontiguousarray(s.T).T}[layout]
+    for name in ("alibi_slopes", "sinks"):
+        got = sdpa(q, k, v, enable_gqa=True, **{name: x})
+        np.testing.assert_array_equal(got, sdpa(q, k, v, enable_gqa=True,
+                                                **{name: np.ascontiguousarray(x)}))
