@@ -163,13 +163,12 @@ size_t fa_attn_work_bytes(const fa_attn_args *a, int elsize)
 
 /* Rows i0..i1-1 of `heads` query heads: at most a query block of rows in
  * all (the block kernel folds more than FA_ROWS_MAX of them into its
- * columns), with no mask when heads share the call. */
+ * columns), one mask for all of them. */
 static int rows_ok(const fa_attn_args *a, fa_idx i0, fa_idx i1, int elsize)
 {
     const fa_idx qb = fa_attn_query_block(elsize);
     return 0 <= i0 && i0 <= i1 && i1 <= a->L && i1 - i0 <= qb &&
-           (a->heads <= 1 ||
-            (a->heads <= qb && a->heads * (i1 - i0) <= qb && a->mask_kind == FA_MASK_NONE));
+           (a->heads <= 1 || (a->heads <= qb && a->heads * (i1 - i0) <= qb));
 }
 
 /* What the row kernel alone takes (split keys, their merge and repair):

@@ -242,24 +242,27 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
      * m_s0 are not masked (bias 0) */
     const fa_idx r0 = a->m_s0 > s0 ? a->m_s0 - s0 : 0, c0 = s0 + r0 - a->m_s0;
 
-    if (tile) { /* the mask of the block, transposed like the query block */
+    if (tile) { /* the mask of the block, transposed like the query block (each row's
+                 * for the G heads of its columns: one mask for every head) */
         if (a->mask_kind == FA_MASK_BOOL) { /* as 0 / -inf rows in st, free until the scores */
             for (fa_idx j = 0; j < nq; ++j) {
                 const unsigned char *row = (const unsigned char *)mask + (i0 + j) * a->m_ls + c0 * a->m_ss;
                 for (fa_idx r = r0; r < nk; ++r) st[j * nk + r] = row[(r - r0) * a->m_ss] ? 0 : ninf;
             }
-            FA_NAME(pack_t)(nq, nk - r0, st + r0, nk, 1, 1, bias + r0 * ld, ld, 1);
+            for (fa_idx g = 0; g < G; ++g)
+                FA_NAME(pack_t)(nq, nk - r0, st + r0, nk, 1, 1, bias + r0 * ld + g, ld, G);
         } else {
-            FA_NAME(pack_t)(nq, nk - r0, (const T *)mask + i0 * a->m_ls + c0 * a->m_ss, a->m_ls,
-                            a->m_ss, 1, bias + r0 * ld, ld, 1);
+            for (fa_idx g = 0; g < G; ++g)
+                FA_NAME(pack_t)(nq, nk - r0, (const T *)mask + i0 * a->m_ls + c0 * a->m_ss,
+                                a->m_ls, a->m_ss, 1, bias + r0 * ld + g, ld, G);
         }
         int any = 0;
         for (fa_idx r = 0; r < nk; ++r) {
-            for (fa_idx j = 0; j < nq; ++j) {
+            for (fa_idx j = 0; j < nq * G; ++j) {
                 if (r < r0) bias[r * ld + j] = 0;
                 any |= bias[r * ld + j] != ninf;
             }
-            for (fa_idx j = nq; j < ld; ++j) bias[r * ld + j] = 0;
+            for (fa_idx j = nq * G; j < ld; ++j) bias[r * ld + j] = 0;
         }
         if (!any) return 0;
     } else if (per_key) {
@@ -503,7 +506,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
 
         FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
         if (zero_hidden && FA_NAME(masked)(a, s0, nk))
-            vt = FA_NAME(hidden_values)(a, vt, bias, nq, ld, nk, vpanel);
+            vt = FA_NAME(hidden_values)(a, vt, bias, nc, ld, nk, vpanel);
         for (fa_idx c = 0, mr; c < Ev; c += mr) {
             mr = FA_NAME(tile_rows)(Ev, c);
             for (fa_idx p = 0; p < ld; p += FA_NR) {

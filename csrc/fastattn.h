@@ -108,7 +108,7 @@ typedef struct {
      * that the keys and values are read once for all of them (grouped-query
      * attention; Multi-head Latent Attention's absorbed form).  heads <= 1:
      * one head.  With heads = G > 1, a call for rows i0..i1-1 (G (i1 - i0)
-     * at most a query block, no mask, no weights) computes those rows of G
+     * at most a query block, no weights; a mask is every head's) computes those rows of G
      * heads: head g's queries at q + g * q_hs, its output at out + g * o_hs
      * and its lse at lse + g * lse_hs, with ALiBi slope head_slopes[g] and
      * sink head_sinks[g] where those are not NULL (else alibi_slope and
@@ -197,8 +197,9 @@ fa_idx fa_attn_splits(const fa_attn_args *a);
  * query block, as many as fit, folded by the block kernel (not the int8
  * mode's integer rows, nor, on the portable path, rows of 4 or fewer
  * queries, which its row kernel computes faster); else 1 (or the row
- * kernel's 4 rows).  The caller leaves heads at 1 where a mask, weights or
- * per-head slopes and sinks not one element apart forbid sharing. */
+ * kernel's 4 rows).  The caller leaves heads at 1 where a mask that
+ * differs between heads, weights or per-head slopes and sinks not one
+ * element apart forbid sharing. */
 fa_idx fa_attn_group(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx group);
 /* Values of state one piece holds: heads * (i1 - i0) * (Ev + 2). */
 fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);

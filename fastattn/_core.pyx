@@ -569,8 +569,9 @@ cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n
 
 cdef inline fa_idx grouped(const Ragged *p, const fa_attn_args *a) noexcept nogil:
     """Query heads of one key/value head computed together for a sequence
-    of a->L queries: fa_attn_group's, never with a mask or weights."""
-    if not p.can_group or a.mask_kind != FA_MASK_NONE:
+    of a->L queries: fa_attn_group's, never with weights or a mask that
+    differs between heads."""
+    if not p.can_group:
         return 1
     return fa_attn_group(<fa_isa>p.isa, p.es, a, p.group)
 
@@ -828,9 +829,9 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     p.a.prefetch, p.a.precision = prefetch, <fa_precision>precision
     p.kv_row_bytes = (k.shape[nd + 1] + v.shape[nd + 1]) * cnp.PyArray_ITEMSIZE(k)
     p.ahead_blocks = ahead_blocks
-    # heads share their key/value head's reads only without a mask or
-    # weights, with per-head slopes and sinks one element apart
-    p.can_group = (p.m.base == NULL and p.w.base == NULL and
+    # heads share their key/value head's reads only without weights, with
+    # one mask for all of them, per-head slopes and sinks one element apart
+    p.can_group = ((p.m.base == NULL or p.m.head == 0) and p.w.base == NULL and
                    (p.slope.base == NULL or p.slope.head == 1) and
                    (p.sink.base == NULL or p.sink.head == 1))
     schedule(isa, &p, q.nbytes + k.nbytes + v.nbytes + out.nbytes, nthreads)

@@ -141,3 +141,27 @@ def test_slopes_and_sinks_layout_changes_no_bit(layout):
         got = sdpa(q, k, v, enable_gqa=True, **{name: x})
         np.testing.assert_array_equal(got, sdpa(q, k, v, enable_gqa=True,
                                                 **{name: np.ascontiguousarray(x)}))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_masks_fold_when_every_head_shares_them(simd, kind, per_head):
+    """A mask broadcast over the heads (a padding or tree mask) is every
+    head's, so the heads fold with it; a mask per head keeps them apart.
+    Both give the reference's values, and a NaN value behind the mask
+    stays hidden."""
+    rng = np.random.default_rng(7)
+    q, k, v = gqa(rng, 2, 2, 8, 6, 90, 16, 12)
+    v[:, :, 5] = np.nan
+    shape = (2, 16 if per_head else 1, 6, 90)
+    visible = rng.random(shape) > 0.3
+    visible[..., 5] = False
+    mask = visible if kind == "bool" else np.where(visible, rng.standard_normal(shape),
+                                                   -np.inf).astype(np.float32)
+    out = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    rm = mask if kind == "bool" else mask.astype(np.float64)
+    G = 8
+    want, _ = ref.scaled_dot_product_attention(*f64(q, np.repeat(k, G, 1),
+                                                    np.repeat(v, G, 1)),
+                                               attn_mask=rm, return_lse=True)
+    assert_close(out, want, np.float32, 16 + 90, magnitude=4)
