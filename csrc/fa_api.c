@@ -266,8 +266,8 @@ fa_idx fa_attn_group(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx group
     const fa_idx L = a->L > 1 ? a->L : 1, qb = fa_attn_query_block(elsize);
     const fa_idx fold = group < qb / L ? group : qb / L;
     /* the int8 mode's integer rows are the row kernel's; the portable block
-     * kernel (products in scalar C) is slower than 4-row groups of the row
-     * kernel, so it folds only rows that would go to it anyway */
+     * kernel (products in scalar C) loses to the row kernel's 4-row groups,
+     * so it folds only rows that would go to it anyway (threads-and-speed.md) */
     const int integer = a->precision == FA_PRECISION_INT8 &&
                         (a->kv_store == FA_STORE_I8 || a->kv_store == FA_STORE_Q4);
     if (L * group > FA_ROWS_MAX && fold * L >= 8 && !integer &&

@@ -576,6 +576,12 @@ cdef inline fa_idx grouped(const Ragged *p, const fa_attn_args *a) noexcept nogi
     return fa_attn_group(<fa_isa>p.isa, p.es, a, p.group)
 
 
+cdef inline fa_idx item_splits(const fa_attn_args *a, fa_idx together) noexcept nogil:
+    """Pieces an item's keys are split into: fa_attn_splits's, but none for
+    heads folded into the block kernel (more than 4 rows in all)."""
+    return fa_attn_splits(a) if together * a.L <= 4 else 1
+
+
 cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
     """About the time of rows i0..i1-1 over keys s_lo..s_hi-1 (those the
     bounds leave), in key-rows: a block of rows reads each key once for all
@@ -634,7 +640,7 @@ cdef void implicit_plan(const Ragged *p, Plan *pl) noexcept nogil:
         return
     pl.L, pl.S = ai.L, ai.S
     pl.together = grouped(p, &ai)
-    pl.nsplit = fa_attn_splits(&ai) if pl.together * ai.L <= 4 else 1  # (folded: unsplit)
+    pl.nsplit = item_splits(&ai, pl.together)
     pl.cpk = (p.group + pl.together - 1) // pl.together
     pl.chunks = (p.Hq // p.group) * pl.cpk
     pl.nqb = (ai.L + qb - 1) // qb
@@ -661,7 +667,7 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
         if ai.L == 0:
             continue
         together = grouped(p, &ai)
-        nsplit = fa_attn_splits(&ai) if together * ai.L <= 4 else 1
+        nsplit = item_splits(&ai, together)
         k = (p.Hq // p.group) * ((p.group + together - 1) // together)
         ntasks += k * (nsplit if nsplit > 1 else (ai.L + qb - 1) // qb)
         nitems += k if nsplit > 1 else 0
@@ -680,7 +686,7 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
         if ai.L == 0:
             continue
         together = grouped(p, &ai)
-        nsplit = fa_attn_splits(&ai) if together * ai.L <= 4 else 1
+        nsplit = item_splits(&ai, together)
         nqb = (ai.L + qb - 1) // qb
         chunk = (ai.S + nsplit - 1) // nsplit
         for h0 in range(p.Hq):  # chunks of `together` heads of one key/value head

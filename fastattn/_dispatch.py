@@ -20,7 +20,7 @@ import numpy as np
 from . import _checks as C
 from . import _core, _runtime, _tuning, _variants
 from ._storage import narrow, query_store
-from ._tree import Trees
+from ._tree import Trees, no_positions
 from ._typing import Alignment, Float, MaskArray, NDArray, Result
 
 _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/fastattn.h)
@@ -386,6 +386,8 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
     compute = C.compute_dtype(dtype)
     lse_wanted = C.check_bool(return_lse, "return_lse")
     scale = C.check_scale(scale, E, compute)
+    if trees is not None:
+        no_positions(window_size, alibi_slopes)
     nthreads = _runtime.resolve_threads(num_threads)
     lengths = int(max(q_lens.max(initial=0), 1)), int(max(lens.max(initial=0), 1))
     # (with lower_right, |i' - j| < L + S already: the int alignment's offset only)

@@ -372,8 +372,6 @@ def paged_attention(
               "tree_mask": tree_mask}
     mean = None if key_mean is None else _key_mean(key_mean, (B, Hkv, E), query.dtype)
     trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, lens)
-    if trees is not None:
-        _tree.no_positions(window_size, alibi_slopes)
     return ragged(query, key_cache, value_cache, table, None, lens, cu_q, q_lens, scales,
                   q_store, kv_store, Ev, causal, True, 0, scale, window_size, alibi_slopes,
                   softcap, sinks, lse_wanted, out, num_threads, inputs, mode, mean, trees)

@@ -883,8 +883,6 @@ class PagedKVCache(KeyOptions):
                              f"but holds {lens[b]} position{'' if lens[b] == 1 else 's'}: with is_causal the queries are its last positions; "
                              "append their keys and values first")
         trees = _tree.check(tree_mask, tree_mask_indptr, counts, lens)
-        if trees is not None:
-            _tree.no_positions(window_size, alibi_slopes)
         _no_positions(positions, rotary)
         rounded_to = None
         if half and (rotary is not None or self._keys.rotate):
