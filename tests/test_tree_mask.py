@@ -369,6 +369,8 @@ def test_positions_need_rotary():
     with pytest.raises(ValueError, match="positions holds -1"):
         cache.append([s], k, k, np.array([0, 2]), rotary=(cos, sin),
                      positions=np.array([0, -1]))
+    with pytest.raises(TypeError, match="draft"):
+        cache.append([s], k, k, np.array([0, 2]), draft="yes")
     assert cache.seq_lens == {s: 0}
 
 
