@@ -247,18 +247,28 @@ int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const 
     return 0;
 }
 
-/* Decoding-like calls split their keys in pieces of at least FA_SPLIT_KEYS
- * keys, by the shape of one (batch, head) alone: a batch item then gives the
- * same bits alone as inside any batch, and few items still keep every
- * thread busy. */
+/* Decoding-like calls split their keys in pieces of FA_SPLIT_KEYS keys
+ * (doubled until a call has at most FA_SPLIT_MAX) at multiples of their
+ * size, by the shape of one (batch, head) alone: a batch item then gives
+ * the same bits alone as inside any batch, few items still keep every
+ * thread busy, and sequences of different lengths whose keys lie in the
+ * same blocks split them alike, so that one read serves them all
+ * (fa_attn_parts). */
 #define FA_SPLIT_KEYS 1024
-#define FA_SPLIT_MAX 16
+#define FA_SPLIT_MAX 64
+
+fa_idx fa_attn_split_keys(const fa_attn_args *a)
+{
+    if (a->L > FA_ROWS_MAX || a->S < 2 * FA_SPLIT_KEYS) return a->S > 1 ? a->S : 1;
+    fa_idx n = FA_SPLIT_KEYS;
+    while ((a->S + n - 1) / n > FA_SPLIT_MAX) n *= 2;
+    return n;
+}
 
 fa_idx fa_attn_splits(const fa_attn_args *a)
 {
-    if (a->L > FA_ROWS_MAX || a->S < 2 * FA_SPLIT_KEYS) return 1;
-    const fa_idx n = a->S / FA_SPLIT_KEYS;
-    return n < FA_SPLIT_MAX ? n : FA_SPLIT_MAX;
+    const fa_idx n = fa_attn_split_keys(a);
+    return a->S > n ? (a->S + n - 1) / n : 1;
 }
 
 fa_idx fa_attn_group(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx group)
@@ -296,6 +306,24 @@ int fa_attn_part(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, c
     if (!part_ok(a, i0, i1, s_lo, s_hi, elsize)) return -1;
     isa = attn_isa(isa, a, elsize);
     FA_DISPATCH_ES(isa, elsize, attn_part, (a, q, k, v, mask, i0, i1, s_lo, s_hi, state, work));
+    return 0;
+}
+
+int fa_attn_parts(fa_isa isa, int elsize, fa_idx n, const fa_attn_args *a, const void *const *q,
+                  const void *const *k, const void *const *v, const void *const *mask,
+                  fa_idx s_lo, fa_idx s_hi, void *const *state, void *work)
+{
+    if (n < 1 || n > FA_ATTN_PARTS_MAX) return -1;
+    const size_t stride = fa_attn_work_bytes(&a[0], elsize);
+    const fa_isa path = attn_isa(isa, &a[0], elsize);
+    for (fa_idx c = 0; c < n; ++c)
+        if (!part_ok(&a[c], 0, a[c].L, s_lo, s_hi, elsize) ||
+            fa_attn_work_bytes(&a[c], elsize) != stride || attn_isa(isa, &a[c], elsize) != path)
+            return -1;
+    if (elsize == 4)
+        FA_DISPATCH(path, attn_parts, f32, (n, a, q, k, v, mask, s_lo, s_hi, (float *const *)state, work, stride));
+    else
+        FA_DISPATCH(path, attn_parts, f64, (n, a, q, k, v, mask, s_lo, s_hi, (double *const *)state, work, stride));
     return 0;
 }
 

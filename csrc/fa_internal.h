@@ -62,6 +62,12 @@
                                           const void *k, const void *v, const void *mask, \
                                           fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi, \
                                           T *state, void *work);                          \
+    void FA_CAT4(fa, attn_parts, SFX, ISA)(fa_idx n, const fa_attn_args *a,                \
+                                           const void *const *q, const void *const *k,    \
+                                           const void *const *v,                          \
+                                           const void *const *mask, fa_idx s_lo,          \
+                                           fa_idx s_hi, T *const *state, void *work,      \
+                                           size_t stride);                                \
     void FA_CAT4(fa, attn_merge, SFX, ISA)(const fa_attn_args *a, fa_idx nsplit,          \
                                            const T *states, T *out, T *ml, fa_idx i0,      \
                                            fa_idx i1);                                     \

@@ -128,7 +128,8 @@ static FA_ALWAYS_INLINE void FA_NAME(fetch_run)(fa_idx r0, fa_idx m, const fa_ah
 static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_idx nr, fa_idx n,
                                                const T *x, fa_idx ldx, const void *y,
                                                fa_idx rs, T *s, fa_idx ld,
-                                               const fa_ahead_rows *l1, const fa_ahead_rows *l2)
+                                               const fa_ahead_rows *l1, const fa_ahead_rows *l2,
+                                               int cached)
 {
     const fa_idx rb = rs * FA_NAME(st_bytes)(st);
     /* float8_e4m3fn's conversion takes 7 vector operations: each vector of
@@ -139,8 +140,9 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
     fa_idx r = 0;
 #ifdef FA_DOT_GROUP
     /* not rows stored as T, whose sweep waits for memory rather than for
-     * arithmetic: it was slower so (threads-and-speed.md, same section) */
-    for (; !shared && st != FA_STORE_NATIVE && r + FA_DOT_GROUP <= nr; r += FA_DOT_GROUP)
+     * arithmetic: it was slower so (threads-and-speed.md, same section),
+     * unless they are in cache already (cached) */
+    for (; !shared && (st != FA_STORE_NATIVE || cached) && r + FA_DOT_GROUP <= nr; r += FA_DOT_GROUP)
         for (fa_idx t = 0; t < nq; ++t) {
             T lanes[FA_DOT_GROUP * FA_DOT_GROUP];
             const char *rows = (const char *)y + r * rb;
@@ -177,44 +179,44 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
 static FA_ALWAYS_INLINE void FA_NAME(dots_nq)(const fa_store st, fa_idx nq, fa_idx nr, fa_idx n,
                                               const T *x, fa_idx ldx, const void *y, fa_idx rs,
                                               T *s, fa_idx ld, const fa_ahead_rows *l1,
-                                              const fa_ahead_rows *l2)
+                                              const fa_ahead_rows *l2, int cached)
 {
     if (nq == 1)
-        FA_NAME(dots_any)(st, 1, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_any)(st, 1, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
     else
-        FA_NAME(dots_any)(st, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_any)(st, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
 }
 
 static void FA_NAME(dots)(fa_store st, fa_idx nq, fa_idx nr, fa_idx n, const T *x, fa_idx ldx,
                           const void *y, fa_idx rs, T *s, fa_idx ld, const fa_ahead_rows *l1,
-                          const fa_ahead_rows *l2)
+                          const fa_ahead_rows *l2, int cached)
 {
 #if FA_IS_F32
     switch (st) {
     case FA_STORE_F16:
-        FA_NAME(dots_nq)(FA_STORE_F16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_F16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
         return;
     case FA_STORE_BF16:
-        FA_NAME(dots_nq)(FA_STORE_BF16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_BF16, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
         return;
     case FA_STORE_I8:
-        FA_NAME(dots_nq)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_I8, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
         return;
     case FA_STORE_F8E4M3:
-        FA_NAME(dots_nq)(FA_STORE_F8E4M3, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_F8E4M3, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
         return;
     case FA_STORE_F8E5M2:
-        FA_NAME(dots_nq)(FA_STORE_F8E5M2, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_F8E5M2, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
         return;
     case FA_STORE_Q4:
-        FA_NAME(dots_nq)(FA_STORE_Q4, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+        FA_NAME(dots_nq)(FA_STORE_Q4, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
         return;
     default: break;
     }
 #else
     (void)st;
 #endif
-    FA_NAME(dots_nq)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2);
+    FA_NAME(dots_nq)(FA_STORE_NATIVE, nq, nr, n, x, ldx, y, rs, s, ld, l1, l2, cached);
 }
 
 /* o[c] += sum over r < nk of p[r] * x[r * rs + c] (rows contiguous), for

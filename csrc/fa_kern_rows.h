@@ -218,7 +218,8 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scrat
         for (fa_idx r0 = 0, n; r0 < nk; r0 += n) {
             n = fa_kv_run(a, s0 + r0, nk - r0);
             const fa_idx j = s0 + r0 + n; /* the next run */
-            if (a->block_table != NULL && vrb > 0 && j < a->S && j % a->block_size == 0) {
+            if (a->block_table != NULL && !(a->prefetch & FA_PREFETCH_NONE) && vrb > 0 &&
+                j < a->S && j % a->block_size == 0) {
                 const fa_idx m = fa_kv_run(a, j, a->S - j);
                 const fa_ahead_rows next[2] = {
                     {(const char *)v + fa_value_at(a, j) * eb, a->v_ss * eb, vrb,
@@ -320,7 +321,8 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                                                          : 1;
     const fa_idx eb = FA_NAME(st_bytes)(st);
     const fa_ahead_rows none = {NULL, 0, 0, 0}, nones[2] = {none, none};
-    const fa_idx block_ahead = a->block_table == NULL || row_bytes == 0 ? 0
+    const fa_idx block_ahead = a->block_table == NULL || row_bytes == 0 ||
+                               (a->prefetch & FA_PREFETCH_NONE) ? 0
                                : (FA_BLOCK_AHEAD_BYTES + row_bytes - 1) / row_bytes;
     const int long_blocks = block_ahead > 0 && a->block_size * row_bytes > 4 * FA_BLOCK_AHEAD_BYTES;
     if (a->k_es == 1) {
@@ -359,7 +361,8 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
                 continue;
             }
 #endif
-            FA_NAME(dots)(st, nq, n, a->E, w->qs, FA_EP(a), rows, a->k_ss, s + r0, FA_RB, &krows, l2);
+            FA_NAME(dots)(st, nq, n, a->E, w->qs, FA_EP(a), rows, a->k_ss, s + r0, FA_RB, &krows, l2,
+                          (a->prefetch & FA_PREFETCH_NONE) != 0);
         }
     } else { /* each key row copied contiguous first (int8 codes as they are) */
         for (fa_idx r = 0; r < nk; ++r) {
@@ -374,7 +377,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
 #endif
             FA_NAME(load_row)(st, a->E, row, a->k_es, w->gather);
             FA_NAME(dots)(FA_STORE_NATIVE, nq, 1, a->E, w->qs, FA_EP(a), w->gather, 0, s + r,
-                          FA_RB, &none, nones);
+                          FA_RB, &none, nones, 0);
         }
     }
     if (!fa_store_scaled(st)) /* along each row of s: a loop the compiler vectorises */
@@ -414,6 +417,52 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     }
 }
 
+/* A block of nk logits of the nq rows (w.s) into their running state:
+ * the maximum m rises, the sum l and the output so far are rescaled, and
+ * the logits become weights, exp(z - m), divided by l in the second pass
+ * of a normalized sum (rows_accumulate). */
+static void FA_NAME(rows_softmax)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
+                                  fa_idx nq, fa_idx nk, int values, int normalized)
+{
+    const T ninf = -(T)INFINITY;
+    T *m = w->m, *l = w->l;
+    for (fa_idx t = 0; t < nq; ++t) {
+        T *st = w->s + t * FA_RB;
+        const T bm = FA_NAME(max)(nk, st);
+        if (bm > m[t] && m[t] != ninf) { /* the sink's term and the keys' so far */
+            T alpha = m[t] - bm;
+            FA_NAME(vexp)(1, &alpha, &alpha);
+            l[t] *= alpha;
+            for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] *= alpha;
+        }
+        m[t] = bm > m[t] ? bm : m[t];
+        const T ms = m[t] == ninf ? 0 : m[t];
+        for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
+        FA_NAME(vexp)(nk, st, st);
+        if (!(values && normalized))
+            l[t] += FA_NAME(sum)(nk, st);
+        else if (l[t] != 0)
+            for (fa_idx r = 0; r < nk; ++r) st[r] /= l[t];
+    }
+}
+
+/* A block's weighted value rows are summed apart (w.ob), then added: one
+ * running sum over all the keys stops growing once it is 2^24 times each
+ * term (float32: 2^29 keys of weight 1 and value 1 gave 0.5); a block's
+ * part is at most FA_RB terms. */
+static void FA_NAME(rows_values_start)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
+                                       fa_idx nq)
+{
+    for (fa_idx i = 0; i < nq * FA_EVP(a); ++i) w->ob[i] = 0;
+}
+
+static void FA_NAME(rows_values_end)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
+                                     fa_idx nq)
+{
+    for (fa_idx t = 0; t < nq; ++t)
+        for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] += w->ob[t * FA_EVP(a) + c];
+}
+
 /* Keys s_lo..s_hi-1 into the running state of the rows of n positions:
  * maximum m, sum l and unnormalised output o (a row of Ev each); w.qs holds
  * the query rows.
@@ -431,41 +480,17 @@ static void FA_NAME(rows_accumulate)(const fa_attn_args *a, const FA_NAME(rows_s
                                      const void *k, const void *v, const void *mask, fa_idx i0,
                                      fa_idx n, fa_idx s_lo, fa_idx s_hi, int normalized)
 {
-    const fa_idx Ev = a->Ev, nq = FA_NAME(heads)(a) * n;
-    const T ninf = -(T)INFINITY;
-    T *s = w->s, *o = w->o, *m = w->m, *l = w->l;
+    const fa_idx nq = FA_NAME(heads)(a) * n;
     /* normalized: a first pass finds m and l alone, the second adds the values */
     for (int values = !normalized; values < 2; ++values)
         for (fa_idx s0 = s_lo; s0 < s_hi; s0 += FA_RB) {
             const fa_idx nk = s_hi - s0 < FA_RB ? s_hi - s0 : FA_RB;
             FA_NAME(rows_logits)(a, w, k, values ? v : NULL, mask, i0, n, s0, nk);
-            for (fa_idx t = 0; t < nq; ++t) {
-                T *st = s + t * FA_RB;
-                const T bm = FA_NAME(max)(nk, st);
-                if (bm > m[t] && m[t] != ninf) { /* the sink's term and the keys' so far */
-                    T alpha = m[t] - bm;
-                    FA_NAME(vexp)(1, &alpha, &alpha);
-                    l[t] *= alpha;
-                    for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] *= alpha;
-                }
-                m[t] = bm > m[t] ? bm : m[t];
-                const T ms = m[t] == ninf ? 0 : m[t];
-                for (fa_idx r = 0; r < nk; ++r) st[r] -= ms;
-                FA_NAME(vexp)(nk, st, st);
-                if (!(values && normalized))
-                    l[t] += FA_NAME(sum)(nk, st);
-                else if (l[t] != 0)
-                    for (fa_idx r = 0; r < nk; ++r) st[r] /= l[t];
-            }
+            FA_NAME(rows_softmax)(a, w, nq, nk, values, normalized);
             if (!values) continue;
-            /* the block's weighted values summed apart, then added: one
-             * running sum over all the keys stops growing once it is 2^24
-             * times each term (float32: 2^29 keys of weight 1 and value 1
-             * gave 0.5); a block's part is at most 1024 terms */
-            for (fa_idx i = 0; i < nq * FA_EVP(a); ++i) w->ob[i] = 0;
-            FA_NAME(rows_values)(a, w, v, nq, s0, nk, s, w->ob);
-            for (fa_idx t = 0; t < nq; ++t)
-                for (fa_idx c = 0; c < Ev; ++c) o[t * FA_EVP(a) + c] += w->ob[t * FA_EVP(a) + c];
+            FA_NAME(rows_values_start)(a, w, nq);
+            FA_NAME(rows_values)(a, w, v, nq, s0, nk, w->s, w->ob);
+            FA_NAME(rows_values_end)(a, w, nq);
         }
 }
 
@@ -615,25 +640,116 @@ static void FA_NAME(attn_rows)(const fa_attn_args *a, const void *q, const void 
  * its unnormalised output. */
 #define FA_STATE_ROW(states, p, nq, t, Ev) ((states) + ((p) * (nq) + (t)) * (FA_STATE_HEAD + (Ev)))
 
+/* The state of the nq rows in w (attn_part's) written to state. */
+static void FA_NAME(rows_state)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w, fa_idx nq,
+                                T *state)
+{
+    for (fa_idx t = 0; t < nq; ++t) {
+        T *st = FA_STATE_ROW(state, 0, nq, t, a->Ev);
+        st[0] = w->m[t];
+        st[1] = w->l[t];
+        for (fa_idx c = 0; c < a->Ev; ++c) st[FA_STATE_HEAD + c] = w->o[t * FA_EVP(a) + c];
+    }
+}
+
 /* The state (m, l of rows_accumulate, o[0..Ev)) of rows i0..i1-1 of every
  * head over keys s_lo..s_hi-1 only; fa_attn_merge combines such pieces. */
 void FA_NAME(attn_part)(const fa_attn_args *a, const void *q, const void *k, const void *v,
                         const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi,
                         T *state, void *work)
 {
-    const fa_idx n = i1 - i0, nq = FA_NAME(heads)(a) * n, Ev = a->Ev;
+    const fa_idx n = i1 - i0, nq = FA_NAME(heads)(a) * n;
     const FA_NAME(rows_scratch) ws = FA_NAME(rows_carve)(a, (T *)FA_ALIGNED(work));
     fa_idx begin, end;
     FA_NAME(key_range)(a, i0, i1, &begin, &end);
     FA_NAME(rows_start)(a, q, i0, n, &ws, s_lo == 0);
     FA_NAME(rows_accumulate)(a, &ws, k, v, mask, i0, n, s_lo > begin ? s_lo : begin,
                              s_hi < end ? s_hi : end, 0);
-    for (fa_idx t = 0; t < nq; ++t) {
-        T *st = FA_STATE_ROW(state, 0, nq, t, Ev);
-        st[0] = ws.m[t];
-        st[1] = ws.l[t];
-        for (fa_idx c = 0; c < Ev; ++c) st[FA_STATE_HEAD + c] = ws.o[t * FA_EVP(a) + c];
+    FA_NAME(rows_state)(a, &ws, nq, state);
+}
+
+/* Whether calls a and b read the same key and value rows for keys lo..hi-1:
+ * the same arrays, strides and blocks. */
+static int FA_NAME(same_rows)(const fa_attn_args *a, const void *ka, const void *va,
+                              const fa_attn_args *b, const void *kb, const void *vb, fa_idx lo,
+                              fa_idx hi)
+{
+    if (ka != kb || va != vb || a->k_ss != b->k_ss || a->v_ss != b->v_ss ||
+        a->k_es != b->k_es || a->v_es != b->v_es || (a->block_table == NULL) != (b->block_table == NULL))
+        return 0;
+    if (a->block_table == NULL || hi <= lo) return 1;
+    if (a->block_size != b->block_size || a->k_bs != b->k_bs || a->v_bs != b->v_bs) return 0;
+    for (fa_idx j = lo / a->block_size; j <= (hi - 1) / a->block_size; ++j)
+        if (a->block_table[j] != b->block_table[j]) return 0;
+    return 1;
+}
+
+/* Keys per run of attn_parts: its calls read a run's key rows, then the
+ * next run's, so that each stays in L1 while all of them read it; a
+ * multiple of FA_IGROUP, as the int8 mode's groups of value rows are cut
+ * at a run's ends. */
+#define FA_PARTS_RUN 32
+
+/* attn_part of n calls, each of rows 0..L-1 over the same keys s_lo..s_hi-1,
+ * run by run of FA_PARTS_RUN keys (at multiples of it) for all of them:
+ * where their key and value rows are the same memory (a paged cache's
+ * shared blocks), each run is read from memory once.  Each call's state is
+ * the bits of its attn_part alone: its logits, softmax steps and value sums
+ * are those of the same key blocks, only interleaved with the others'.  A
+ * call whose bounds leave it other keys than call 0 runs alone.  Call c's
+ * scratch at work + c * stride (bytes, 64-byte aligned there). */
+void FA_NAME(attn_parts)(fa_idx n, const fa_attn_args *a, const void *const *q,
+                         const void *const *k, const void *const *v, const void *const *mask,
+                         fa_idx s_lo, fa_idx s_hi, T *const *state, void *work, size_t stride)
+{
+    FA_NAME(rows_scratch) ws[FA_ATTN_PARTS_MAX];
+    fa_attn_args own[FA_ATTN_PARTS_MAX];
+    fa_idx nq[FA_ATTN_PARTS_MAX], with[FA_ATTN_PARTS_MAX], nw = 0, lo = 0, hi = 0;
+    for (fa_idx c = 0; c < n; ++c) {
+        void *wc = (char *)work + (size_t)c * stride;
+        fa_idx b, e;
+        FA_NAME(key_range)(&a[c], 0, a[c].L, &b, &e);
+        b = s_lo > b ? s_lo : b;
+        e = s_hi < e ? s_hi : e;
+        if (c == 0) lo = b, hi = e;
+        if (b != lo || e != hi) {
+            FA_NAME(attn_part)(&a[c], q[c], k[c], v[c], mask[c], 0, a[c].L, s_lo, s_hi, state[c], wc);
+            continue;
+        }
+        own[nw] = a[c];
+        if (nw > 0 && FA_NAME(same_rows)(&a[c], k[c], v[c], &a[with[0]], k[with[0]], v[with[0]], lo, hi))
+            own[nw].prefetch = FA_PREFETCH_NONE; /* the first call asks for them */
+        ws[nw] = FA_NAME(rows_carve)(&a[c], (T *)FA_ALIGNED(wc));
+        nq[nw] = FA_NAME(heads)(&a[c]) * a[c].L;
+        FA_NAME(rows_start)(&a[c], q[c], 0, a[c].L, &ws[nw], s_lo == 0);
+        with[nw++] = c;
     }
+    for (fa_idx s0 = lo; s0 < hi; s0 += FA_RB) {
+        const fa_idx nk = hi - s0 < FA_RB ? hi - s0 : FA_RB;
+        for (fa_idx r0 = s0, r1; r0 < s0 + nk; r0 = r1) {
+            r1 = (r0 / FA_PARTS_RUN + 1) * FA_PARTS_RUN;
+            r1 = r1 < s0 + nk ? r1 : s0 + nk;
+            for (fa_idx u = 0; u < nw; ++u) {
+                const fa_idx c = with[u];
+                FA_NAME(rows_scratch) run = ws[u];
+                run.s += r0 - s0;
+                FA_NAME(rows_logits)(&own[u], &run, k[c], v[c], mask[c], 0, a[c].L, r0, r1 - r0);
+            }
+        }
+        for (fa_idx u = 0; u < nw; ++u) {
+            FA_NAME(rows_softmax)(&own[u], &ws[u], nq[u], nk, 1, 0);
+            FA_NAME(rows_values_start)(&own[u], &ws[u], nq[u]);
+        }
+        for (fa_idx r0 = s0, r1; r0 < s0 + nk; r0 = r1) {
+            r1 = (r0 / FA_PARTS_RUN + 1) * FA_PARTS_RUN;
+            r1 = r1 < s0 + nk ? r1 : s0 + nk;
+            for (fa_idx u = 0; u < nw; ++u)
+                FA_NAME(rows_values)(&own[u], &ws[u], v[with[u]], nq[u], r0, r1 - r0,
+                                     ws[u].s + (r0 - s0), ws[u].ob);
+        }
+        for (fa_idx u = 0; u < nw; ++u) FA_NAME(rows_values_end)(&own[u], &ws[u], nq[u]);
+    }
+    for (fa_idx u = 0; u < nw; ++u) FA_NAME(rows_state)(&own[u], &ws[u], nq[u], state[with[u]]);
 }
 
 /* out rows i0..i1-1 from nsplit pieces of state: every piece is rescaled to

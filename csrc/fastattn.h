@@ -143,8 +143,11 @@ typedef struct {
 /* fa_attn_args.prefetch: the row kernel's key rows FA_PREFETCH_BYTES ahead
  * into L1 as the keys are read, and a block's value rows into L2 while its
  * keys are read (fa_kern_rows.h); the block kernel's next key block, keys
- * and values, into L2 while it computes the current one (fa_kern_attn.h). */
-enum { FA_PREFETCH_KEYS = 1, FA_PREFETCH_VALUES = 2, FA_PREFETCH_BLOCKS = 4 };
+ * and values, into L2 while it computes the current one (fa_kern_attn.h).
+ * FA_PREFETCH_NONE: nothing, not even a paged cache's next blocks: the rows
+ * are in cache already (fa_attn_parts gives it to the calls after the first
+ * that read the same rows). */
+enum { FA_PREFETCH_KEYS = 1, FA_PREFETCH_VALUES = 2, FA_PREFETCH_BLOCKS = 4, FA_PREFETCH_NONE = 8 };
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
  * queries (rows i0..i1-1), keys and values: the kernel asks the cache for
@@ -185,11 +188,16 @@ int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const 
 
 /* ---- Decoding split along the keys ------------------------------------- */
 
-/* How many pieces to split the keys of each (batch, head) into: more than 1
- * only for decoding-like calls (at most 4 query rows, at least 2048 keys).
- * It depends on the shape of one (batch, head) alone, never on the batch,
- * the thread count, the strides nor on whether weights are wanted. */
+/* How many pieces to split the keys of each (batch, head) into, and their
+ * keys: piece p holds keys p * fa_attn_split_keys(a) on, the last one what
+ * is left.  More than 1 piece only for decoding-like calls (at most 4 query
+ * rows, at least 2048 keys), of 1024 keys (2048, 4096... beyond 64
+ * pieces).  Both depend on the shape of one (batch, head) alone, never on
+ * the batch, the thread count, the strides nor on whether weights are
+ * wanted; the pieces' bounds on its number of keys only through that
+ * doubling, so that sequences sharing their first keys split them alike. */
 fa_idx fa_attn_splits(const fa_attn_args *a);
+fa_idx fa_attn_split_keys(const fa_attn_args *a);
 /* Query heads of one key/value head to compute together (heads) for a
  * sequence of a->L query rows whose key/value heads serve `group` query
  * heads each, by its shape and the path alone: up to FA_ROWS_MAX rows of
@@ -209,6 +217,20 @@ fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1);
 int fa_attn_part(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const void *k,
                  const void *v, const void *mask, fa_idx i0, fa_idx i1, fa_idx s_lo,
                  fa_idx s_hi, void *state, void *work);
+
+/* fa_attn_part of n calls (n <= FA_ATTN_PARTS_MAX) over the same keys
+ * s_lo..s_hi-1: call c's rows 0..a[c].L-1 (at most 4 rows of its heads)
+ * with q[c], k[c], v[c] and mask[c] into state[c], the bits of its
+ * fa_attn_part alone.  The calls read the keys a run of a few rows at a
+ * time, every call each run, so that the rows several of them share (a
+ * paged cache's blocks that forked sequences or a common prompt hold) are
+ * read from memory once for all.  work: n times fa_attn_work_bytes(a[0]);
+ * the calls share E, Ev, storage and precision.  Returns 0, or -1 (nothing
+ * done) when any call would make fa_attn_part refuse. */
+#define FA_ATTN_PARTS_MAX 16
+int fa_attn_parts(fa_isa isa, int elsize, fa_idx n, const fa_attn_args *a, const void *const *q,
+                  const void *const *k, const void *const *v, const void *const *mask,
+                  fa_idx s_lo, fa_idx s_hi, void *const *state, void *work);
 
 /* Output rows i0..i1-1 from nsplit consecutive pieces of state; when ml is
  * not NULL it receives each row's maximum and sum (2 values a row). */

@@ -10,7 +10,7 @@ from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport INFINITY, log
 from libc.stdint cimport int32_t
 from libc.stdlib cimport free, malloc, qsort
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 cimport numpy as cnp
 
@@ -119,6 +119,12 @@ cdef extern from "fastattn.h" nogil:
                 const void *v, const void *mask, void *out, void *w, void *lse, fa_idx i0,
                 fa_idx i1, const fa_attn_next *next, void *work)
     fa_idx fa_attn_splits(const fa_attn_args *a)
+    fa_idx fa_attn_split_keys(const fa_attn_args *a)
+    enum: FA_ATTN_PARTS_MAX
+    int fa_attn_parts(fa_isa isa, int elsize, fa_idx n, const fa_attn_args *a,
+                      const void *const *q, const void *const *k, const void *const *v,
+                      const void *const *mask, fa_idx s_lo, fa_idx s_hi, void *const *state,
+                      void *work)
     fa_idx fa_attn_group(fa_isa isa, int elsize, const fa_attn_args *a, fa_idx group)
     fa_idx fa_attn_state_len(const fa_attn_args *a, fa_idx i0, fa_idx i1)
     int fa_attn_part(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
@@ -375,7 +381,9 @@ cdef struct RaggedTask:
     # values are read once); when the item's keys are split (nsplit > 1),
     # its keys s_lo..s_hi-1 into the state at `state` (elements from the
     # start of the call's states).  cost: of its whole item; order: when made.
-    fa_idx seq, head, heads, i0, i1, s_lo, s_hi, nsplit, state, order
+    # share: the tasks from this one on that read the same keys together
+    # (fa_attn_parts: pieces over a paged cache's shared blocks), 1 alone.
+    fa_idx seq, head, heads, i0, i1, s_lo, s_hi, nsplit, state, order, share
     double cost
 
 
@@ -472,6 +480,10 @@ cdef struct Plan:
     # in constant memory whatever the batch.
     RaggedTask *tasks
     fa_idx ntasks, nitems, nstate
+    # tasks run in order (NULL: every task); a run of `share` tasks counts
+    # once, by its first, and nrun is how many there are; most: the largest
+    fa_idx *run
+    fa_idx nrun, most
     # the implicit list: per item per_item tasks (nsplit pieces of chunk
     # keys, or nqb blocks of rows); per sequence `chunks` items of at most
     # `together` heads, cpk of them per key/value head; slen: the state of
@@ -489,6 +501,7 @@ cdef inline void implicit_item(const Ragged *p, const Plan *pl, fa_idx item,
     x.head = (c // pl.cpk) * p.group + j * pl.together
     x.heads = min(pl.together, p.group - j * pl.together)
     x.nsplit = pl.nsplit
+    x.share = 1
     x.i0, x.i1, x.s_lo, x.s_hi = 0, pl.L, 0, pl.S
 
 
@@ -497,7 +510,7 @@ cdef inline void plan_task(const Ragged *p, const Plan *pl, fa_idx t, bint merge
     """Task t of the plan, or (merge) its merge t."""
     cdef fa_idx piece
     if pl.tasks != NULL:
-        x[0] = pl.tasks[pl.ntasks + t if merge else t]
+        x[0] = pl.tasks[pl.ntasks + t if merge else (pl.run[t] if pl.run != NULL else t)]
         return
     if merge:
         implicit_item(p, pl, t, x)
@@ -515,6 +528,34 @@ cdef inline void plan_task(const Ragged *p, const Plan *pl, fa_idx t, bint merge
         x.state = 0
 
 
+cdef inline const void *mask_of(const Ragged *p, fa_idx b, fa_idx h) noexcept nogil:
+    """Sequence b's mask for query head h: its tree's, or the mask operand's."""
+    if p.tree_at == NULL:
+        return start(&p.m, p, b, h, 0, 0)
+    return p.m.base + p.tree_at[b] if p.tree_at[b] >= 0 else NULL
+
+
+cdef int parts_run(int isa, const Ragged *p, const RaggedTask *x, fa_idx n, char *states,
+                   void *work) noexcept nogil:
+    """Pieces x[0..n-1] of different items over the same keys, computed
+    together (fa_attn_parts); the kernel's return code."""
+    cdef fa_attn_args a[FA_ATTN_PARTS_MAX]
+    cdef const void *q[FA_ATTN_PARTS_MAX]
+    cdef const void *k[FA_ATTN_PARTS_MAX]
+    cdef const void *v[FA_ATTN_PARTS_MAX]
+    cdef const void *m[FA_ATTN_PARTS_MAX]
+    cdef void *st[FA_ATTN_PARTS_MAX]
+    cdef fa_attn_next r
+    cdef fa_idx u
+    for u in range(n):
+        ragged_args(p, x[u].seq, x[u].head, x[u].heads, &a[u])
+        r = task_rows(p, &x[u], &a[u])
+        q[u], k[u], v[u] = r.q, r.k, r.v
+        m[u] = mask_of(p, x[u].seq, x[u].head)
+        st[u] = states + p.es * x[u].state
+    return fa_attn_parts(<fa_isa>isa, p.es, n, a, q, k, v, m, x[0].s_lo, x[0].s_hi, st, work)
+
+
 cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n,
                     int nthreads, char *states, bint merge, void *work) noexcept nogil:
     """Task t of the plan, or (merge) the merge of split item t's pieces,
@@ -527,8 +568,7 @@ cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n
     cdef fa_attn_next cur = task_rows(p, &x, &ai)
     cdef fa_attn_next nxt
     cdef const fa_attn_next *hint = NULL
-    cdef void *m = (start(&p.m, p, b, h, 0, 0) if p.tree_at == NULL
-                    else p.m.base + p.tree_at[b] if p.tree_at[b] >= 0 else NULL)
+    cdef void *m = <void *>mask_of(p, b, h)
     cdef void *o = start(&p.o, p, b, h, q_row(p, b), ai.o_ls)
     cdef void *w = start(&p.w, p, b, h, 0, 0)
     cdef void *lse = start(&p.lse, p, b, h, q_row(p, b), ai.lse_s)
@@ -547,6 +587,8 @@ cdef int ragged_run(int isa, const Ragged *p, const Plan *pl, fa_idx t, fa_idx n
                 hint = &nxt
         return fa_attn(<fa_isa>isa, p.es, &ai, cur.q, cur.k, cur.v, m, o, w, lse, x.i0, x.i1,
                        hint, work)
+    if not merge and x.share > 1:
+        return parts_run(isa, p, &pl.tasks[pl.run[t]], x.share, states, work)
     if not merge:
         return fa_attn_part(<fa_isa>isa, p.es, &ai, cur.q, cur.k, cur.v, m, 0, ai.L, x.s_lo,
                             x.s_hi, st, work)
@@ -600,7 +642,7 @@ cdef int run_tasks(int isa, const Ragged *p, const Plan *pl, fa_idx n, char *sta
     """Tasks 0..n-1 of the plan (or its merges) over nthreads threads; a
     single thread without a parallel region: entering one costs a tenth of
     a small call (threads-and-speed.md, "Small calls")."""
-    cdef size_t work_bytes = fa_attn_work_bytes(&p.a, p.es)
+    cdef size_t work_bytes = fa_attn_work_bytes(&p.a, p.es) * (1 if merge else pl.most)
     cdef fa_idx t
     cdef void *work
     cdef int err = 0
@@ -644,7 +686,7 @@ cdef void implicit_plan(const Ragged *p, Plan *pl) noexcept nogil:
     pl.cpk = (p.group + pl.together - 1) // pl.together
     pl.chunks = (p.Hq // p.group) * pl.cpk
     pl.nqb = (ai.L + qb - 1) // qb
-    pl.chunk = (ai.S + pl.nsplit - 1) // pl.nsplit
+    pl.chunk = fa_attn_split_keys(&ai)
     pl.per_item = pl.nsplit if pl.nsplit > 1 else pl.nqb
     pl.ntasks = p.seqs.count * pl.chunks * pl.per_item
     ai.heads = pl.together
@@ -688,7 +730,7 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
         together = grouped(p, &ai)
         nsplit = item_splits(&ai, together)
         nqb = (ai.L + qb - 1) // qb
-        chunk = (ai.S + nsplit - 1) // nsplit
+        chunk = fa_attn_split_keys(&ai)
         for h0 in range(p.Hq):  # chunks of `together` heads of one key/value head
             if h0 % p.group % together:
                 continue
@@ -697,12 +739,12 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
             slen = fa_attn_state_len(&ai, 0, ai.L)
             if nsplit > 1:
                 pl.tasks[ntasks + nitems] = RaggedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit,
-                                                       nstate, nitems, 0)
+                                                       nstate, nitems, 1, 0)
                 nitems += 1
             first, cost = t, 0
             for piece in range(nsplit if nsplit > 1 else nqb):
                 x = &pl.tasks[t]
-                x.seq, x.head, x.heads, x.nsplit, x.order = b, h0, h, nsplit, t
+                x.seq, x.head, x.heads, x.nsplit, x.order, x.share = b, h0, h, nsplit, t, 1
                 if nsplit > 1:
                     x.i0, x.i1, x.s_lo = 0, ai.L, piece * chunk
                     x.s_hi = min(x.s_lo + chunk, ai.S)
@@ -718,6 +760,125 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
                 pl.tasks[k].cost = cost
     pl.nitems, pl.nstate = nitems, nstate
     qsort(pl.tasks, ntasks, sizeof(RaggedTask), costlier_first)
+    if p.table != NULL and nitems > 1:
+        return share_pieces(p, pl)
+    return 0
+
+
+cdef struct Keyed:
+    cnp.uint64_t key
+    fa_idx task
+
+
+cdef int by_key(const void *x, const void *y) noexcept nogil:
+    """qsort's order of keyed tasks: by key, then as listed."""
+    cdef const Keyed *s = <const Keyed *>x
+    cdef const Keyed *t = <const Keyed *>y
+    if s.key != t.key:
+        return -1 if s.key < t.key else 1
+    return -1 if s.task < t.task else (1 if s.task > t.task else 0)
+
+
+cdef inline const char *piece_keys(const Ragged *p, const RaggedTask *x) noexcept nogil:
+    """The pool rows of piece x's key/value head."""
+    return start(&p.k, p, x.seq, x.head // p.group, kv_row(p, x.seq), p.a.k_ss)
+
+
+cdef inline cnp.uint64_t mixed(cnp.uint64_t h, cnp.uint64_t x) noexcept nogil:
+    return (h ^ x) * <cnp.uint64_t>1099511628211  # FNV-1a's step, a word at a time
+
+
+cdef cnp.uint64_t piece_key(const Ragged *p, const RaggedTask *x) noexcept nogil:
+    """A hash of what piece x reads: its head's rows, its keys and their blocks."""
+    cdef cnp.uint64_t h = mixed(<cnp.uint64_t>14695981039346656037, <size_t>piece_keys(p, x))
+    cdef fa_idx j
+    h = mixed(mixed(h, <cnp.uint64_t>x.s_lo), <cnp.uint64_t>x.s_hi)
+    for j in range(x.s_lo // p.a.block_size, (x.s_hi - 1) // p.a.block_size + 1):
+        h = mixed(h, <cnp.uint64_t><cnp.uint32_t>p.table[x.seq * p.table_s + j])
+    return h
+
+
+cdef bint same_keys(const Ragged *p, const RaggedTask *x, const RaggedTask *y) noexcept nogil:
+    """Whether pieces x and y read the same key and value rows: the same
+    keys of one key/value head of the pool, in the same blocks."""
+    cdef fa_idx j
+    if x.s_lo != y.s_lo or x.s_hi != y.s_hi or piece_keys(p, x) != piece_keys(p, y):
+        return False
+    for j in range(x.s_lo // p.a.block_size, (x.s_hi - 1) // p.a.block_size + 1):
+        if p.table[x.seq * p.table_s + j] != p.table[y.seq * p.table_s + j]:
+            return False
+    return True
+
+
+cdef int share_pieces(const Ragged *p, Plan *pl) noexcept nogil:
+    """Pieces of different items that read the same keys in the same blocks
+    (forked sequences, a prompt several requests share) made runs of up to
+    FA_ATTN_PARTS_MAX tasks, each where its first (costliest) one was, so that
+    fa_attn_parts reads those rows once for all; each piece's bits are its
+    own still.  Found by hashing each piece's block ids.  1 when memory
+    fails."""
+    cdef fa_idx n = pl.ntasks, nk = 0, i, j, u, w, t, c, g
+    cdef Keyed *keyed = <Keyed *>malloc(n * sizeof(Keyed))
+    cdef fa_idx *lead = <fa_idx *>malloc(4 * n * sizeof(fa_idx))
+    cdef fa_idx *count = lead + n
+    cdef fa_idx *nxt = lead + 2 * n      # the next member of a run, or -1
+    cdef fa_idx *tail = lead + 3 * n     # a run's last member so far
+    cdef RaggedTask *out = NULL
+    if keyed == NULL or lead == NULL:
+        free(keyed)
+        free(lead)
+        return 1
+    for t in range(n):
+        lead[t], count[t], nxt[t], tail[t] = t, 1, -1, t
+        if pl.tasks[t].nsplit > 1:
+            keyed[nk].key, keyed[nk].task = piece_key(p, &pl.tasks[t]), t
+            nk += 1
+    qsort(keyed, nk, sizeof(Keyed), by_key)
+    g = 0
+    i = 0
+    while i < nk:
+        j = i
+        while j < nk and keyed[j].key == keyed[i].key:
+            j += 1
+        for u in range(i, j):  # a new run from each piece not taken yet
+            t = keyed[u].task
+            if lead[t] != t:
+                continue
+            w = u + 1
+            while w < j and count[t] < FA_ATTN_PARTS_MAX:
+                c = keyed[w].task
+                if lead[c] == c and count[c] == 1 and same_keys(p, &pl.tasks[t], &pl.tasks[c]):
+                    lead[c] = t
+                    nxt[tail[t]] = c
+                    tail[t] = c
+                    count[t] += 1
+                    g = max(g, count[t])
+                w += 1
+        i = j
+    free(keyed)
+    if g > 1:
+        out = <RaggedTask *>malloc((n + pl.nitems) * sizeof(RaggedTask))
+        pl.run = <fa_idx *>malloc(n * sizeof(fa_idx))
+        if out == NULL or pl.run == NULL:
+            free(out)
+            free(lead)
+            return 1
+        c, pl.nrun, pl.most = 0, 0, g
+        for t in range(n):
+            if lead[t] != t:
+                continue
+            pl.run[pl.nrun] = c
+            pl.nrun += 1
+            u = t
+            while u >= 0:
+                out[c] = pl.tasks[u]
+                out[c].share = count[t] if u == t else 0
+                c += 1
+                u = nxt[u]
+        memcpy(out + n, pl.tasks + n, pl.nitems * sizeof(RaggedTask))
+        free(pl.tasks)
+        pl.tasks = out
+    free(lead)
     return 0
 
 
@@ -751,6 +912,7 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except
         err = 3 if states == NULL else 0
     if err != 0 or stop.flag != 0 or pl.ntasks == 0:
         free(pl.tasks)
+        free(pl.run)
         stop_raise(&stop)
         if err == 1:
             raise MemoryError("fastattn: cannot allocate the task list")
@@ -758,11 +920,14 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except
             raise MemoryError("fastattn: cannot allocate the split-attention state")
         return 0
     p.ahead = p.table == NULL and operand_bytes > <size_t>L2_BYTES * min(nthreads, pl.ntasks)
-    err = run_tasks(isa, p, &pl, pl.ntasks, states, False, nthreads, &stop)
+    if pl.run == NULL:
+        pl.nrun, pl.most = pl.ntasks, 1
+    err = run_tasks(isa, p, &pl, pl.nrun, states, False, nthreads, &stop)
     if err == 0 and stop.flag == 0 and pl.nitems > 0:
         err = run_tasks(isa, p, &pl, pl.nitems, states, True, nthreads, &stop)
     free(states)
     free(pl.tasks)
+    free(pl.run)
     stop_raise(&stop)
     return raise_on(err, "attention")
 
