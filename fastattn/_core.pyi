@@ -57,7 +57,8 @@ def ragged(isa: int, q: NDArray[Any], key_cache: NDArray[Any], value_cache: NDAr
            prefetch: int = ..., ahead_blocks: bool = ...,
            precision: int = ..., key_mean: Optional[NDArray[Any]] = ...,
            tree_mask: Optional[NDArray[np.bool_]] = ...,
-           tree_at: Optional[NDArray[np.int64]] = ...) -> None: ...
+           tree_at: Optional[NDArray[np.int64]] = ...,
+           read: Optional[NDArray[np.int64]] = ...) -> None: ...
 def rotary(x: NDArray[Any], positions: NDArray[np.int64], cos: NDArray[Any], sin: NDArray[Any],
            interleaved: bool, out: NDArray[Any], nthreads: int) -> None: ...
 def softmax_rows(isa: int, x: NDArray[Any], mask: Optional[NDArray[Any]], mask_kind: int,

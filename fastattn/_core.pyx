@@ -882,7 +882,28 @@ cdef int share_pieces(const Ragged *p, Plan *pl) noexcept nogil:
     return 0
 
 
-cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except -1:
+cdef cnp.int64_t plan_reads(const Ragged *p, const Plan *pl, fa_idx n) noexcept nogil:
+    """Bytes of keys and values the plan's n tasks stream: each task's keys
+    (those its bounds leave) times a key row's and a value row's bytes, a
+    run of pieces over shared blocks once."""
+    cdef RaggedTask x
+    cdef fa_attn_args ai
+    cdef fa_idx t, lo, hi
+    cdef cnp.int64_t total = 0
+    for t in range(n):
+        plan_task(p, pl, t, False, &x)
+        ragged_args(p, x.seq, x.head, x.heads, &ai)
+        lo, hi = x.s_lo, x.s_hi
+        if ai.causal or ai.window_right >= 0:
+            hi = min(hi, max(ai.causal_offset + x.i1 + (0 if ai.causal else ai.window_right), 0))
+        if ai.window_left >= 0:
+            lo = max(lo, ai.causal_offset + x.i0 - ai.window_left)
+        total += max(hi - lo, 0) * p.kv_row_bytes
+    return total
+
+
+cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads,
+                  cnp.int64_t *read=NULL) except -1:
     """The call's tasks: every (sequence, head) split as
     scaled_dot_product_attention on that sequence alone splits it
     (fa_attn_splits), so that its bits are that call's: a task per block of
@@ -922,6 +943,8 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads) except
     p.ahead = p.table == NULL and operand_bytes > <size_t>L2_BYTES * min(nthreads, pl.ntasks)
     if pl.run == NULL:
         pl.nrun, pl.most = pl.ntasks, 1
+    if read != NULL:
+        read[0] = plan_reads(p, &pl, pl.nrun)
     err = run_tasks(isa, p, &pl, pl.nrun, states, False, nthreads, &stop)
     if err == 0 and stop.flag == 0 and pl.nitems > 0:
         err = run_tasks(isa, p, &pl, pl.nitems, states, True, nthreads, &stop)
@@ -1016,7 +1039,7 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
            double softcap, object slopes, object sinks, int q_store, int kv_store,
            int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES, bint ahead_blocks=True,
            int precision=PRECISION_EXACT, object key_mean=None, object tree_mask=None,
-           object tree_at=None):
+           object tree_at=None, object read=None):
     """Attention of a ragged batch of sequences (checked by the caller): q
     (total_q, Hq, E) stored as q_store, key_cache (num_blocks, Hkv,
     block_size, E) and value_cache (..., Ev) as kv_store, with int8 and
@@ -1033,11 +1056,15 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
     or a C-contiguous bool array holding, for each sequence b with
     tree_at[b] >= 0 (int64 (B,)), an (L, L) mask from element tree_at[b]
     over its L queries and its last L keys (fa_attn_args' m_s0). The tasks:
-    schedule()'s; prefetch, ahead_blocks and precision as in attention()."""
+    schedule()'s; prefetch, ahead_blocks and precision as in attention().
+    read: None, or an int64 (1,) array that receives the bytes of keys and
+    values the tasks stream (plan_reads)."""
     cdef Ragged p
     cdef const int32_t[:, ::1] table
     cdef const cnp.int64_t[::1] starts
     cdef const cnp.int64_t[::1] trees
+    cdef cnp.int64_t[::1] reads
+    cdef cnp.int64_t *read_at = NULL
     cdef fa_idx nseq = cu_q.shape[0] - 1
     memset(&p, 0, sizeof(p))
     p.seqs.nd, p.seqs.shape[0], p.seqs.count = 1, nseq, nseq
@@ -1091,7 +1118,11 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
         p.tree_at = &trees[0]
     if (p.table == NULL and p.kv_start == NULL) or p.Hq == 0:
         return
-    schedule(isa, &p, q.nbytes + key_cache.nbytes + value_cache.nbytes + out.nbytes, nthreads)
+    if read is not None:
+        reads = read
+        read_at = &reads[0]
+    schedule(isa, &p, q.nbytes + key_cache.nbytes + value_cache.nbytes + out.nbytes, nthreads,
+             read_at)
 
 
 def rotary(cnp.ndarray x, const cnp.int64_t[::1] positions, cnp.ndarray cos, cnp.ndarray sin,

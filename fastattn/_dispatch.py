@@ -12,8 +12,10 @@ names and never each other's private ones.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Mapping, NamedTuple, Optional, Union
+from contextvars import ContextVar
+from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -27,6 +29,21 @@ _MAX_FEATURES = _core.ATTN_MAX_FEATURES  # the kernels' bound on E and Ev (csrc/
 # the fast path's dtypes: their element bound, and the largest scale they hold
 _COMMON_DTYPES = {dt: (C.max_elements(dt), largest) for dt, largest in C.LARGEST.items()}
 _BOOL = np.dtype(np.bool_)
+# where ragged calls made under reads() add the bytes their kernels stream
+_READS: ContextVar[Optional[List[int]]] = ContextVar("fastattn_reads", default=None)
+
+
+@contextlib.contextmanager
+def reads() -> Iterator[List[int]]:
+    """The bytes of keys and values each ragged call in the block streams
+    (a shared block once for all the sequences that hold it), as counted by
+    the scheduler's plan: `fastattn bench --serving`'s "MB read"."""
+    counts: List[int] = []
+    token = _READS.set(counts)
+    try:
+        yield counts
+    finally:
+        _READS.reset(token)
 
 
 def _padding_mask_hint(mask_shape: C.Shape, target: C.Shape) -> str:
@@ -410,6 +427,8 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
         read = int(lens.sum()) * Hkv * (key_cache.shape[-1] + value_cache.shape[-1]) * \
             key_cache.itemsize
         q, kc, vc = C.kernel_view(query), C.kernel_view(key_cache), C.kernel_view(value_cache)
+        counts = _READS.get()
+        streamed = None if counts is None else np.zeros(1, np.int64)
         _tuning.run((isa, nthreads, kv_store, table is not None, precision), read,
                     lengths[0] <= _tuning.DECODE_ROWS,
                     lambda prefetch: _core.ragged(
@@ -419,6 +438,8 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
                         variants.window_right, variants.softcap, slopes, sink, q_store,
                         kv_store, prefetch=prefetch, precision=precision, key_mean=key_mean,
                         tree_mask=None if trees is None else trees.mask,
-                        tree_at=None if trees is None else trees.at))
+                        tree_at=None if trees is None else trees.at, read=streamed))
+        if counts is not None and streamed is not None:
+            counts.append(int(streamed[0]))
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result
     return out if lse is None else (out, lse)

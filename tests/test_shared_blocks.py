@@ -175,3 +175,22 @@ def test_against_the_float64_reference(simd):
         assert_close(out[cu[b]:cu[b + 1]].transpose(1, 0, 2), want, np.float64, E + S)
         assert_close(lse[:, cu[b]:cu[b + 1]], want_lse, np.float64, E + S,
                      magnitude=float(np.abs(want_lse).max()))
+
+
+def test_the_plan_counts_a_shared_piece_once():
+    """The bytes the kernels stream (fastattn bench --serving's "MB read"):
+    the prompt's whole pieces once for the 8 forks, their own keys each."""
+    from fastattn import _dispatch
+
+    rng = np.random.default_rng(2)
+    tails = [5, 17, 40, 64, 1, 2, 3, 4]
+    cache, ids, _, _ = forks(rng, 8, prompt=4096, tails=tails)
+    query, cu = queries(rng, len(ids), HKV * 4, 1)
+    row = (E + EV) * 4  # a key row's and a value row's bytes
+    with _dispatch.reads() as shared:
+        cache.attend(ids, query, cu)
+    with _dispatch.reads() as apart:
+        for b, s in enumerate(ids):
+            cache.attend([s], query[b:b + 1])
+    assert sum(apart) == sum(4096 + t for t in tails) * HKV * row
+    assert shared == [(4096 + sum(tails)) * HKV * row]

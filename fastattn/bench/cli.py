@@ -136,7 +136,7 @@ def add_arguments(p):
     p.add_argument("--serving", action="store_true",
                    help="instead of the shapes: one serving step of 64 sequences over a paged "
                         "cache (decoding; decoding mixed with prefill chunks; a tree of 8 draft "
-                        "tokens each) against a "
+                        "tokens each; 16 forks of a prompt of 8192 tokens) against a "
                         "padded cache, one call per sequence and PyTorch (fastattn/bench/"
                         "serving.py); --threads, --repeat, --seed and --json apply.  About 7 minutes "
                         "on 2 cores at 1,2 threads, and 12 GB of memory (its padded rows of the "

@@ -2,13 +2,15 @@
 cache against the ways to do it without one, measured side by side in one
 process (alternating rounds, medians).
 
-Three steps of a Llama-shaped attention layer (32 query heads over 8
-key/value heads of 128, float32): "decode-64", one new token for each of 64
-sequences whose lengths are drawn from 64 to 8192 (fixed seed); "mixed",
-the same 64 sequences where 4 bring a prefill chunk of 512 tokens and 60 a
-decoding token; and "tree-8", speculative decoding's verify step: each of
-the 64 brings a random tree of 8 draft tokens under its tree mask.  The
-rows:
+Steps of a Llama-shaped attention layer (32 query heads over 8 key/value
+heads of 128, float32): "decode-64", one new token for each of 64 sequences
+whose lengths are drawn from 64 to 8192 (fixed seed); "mixed", the same 64
+sequences where 4 bring a prefill chunk of 512 tokens and 60 a decoding
+token; "tree-8", speculative decoding's verify step: each of the 64 brings a
+random tree of 8 draft tokens under its tree mask; and "shared-16", 16
+sequences forked from a prompt of 8192 tokens (parallel sampling), 64 own
+tokens each and a decoding token, the prompt's blocks shared in the pool
+(and "shared-16-mha", the same with 8 query heads over the 8).  The rows:
 
   paged           fastattn.paged_attention, blocks of 128 in shuffled order
   paged-16        the same with blocks of 16 (each block's rows of a head
@@ -25,6 +27,13 @@ rows:
   torch-padded    (c) PyTorch's SDPA on the padded batch with a bool mask
   plain           tree-8 only: the paged call of the same query tokens with
                   no tree (causal), what the tree mask is measured against
+  unshared        shared steps only: the paged call over a pool where each
+                  sequence holds a copy of the prompt's blocks, whose reads
+                  no sequence shares
+
+"MB read" is the bytes of keys and values the paged calls' kernels stream,
+as the scheduler counts them (a shared block once for the sequences that
+read it together); GF/s counts 4 E flops per query head and visible key.
 
 Every row's output but plain's is checked against the paged call's before
 it is timed; the padded and per-sequence rows of tree-8 take each tree as a
@@ -39,6 +48,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 import fastattn
+from fastattn import _dispatch
 
 HQ, HKV, E = 32, 8, 128
 BLOCK = 128
@@ -50,11 +60,24 @@ class Step:
     q_lens: np.ndarray    # new tokens per sequence
     k_lens: np.ndarray    # keys held per sequence, the new ones included
     trees: Optional[List[np.ndarray]] = None  # each sequence's (L, L) tree mask
+    shared: int = 0       # the first positions every sequence holds in the same blocks
+    heads: int = HQ       # query heads
 
     @property
     def kv_bytes(self):
         """Bytes of keys and values one step reads (float32)."""
         return int(self.k_lens.sum()) * HKV * E * 2 * 4
+
+    @property
+    def flops(self):
+        """4 E flops per query head and visible key (scores and values): query
+        i of L sees S - L + i + 1 keys, or its ancestors in a tree."""
+        pairs = 0
+        for b, (L, S) in enumerate(zip(self.q_lens, self.k_lens)):
+            seen = (S - L) * L + (L * (L + 1) // 2 if self.trees is None
+                                  else int(self.trees[b].sum()))
+            pairs += int(seen)
+        return 4 * E * self.heads * pairs
 
 
 def steps(seed=0):
@@ -64,8 +87,11 @@ def steps(seed=0):
     q_lens = np.ones(64, np.int64)
     q_lens[rng.choice(64, 4, replace=False)] = 512
     trees = [random_tree(rng, 8) for _ in range(64)]
+    forked = np.full(16, 8192 + 64 + 1, np.int64)  # the prompt, 64 own tokens, the new one
     return [decode, Step("mixed", q_lens, np.maximum(lens, q_lens)),
-            Step("tree-8", np.full(64, 8, np.int64), lens, trees)]
+            Step("tree-8", np.full(64, 8, np.int64), lens, trees),
+            Step("shared-16", np.ones(16, np.int64), forked, shared=8192),
+            Step("shared-16-mha", np.ones(16, np.int64), forked, shared=8192, heads=HKV)]
 
 
 def random_tree(rng, n):
@@ -87,24 +113,33 @@ class Batch:
         self.cu_q = np.concatenate([[0], np.cumsum(step.q_lens)])
         self.cu_k = np.concatenate([[0], np.cumsum(step.k_lens)])
         T = int(self.cu_k[-1])
-        self.query = rng.standard_normal((int(self.cu_q[-1]), HQ, E), dtype=np.float32)
+        self.query = rng.standard_normal((int(self.cu_q[-1]), step.heads, E), dtype=np.float32)
         # (T, HKV, E) views of head-major arrays: every head's rows of a
         # sequence contiguous, as in a dense cache
         self.key = rng.standard_normal((HKV, T, E), dtype=np.float32).transpose(1, 0, 2)
         self.value = rng.standard_normal((HKV, T, E), dtype=np.float32).transpose(1, 0, 2)
-        self.pools = {bs: self._pool(bs, rng) for bs in (BLOCK, 16)}
+        for start in self.cu_k[1:-1]:  # every sequence's first `shared` rows: the prompt's
+            self.key[start:start + step.shared] = self.key[:step.shared]
+            self.value[start:start + step.shared] = self.value[:step.shared]
+        self.pools = {bs: self._pool(bs, rng, step.shared) for bs in (BLOCK, 16)}
+        if step.shared:
+            self.pools["unshared"] = self._pool(BLOCK, rng, 0)
 
-    def _pool(self, block_size, rng):
+    def _pool(self, block_size, rng, shared):
+        """The pool of blocks of block_size positions in shuffled order and
+        the block table; the first shared // block_size blocks of every
+        sequence are the same ones."""
+        common = shared // block_size
         need = -(-self.step.k_lens // block_size)
-        n = int(need.sum())
+        n = int(need.sum()) - common * (len(need) - 1)
         key = np.empty((n, HKV, block_size, E), np.float32)
         value = np.empty_like(key)
         order = rng.permutation(n)
         table = np.zeros((len(need), int(need.max())), np.int32)
-        at = 0
+        at = common
         for b, (c, S) in enumerate(zip(need, self.step.k_lens)):
-            blocks = order[at:at + c]
-            at += c
+            blocks = np.concatenate([order[:common], order[at:at + c - common]])
+            at += c - common
             table[b, :c] = blocks
             j = np.arange(S)
             rows = slice(self.cu_k[b], self.cu_k[b + 1])
@@ -125,7 +160,7 @@ class Batch:
         sequence at the end (left padding), and the (B, 1, 1, Smax) key mask
         (True = a real key)."""
         B, Lm, Sm = len(self.step.q_lens), int(self.step.q_lens.max()), int(self.step.k_lens.max())
-        q = np.zeros((B, HQ, Lm, E), np.float32)
+        q = np.zeros((B, self.step.heads, Lm, E), np.float32)
         k = np.zeros((B, HKV, Sm, E), np.float32)
         v = np.zeros((B, HKV, Sm, E), np.float32)
         real = np.zeros((B, 1, 1, Sm), bool)
@@ -148,7 +183,8 @@ def rows(batch, threads) -> Dict[str, Callable[[], np.ndarray]]:
     s = batch.step
     calls = {}
     tree = None if s.trees is None else np.concatenate([t.ravel() for t in s.trees])
-    for name, bs in (("paged", BLOCK), ("paged-16", 16)):
+    pools = [("paged", BLOCK), ("paged-16", 16)] + ([("unshared", "unshared")] if s.shared else [])
+    for name, bs in pools:
         key, value, table = batch.pools[bs]
         calls[name] = (lambda key=key, value=value, table=table: fastattn.paged_attention(
             batch.query, key, value, table, s.k_lens, batch.cu_q, num_threads=threads,
@@ -166,9 +202,10 @@ def rows(batch, threads) -> Dict[str, Callable[[], np.ndarray]]:
         S = T // B
         k = batch.key[:B * S].transpose(1, 0, 2).reshape(HKV, B, S, E).transpose(1, 0, 2, 3)
         v = batch.value[:B * S].transpose(1, 0, 2).reshape(HKV, B, S, E).transpose(1, 0, 2, 3)
-        q = batch.query.reshape(B, 1, HQ, E).transpose(0, 2, 1, 3)
+        q = batch.query.reshape(B, 1, s.heads, E).transpose(0, 2, 1, 3)
         calls["dense-equal"] = lambda: fastattn.scaled_dot_product_attention(
-            q, k, v, enable_gqa=True, num_threads=threads).transpose(0, 2, 1, 3).reshape(B, HQ, E)
+            q, k, v, enable_gqa=True, num_threads=threads).transpose(0, 2, 1, 3).reshape(
+                B, s.heads, E)
     pq, pk, pv, real = batch.padded()
     calls["padded"] = lambda: batch.from_padded(fastattn.scaled_dot_product_attention(
         pq, pk, pv, attn_mask=real, is_causal=True, causal_alignment="lower_right",
@@ -238,11 +275,14 @@ def measure(step, threads, *, rounds=5, seed=0, only: Optional[List[str]] = None
     result = {}
     for name, call in calls.items():
         start = perf_counter()
-        out = call()
+        with _dispatch.reads() as read:
+            out = call()
         first = perf_counter() - start
         same = out.size and name != "plain"  # (plain: another step's output)
         result[name] = {"max_abs_diff": float(np.abs(out - want).max()) if same else 0.0,
                         "times": [], "rounds": rounds if first < 2.0 else 1}
+        if name in ("paged", "paged-16", "unshared", "plain"):
+            result[name]["read_bytes"] = sum(read)
         if progress:
             progress(name)
     for r in range(rounds):
@@ -255,12 +295,14 @@ def measure(step, threads, *, rounds=5, seed=0, only: Optional[List[str]] = None
         row["median"] = statistics.median(row["times"])
         del row["rounds"]
     memory = {
-        "paged": int(-(-step.k_lens // BLOCK).sum()) * BLOCK * HKV * E * 2 * 4,
+        "paged": (int(-(-step.k_lens // BLOCK).sum()) - step.shared // BLOCK * (len(step.k_lens) - 1))
+        * BLOCK * HKV * E * 2 * 4,
         "padded": len(step.k_lens) * int(step.k_lens.max()) * HKV * E * 2 * 4,
         "exact": step.kv_bytes}
     return {"step": step.name, "threads": threads, "kv_bytes": step.kv_bytes, "rows": result,
             "memory": memory, "tokens": int(step.k_lens.sum()),
-            "queries": int(step.q_lens.sum())}
+            "queries": int(step.q_lens.sum()), "flops": step.flops, "heads": step.heads,
+            "shared": step.shared}
 
 
 def run(threads=(1, 2), rounds=5, seed=0, progress=True):
@@ -287,14 +329,20 @@ def format_table(result):
     for case in result["cases"]:
         paged = case["rows"]["paged"]["median"]
         mem = case["memory"]
-        lines.append(f"{case['step']}: {len(case['rows'])} rows, {case['queries']} queries over "
-                     f"{case['tokens']} keys in 64 sequences ({case['kv_bytes'] / 2**30:.2f} GiB "
-                     f"of keys and values), {case['threads']} thread(s)")
-        lines.append(f"  {'row':14s} {'ms':>9s} {'x paged':>8s} {'GB/s':>7s} {'max |diff|':>11s}")
+        shared = f", the first {case['shared']} shared" if case.get("shared") else ""
+        lines.append(f"{case['step']}: {len(case['rows'])} rows, {case['queries']} queries "
+                     f"({case.get('heads', HQ)} heads) over {case['tokens']} keys{shared} "
+                     f"({case['kv_bytes'] / 2**30:.2f} GiB of keys and values), "
+                     f"{case['threads']} thread(s)")
+        lines.append(f"  {'row':14s} {'ms':>9s} {'x paged':>8s} {'GB/s':>7s} {'GF/s':>7s} "
+                     f"{'MB read':>8s} {'max |diff|':>11s}")
         for name, row in case["rows"].items():
             t = row["median"]
+            read = f"{row['read_bytes'] / 1e6:8.1f}" if "read_bytes" in row else f"{'':8s}"
+            gf = f"{case['flops'] / t / 1e9:7.1f}" if "flops" in case else f"{'':7s}"
             lines.append(f"  {name:14s} {t * 1e3:9.2f} {t / paged:8.2f} "
-                         f"{case['kv_bytes'] / t / 1e9:7.1f} {row['max_abs_diff']:11.1e}")
+                         f"{case['kv_bytes'] / t / 1e9:7.1f} {gf} {read} "
+                         f"{row['max_abs_diff']:11.1e}")
         lines.append(f"  memory: paged {mem['paged'] / 2**30:.2f} GiB (blocks in use), padded "
                      f"{mem['padded'] / 2**30:.2f} GiB, the keys themselves "
                      f"{mem['exact'] / 2**30:.2f} GiB")
