@@ -139,10 +139,19 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
     const int shared = nq > 1 && st == FA_STORE_F8E4M3 && FA_NAME(rows_shared)(st);
     fa_idx r = 0;
 #ifdef FA_DOT_GROUP
+    /* rows in cache already (cached: nothing is asked for ahead) */
+    for (; cached && !shared && r + FA_DOT_GROUP <= nr; r += FA_DOT_GROUP) {
+        const char *rows = (const char *)y + r * rb;
+        if (n == 128)
+            FA_NAME(dots_cached)(st, nq, 128, x, ldx, rows, rb, s + r, ld);
+        else if (n == 64)
+            FA_NAME(dots_cached)(st, nq, 64, x, ldx, rows, rb, s + r, ld);
+        else
+            FA_NAME(dots_cached)(st, nq, n, x, ldx, rows, rb, s + r, ld);
+    }
     /* not rows stored as T, whose sweep waits for memory rather than for
-     * arithmetic: it was slower so (threads-and-speed.md, same section),
-     * unless they are in cache already (cached) */
-    for (; !shared && (st != FA_STORE_NATIVE || cached) && r + FA_DOT_GROUP <= nr; r += FA_DOT_GROUP)
+     * arithmetic: it was slower so (threads-and-speed.md, same section) */
+    for (; !shared && st != FA_STORE_NATIVE && r + FA_DOT_GROUP <= nr; r += FA_DOT_GROUP)
         for (fa_idx t = 0; t < nq; ++t) {
             T lanes[FA_DOT_GROUP * FA_DOT_GROUP];
             const char *rows = (const char *)y + r * rb;

@@ -591,6 +591,55 @@ static FA_ALWAYS_INLINE void FA_NAME(dot_lanes_sum)(const fa_store st, fa_idx c,
     VSTORE(sums, VREDUCE_ROWS(u));
     for (int r = 0; r < VLEN; ++r) s[r] = FA_NAME(dot_tail)(st, c, n, x, y + r * rb, sums[r]);
 }
+
+/* Rows of x whose dot products share each vector of y (dots_cached): four
+ * partial sums a row, then the vectors of y, within the registers (16 on
+ * AVX2, 32 beyond). */
+#define FA_CACHED_ROWS (FA_MR >= 8 ? 4 : 2)
+
+/* dot_lanes of the nq rows of x (ldx apart) against the FA_DOT_GROUP rows
+ * y + i * rb, each vector of those loaded once for all nq: row t's lanes at
+ * lanes + t * FA_DOT_GROUP * VLEN */
+static FA_ALWAYS_INLINE fa_idx FA_NAME(dot_lanes_rows)(const int nq, const fa_store st, fa_idx n,
+                                                       const T *x, fa_idx ldx, const char *y,
+                                                       fa_idx rb, T *lanes)
+{
+    fa_idx c = 0;
+    for (int i = 0; i < FA_DOT_GROUP; ++i) {
+        V u[4];
+        c = FA_NAME(dot_rows_vec)(nq, st, n, x, ldx, y + i * rb, u);
+        for (int t = 0; t < nq; ++t) VSTORE(lanes + (t * FA_DOT_GROUP + i) * VLEN, u[t]);
+    }
+    return c;
+}
+
+/* s[t * ld + i] = x_t . y_i for the nq rows of x and the FA_DOT_GROUP rows
+ * y_i = rows + i * rb, already in cache: bound by arithmetic, so each
+ * vector of y is loaded once for FA_CACHED_ROWS rows of x; the bits of
+ * dot_body.  n constant where the caller knows it (the loop over it then
+ * unrolls). */
+static FA_ALWAYS_INLINE void FA_NAME(dots_cached)(const fa_store st, fa_idx nq, fa_idx n,
+                                                  const T *x, fa_idx ldx, const char *rows,
+                                                  fa_idx rb, T *s, fa_idx ld)
+{
+    for (fa_idx t0 = 0, m; t0 < nq; t0 += m) {
+        T lanes[FA_CACHED_ROWS * FA_DOT_GROUP * FA_DOT_GROUP];
+        const T *xt = x + t0 * ldx;
+        fa_idx c;
+        m = nq - t0 < FA_CACHED_ROWS ? nq - t0 : FA_CACHED_ROWS;
+        switch (m) {
+#if FA_MR >= 8
+        case 4: c = FA_NAME(dot_lanes_rows)(4, st, n, xt, ldx, rows, rb, lanes); break;
+        case 3: c = FA_NAME(dot_lanes_rows)(3, st, n, xt, ldx, rows, rb, lanes); break;
+#endif
+        case 2: c = FA_NAME(dot_lanes_rows)(2, st, n, xt, ldx, rows, rb, lanes); break;
+        default: c = FA_NAME(dot_lanes_rows)(1, st, n, xt, ldx, rows, rb, lanes); break;
+        }
+        for (fa_idx t = 0; t < m; ++t)
+            FA_NAME(dot_lanes_sum)(st, c, n, xt + t * ldx, rows, rb,
+                                   lanes + t * FA_DOT_GROUP * FA_DOT_GROUP, s + (t0 + t) * ld);
+    }
+}
 #endif
 
 /* dot_rows_body of one row of x */
