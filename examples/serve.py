@@ -25,6 +25,10 @@ its own; NumPy's BLAS may round a projection of another batch differently
 in the last bits, which can only flip a token at a near-tie of its logits:
 reported if it happens).
 
+Parallel sampling then forks a prompt of 2100 tokens --samples ways: the
+forks hold the prompt's blocks, and each decoding step reads them once for
+all the forks (the bytes per step printed, and plotted with --plot).
+
 Then speculative decoding (SpecInfer, Medusa, EAGLE-2) of the first
 requests: each step verifies a tree of up to --draft tokens in one call
 (``tree_mask``: a draft sees the tokens before the tree and its own
@@ -242,6 +246,37 @@ def speculate(model, r, block_size, size):
     return tokens[:r.new_tokens], steps
 
 
+def parallel_sampling(model, prompt, samples, new_tokens, block_size, rng):
+    """Parallel sampling: the prompt prefilled once, forked `samples` ways
+    (PagedKVCache.fork: its blocks shared, copy on write), each fork
+    sampling its own tokens (temperature 1).  Per decoding step, the bytes
+    of keys and values the attention kernels stream, as the scheduler
+    counts them (the prompt's blocks once for the forks that read them
+    together, fastattn._dispatch.reads: what `fastattn bench --serving`
+    reports), and what each fork reading its own would stream.  Returns
+    ([(shared, plain) per step], the forks' tokens)."""
+    need = -(-(len(prompt) + new_tokens) // block_size) * samples
+    caches = model.new_paged_caches(need, block_size)
+    for c in caches:
+        first = c.add_sequence()
+    model.forward_ragged(prompt, np.arange(len(prompt)), [first], np.array([0, len(prompt)]),
+                         caches)
+    for c in caches:  # the same ids in every layer's cache
+        ids = [first] + [c.fork(first) for _ in range(samples - 1)]
+    last = np.full(samples, prompt[-1])
+    tokens, reads = [[] for _ in range(samples)], []
+    row = sum(c.num_kv_heads * (c.head_dim + c.value_dim) * c.dtype.itemsize for c in caches)
+    for step in range(new_tokens):
+        pos = np.full(samples, len(prompt) + step - 1)
+        with fastattn._dispatch.reads() as shared:
+            logits = model.forward_ragged(last, pos, ids, np.arange(samples + 1), caches)
+        reads.append((sum(shared), int(caches[0].seq_lens_of(ids).sum()) * row))
+        last = np.argmax(logits + rng.gumbel(size=logits.shape), axis=1)  # a sample each
+        for t, x in zip(tokens, last):
+            t.append(int(x))
+    return reads, tokens
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32, help="requests in the stream (32)")
@@ -257,10 +292,13 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the stream")
     parser.add_argument("--draft", type=int, default=6,
                         help="tokens per tree in the speculative run of the first requests (6)")
+    parser.add_argument("--samples", type=int, default=8,
+                        help="forks of a 2100-token prompt in the parallel-sampling run (8)")
     parser.add_argument("--plot", metavar="FILE.png",
-                        help="draw tokens per step, blocks in use and a padded cache's size")
+                        help="draw tokens per step, blocks in use and a padded cache's size, "
+                             "and the bytes parallel sampling's steps read")
     args = parser.parse_args(argv)
-    for name in ("requests", "block_size", "blocks", "chunk", "draft"):
+    for name in ("requests", "block_size", "blocks", "chunk", "draft", "samples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not args.rate > 0:
@@ -313,19 +351,31 @@ def main(argv=None):
           f"{args.draft} tokens: {tokens} tokens in {sum(n for _, n in runs)} verify steps "
           f"(plain decoding: {tokens - len(spec)}); tokens equal to greedy decoding alone: "
           f"{len(same)} of {len(spec)}")
+    # decoding splits keys from 2048 on: a longer model with rotary positions
+    long_model = PagedGPT2(gpt2.random_state_dict(vocab, 2200, embed, layers, rng), heads, True)
+    prompt = rng.integers(0, vocab, 2100)
+    reads, samples = parallel_sampling(long_model, prompt, args.samples, 8, args.block_size, rng)
+    shared, plain = sum(r[0] for r in reads) / len(reads), sum(r[1] for r in reads) / len(reads)
+    print(f"parallel sampling: {args.samples} forks of a prompt of {len(prompt)} tokens, "
+          f"{len(reads)} steps: {shared / 2**10:.0f} KiB of keys and values read per step, "
+          f"against {plain / 2**10:.0f} KiB with each fork reading its own "
+          f"({plain / shared:.1f}x); {len(set(map(tuple, samples)))} different samples")
     if args.plot:
-        plot(log, args.plot, args.block_size)
+        plot(log, reads, args.plot, args.block_size)
         print(f"wrote {args.plot}")
     return 0 if len(differ) == len(near_ties) and len(same) == len(spec) else 1
 
 
-def plot(log, path, block_size):
+def plot(log, reads, path, block_size):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [e["step"] for e in log]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig = plt.figure(figsize=(8, 9))
+    top = fig.add_subplot(3, 1, 1)
+    bottom = fig.add_subplot(3, 1, 2, sharex=top)
+    sampling = fig.add_subplot(3, 1, 3)
     top.plot(steps, [e["tokens"] for e in log], label="tokens in the step's call")
     top.plot(steps, [e["running"] for e in log], label="requests running")
     top.set_ylabel("per step")
@@ -335,6 +385,13 @@ def plot(log, path, block_size):
     bottom.set_xlabel("step")
     bottom.set_ylabel("positions held (per layer)")
     bottom.legend()
+    n = range(1, len(reads) + 1)
+    sampling.plot(n, [r[1] / 2**10 for r in reads], "o-", label="each fork reads its own")
+    sampling.plot(n, [r[0] / 2**10 for r in reads], "o-", label="shared blocks read once")
+    sampling.set_xlabel("parallel sampling: decoding step")
+    sampling.set_ylabel("KiB of keys and values read")
+    sampling.set_ylim(bottom=0)
+    sampling.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -38,6 +38,21 @@ def test_the_stream(capsys):
     out = capsys.readouterr().out
     assert "12 of 12 equal" in out and "padded dense cache" in out
     assert "tokens equal to greedy decoding alone: 4 of 4" in out
+    assert "parallel sampling: 8 forks of a prompt of 2100 tokens" in out
+
+
+def test_parallel_sampling_reads_the_prompt_once():
+    """Forks of a prompt beyond 2048 positions: each step streams the
+    prompt's whole pieces of 1024 once, its own keys per fork."""
+    rng = np.random.default_rng(3)
+    model = serve.PagedGPT2(serve.gpt2.random_state_dict(50, 2200, 32, 2, rng), 4, True)
+    reads, tokens = serve.parallel_sampling(model, rng.integers(0, 50, 2100), 4, 3, 16, rng)
+    row = 2 * 4 * (8 + 8) * 4  # layers x (heads x (key + value features)) x float32
+    for step, (shared, plain) in enumerate(reads):
+        own = 2101 + step - 2048  # each fork's keys past the shared pieces (the new one too)
+        assert shared == (2048 + 4 * own) * row
+        assert plain == 4 * (2101 + step) * row
+    assert len({tuple(t) for t in tokens}) > 1
 
 
 @pytest.mark.parametrize("rope", [False, True])

@@ -10,7 +10,8 @@ token; "tree-8", speculative decoding's verify step: each of the 64 brings a
 random tree of 8 draft tokens under its tree mask; and "shared-16", 16
 sequences forked from a prompt of 8192 tokens (parallel sampling), 64 own
 tokens each and a decoding token, the prompt's blocks shared in the pool
-(and "shared-16-mha", the same with 8 query heads over the 8).  The rows:
+(and "shared-16-mha", the same with 8 query heads over the 8).  Then the
+prefix-cache scenario (prefix_cache).  The rows:
 
   paged           fastattn.paged_attention, blocks of 128 in shuffled order
   paged-16        the same with blocks of 16 (each block's rows of a head
@@ -305,18 +306,80 @@ def measure(step, threads, *, rounds=5, seed=0, only: Optional[List[str]] = None
             "shared": step.shared}
 
 
+PROMPTS, PROMPT_LEN, REQUESTS, LIVE = 4, 2048, 64, 8
+VOCAB = 1000
+
+
+def prefix_cache(threads, seed=0):
+    """The prefix-cache scenario: REQUESTS requests arrive one after another,
+    each a system prompt drawn from PROMPTS of PROMPT_LEN tokens plus 128 to
+    512 tokens of its own, into a PagedKVCache(enable_prefix_caching=True)
+    (blocks of BLOCK) that holds the LIVE latest requests and, in its other
+    blocks, what freed requests left named (evicted least recently freed
+    first).  Each request matches its cached prefix, appends the rest and
+    computes the prefill attention of its uncached tokens; the same request
+    without the cache computes all of its tokens.  Keys and values depend
+    on a token's id and position alone, as a model's would.  Returns the
+    hit rate (cached prompt tokens / prompt tokens) and the attention-only
+    prefill times per request, ms."""
+    rng = np.random.default_rng(seed + 7)
+    prompts = rng.integers(0, VOCAB, (PROMPTS, PROMPT_LEN))
+    kemb = rng.standard_normal((VOCAB, HKV, E), dtype=np.float32)
+    vemb = rng.standard_normal((VOCAB, HKV, E), dtype=np.float32)
+    wave = np.cos(np.arange(PROMPT_LEN + 512)[:, None, None] * 1e-3 *
+                  np.arange(1, E + 1)).astype(np.float32)
+    largest = -(-(PROMPT_LEN + 512) // BLOCK)
+    blocks = largest * (LIVE + PROMPTS + 2)  # the live requests, the prompts kept named
+    cache = fastattn.PagedKVCache(blocks, BLOCK, HKV, E, enable_prefix_caching=True)
+    plain = fastattn.PagedKVCache(largest + 1, BLOCK, HKV, E)
+    live, cached_ms, full_ms, hits, prompt_tokens = [], [], [], 0, 0
+    for _ in range(REQUESTS):
+        tokens = np.concatenate([prompts[rng.integers(PROMPTS)],
+                                 rng.integers(0, VOCAB, int(rng.integers(128, 513)))])
+        n = len(tokens)
+        key, value = kemb[tokens] * wave[:n], vemb[tokens] * wave[:n]
+        query = rng.standard_normal((n, HQ, E), dtype=np.float32)
+        seq = cache.add_sequence()
+        m = cache.match_prefix(seq, tokens)
+        hits, prompt_tokens = hits + m, prompt_tokens + n
+        cache.append([seq], key[m:], value[m:], np.array([0, n - m]), token_ids=tokens[m:])
+        start = perf_counter()
+        out = cache.attend([seq], query[m:], np.array([0, n - m]), num_threads=threads)
+        cached_ms.append((perf_counter() - start) * 1e3)
+        other = plain.add_sequence()
+        plain.append([other], key, value, np.array([0, n]))
+        start = perf_counter()
+        whole = plain.attend([other], query, np.array([0, n]), num_threads=threads)
+        full_ms.append((perf_counter() - start) * 1e3)
+        plain.free(other)
+        if not np.array_equal(out, whole[m:]):
+            raise AssertionError("a prefix-cache hit changed the bits of its request")
+        live.append(seq)
+        if len(live) > LIVE:
+            cache.free(live.pop(0))
+    return {"threads": threads, "requests": REQUESTS, "hit_rate": hits / prompt_tokens,
+            "cached_ms": cached_ms, "full_ms": full_ms,
+            "cached_median": statistics.median(cached_ms),
+            "full_median": statistics.median(full_ms),
+            "cached_total": sum(cached_ms), "full_total": sum(full_ms)}
+
+
 def run(threads=(1, 2), rounds=5, seed=0, progress=True):
     from tqdm import tqdm
 
     cases = [(s, n) for s in steps(seed) for n in threads]
-    out = []
-    with tqdm(total=len(cases), desc="fastattn bench --serving", unit="case",
+    out, prefix = [], []
+    with tqdm(total=len(cases) + len(threads), desc="fastattn bench --serving", unit="case",
               disable=not progress, dynamic_ncols=True) as bar:
         for step, n in cases:
             bar.set_postfix_str(f"{step.name}, {n} thread(s)")
             out.append(measure(step, n, rounds=rounds, seed=seed))
             bar.update()
-    return {"machine": _machine(), "cases": out}
+        for n in threads:
+            bar.set_postfix_str(f"prefix cache, {n} thread(s)")
+            prefix.append(prefix_cache(n, seed))
+            bar.update()
+    return {"machine": _machine(), "cases": out, "prefix_cache": prefix}
 
 
 def _machine():
@@ -347,4 +410,11 @@ def format_table(result):
                      f"{mem['padded'] / 2**30:.2f} GiB, the keys themselves "
                      f"{mem['exact'] / 2**30:.2f} GiB")
         lines.append("")
+    for p in result.get("prefix_cache", []):
+        lines.append(f"prefix cache: {p['requests']} requests over {PROMPTS} system prompts of "
+                     f"{PROMPT_LEN} tokens, {p['threads']} thread(s): hit rate "
+                     f"{p['hit_rate']:.1%} of the prompt tokens; prefill attention per request, "
+                     f"median {p['cached_median']:.1f} ms (cached prefix) against "
+                     f"{p['full_median']:.1f} ms (every token), in all {p['cached_total']:.0f} "
+                     f"against {p['full_total']:.0f} ms")
     return "\n".join(lines)
