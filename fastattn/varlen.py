@@ -6,7 +6,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _storage
+from . import _storage, _tree
 from ._dispatch import ragged
 from ._typing import Float, NDArray
 
@@ -19,6 +19,8 @@ def varlen_attention(
         alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
         sinks: Optional[NDArray[Any]] = None, return_lse: bool = False,
         out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
+        tree_mask: Optional[NDArray[np.bool_]] = None,
+        tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None,
 ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """Attention over B packed sequences, each attending to its own keys
     only: FlashAttention's ``flash_attn_varlen_func`` contract.
@@ -61,6 +63,12 @@ def varlen_attention(
     out : ndarray or None, shape (total_q, Hq, Ev), query's dtype
         Written through its strides; must not overlap the inputs.
     num_threads : int or None
+    tree_mask, tree_mask_indptr : ndarray of bool (sum of L_b**2,) and int (B + 1,), or None
+        Speculative decoding's trees of draft tokens, as for
+        ``paged_attention`` (FlashInfer's ``custom_mask`` and
+        ``mask_indptr`` over each sequence's L_b queries and its last L_b
+        keys; an empty range: no tree); not with ``window_size`` nor
+        ``alibi_slopes``.
 
     Returns
     -------
@@ -77,7 +85,9 @@ def varlen_attention(
         Shapes that do not agree, Hq not a multiple of Hkv, cu_seqlens not
         starting at 0, decreasing, not ending at the total or of different
         lengths for query and key, and the bad values of
-        ``scaled_dot_product_attention``'s options.
+        ``scaled_dot_product_attention``'s options; a tree_mask whose
+        sequences' masks are not L_b x L_b, of a sequence with fewer keys
+        than queries, or with a window or ALiBi.
     """
     for name, a in (("query", query), ("key", key), ("value", value)):
         C.require_array(a, name)
@@ -105,9 +115,11 @@ def varlen_attention(
     store = _storage.query_store(dtype)
     # the packed rows as the one block of the caches, (1, Hkv, total_k, E)
     key_cache, value_cache = (x.transpose(1, 0, 2)[None] for x in (key, value))
-    return ragged(query, key_cache, value_cache, None, cu_k[:-1], cu_k[1:] - cu_k[:-1],
-                  cu_q, cu_q[1:] - cu_q[:-1], (None, None), store, store, Ev, causal,
+    q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, k_lens)
+    return ragged(query, key_cache, value_cache, None, cu_k[:-1], k_lens,
+                  cu_q, q_lens, (None, None), store, store, Ev, causal,
                   lower_right, offset, scale, window_size, alibi_slopes, softcap, sinks,
                   lse_wanted, out, num_threads,
                   {"query": query, "key": key, "value": value, "cu_seqlens_q": cu_seqlens_q,
-                   "cu_seqlens_k": cu_seqlens_k})
+                   "cu_seqlens_k": cu_seqlens_k, "tree_mask": tree_mask}, trees=trees)

@@ -451,3 +451,46 @@ def test_accept_counts_the_blocks_dropped_drafts_give_back():
     assert c.seq_lens[s] == 6
     np.testing.assert_array_equal(stored_rows(c, s)[0][:, 0], x[[0, 1, 2, 3, 4, 6], 0])
     assert_same_rows(stored_rows(c, f), before)
+
+
+@pytest.mark.parametrize("alignment", ["lower_right", "upper_left"])
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_varlen_trees_are_sdpa_with_their_masks(simd, alignment, is_causal):
+    """varlen_attention's tree_mask over packed sequences: the same bits as
+    paged_attention's, whatever the causal alignment (a tree covers each
+    sequence's last L keys)."""
+    rng = np.random.default_rng(17)
+    queries, keys, values = ragged(rng, Q_LENS, K_LENS)
+    query, cu = packed(queries)
+    key = np.concatenate([k.transpose(1, 0, 2) for k in keys])
+    value = np.concatenate([v.transpose(1, 0, 2) for v in values])
+    cu_k = np.concatenate([[0], np.cumsum(K_LENS)]).astype(np.int32)
+    trees = [random_tree(rng, L)[0] for L in Q_LENS]
+    indptr = np.concatenate([[0], np.cumsum([0 if b == 1 else t.size
+                                             for b, t in enumerate(trees)])])
+    flat = np.concatenate([t.ravel() for b, t in enumerate(trees) if b != 1])
+    out, lse = fastattn.varlen_attention(query, key, value, cu, cu_k, is_causal=is_causal,
+                                         causal_alignment=alignment, return_lse=True,
+                                         tree_mask=flat, tree_mask_indptr=indptr)
+    for b, (q, k, v) in enumerate(zip(queries, keys, values)):
+        if q.shape[1] == 0:
+            continue
+        mask = full_mask(trees[b], k.shape[1]) if b != 1 else None  # sequence 1: no tree
+        want, want_lse = sdpa(q, k, v, attn_mask=mask, is_causal=is_causal,
+                              causal_alignment=alignment, enable_gqa=True, return_lse=True)
+        np.testing.assert_array_equal(per_sequence(out, cu, b), want)
+        np.testing.assert_array_equal(lse[:, cu[b]:cu[b + 1]], want_lse)
+
+
+def test_varlen_tree_errors():
+    q = np.zeros((3, 2, 8), np.float32)
+    k = np.zeros((5, 2, 8), np.float32)
+    cu_q, cu_k = np.array([0, 3]), np.array([0, 5])
+    with pytest.raises(ValueError, match="3 x 3 = 9 entries"):
+        fastattn.varlen_attention(q, k, k, cu_q, cu_k, tree_mask=np.ones(4, bool),
+                                  tree_mask_indptr=np.array([0, 4]))
+    with pytest.raises(ValueError, match="window_size"):
+        fastattn.varlen_attention(q, k, k, cu_q, cu_k, tree_mask=np.ones(9, bool),
+                                  window_size=(2, 0))
+    with pytest.raises(TypeError, match="tree_mask has dtype"):
+        fastattn.varlen_attention(q, k, k, cu_q, cu_k, tree_mask=np.ones(9, np.int8))
