@@ -5,7 +5,8 @@ was never written.  Such a value only shows when something depends on it,
 so every result here is compared with the NumPy reference.  Shapes are
 small but cross the kernels' block edges: the row kernel (<= 4 query rows)
 and the block kernel, partial query and key blocks, partial micro-tiles,
-decoding with the keys split in pieces, strided, reversed and broadcast
+decoding with the keys split in pieces (and pieces that sequences share,
+read together), strided, reversed and broadcast
 operands, masks, GQA (query heads grouped), paged caches in every storage,
 the int8 mode's integer products, a smoothed and rotated cache, rotary,
 every SIMD path valgrind runs (it hides AVX-512 from the program:
@@ -88,6 +89,22 @@ def main():
                                            tree_mask_indptr=np.array([0, 0, 0, 4])),
                   ref.paged_attention(pq, kc, vc, table, lens, cu, tree_mask=tree,
                                       tree_mask_indptr=np.array([0, 0, 0, 4])), tol)
+            # three sequences sharing their first 2100 positions' blocks (pieces
+            # of 1024 read together, fa_attn_parts), of lengths past them
+            shared_lens = np.array([2101, 2130, 3100])
+            blocks = -(-shared_lens // 64)
+            skc, svc = arr(int(blocks.sum()), 1, 64, 16), arr(int(blocks.sum()), 1, 64, 8)
+            stable = np.zeros((3, blocks.max()), np.int32)
+            at = 0
+            for i in range(3):  # the first 32 blocks (2048 positions) are sequence 0's
+                own = np.arange(at, at + blocks[i]) if i == 0 else np.concatenate(
+                    [stable[0, :32], np.arange(at, at + blocks[i] - 32)])
+                stable[i, :blocks[i]] = own
+                at += blocks[i] if i == 0 else blocks[i] - 32
+            sq = arr(6, 2, 16)
+            scu = np.array([0, 1, 3, 6])
+            close(fastattn.paged_attention(sq, skc, svc, stable, shared_lens, scu),
+                  ref.paged_attention(sq, skc, svc, stable, shared_lens, scu), tol)
             # smooth_k and rotate_k: the key mean's term in both kernels
             k, v = arr(1, 2, 75, 40), arr(1, 2, 75, 24)
             smooth = fastattn.KVCache(1, 2, 80, 40, value_dim=24, dtype=dtype, smooth_k=True,
