@@ -248,20 +248,19 @@ int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const 
 }
 
 /* Decoding-like calls split their keys in pieces of FA_SPLIT_KEYS keys
- * (doubled until a call has at most FA_SPLIT_MAX) at multiples of their
+ * (doubled until a call has at most FA_ATTN_SPLITS_MAX) at multiples of their
  * size, by the shape of one (batch, head) alone: a batch item then gives
  * the same bits alone as inside any batch, few items still keep every
  * thread busy, and sequences of different lengths whose keys lie in the
  * same blocks split them alike, so that one read serves them all
  * (fa_attn_parts). */
 #define FA_SPLIT_KEYS 1024
-#define FA_SPLIT_MAX 64
 
 fa_idx fa_attn_split_keys(const fa_attn_args *a)
 {
     if (a->L > FA_ROWS_MAX || a->S < 2 * FA_SPLIT_KEYS) return a->S > 1 ? a->S : 1;
     fa_idx n = FA_SPLIT_KEYS;
-    while ((a->S + n - 1) / n > FA_SPLIT_MAX) n *= 2;
+    while ((a->S + n - 1) / n > FA_ATTN_SPLITS_MAX) n *= 2;
     return n;
 }
 

@@ -191,11 +191,12 @@ int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const 
 /* How many pieces to split the keys of each (batch, head) into, and their
  * keys: piece p holds keys p * fa_attn_split_keys(a) on, the last one what
  * is left.  More than 1 piece only for decoding-like calls (at most 4 query
- * rows, at least 2048 keys), of 1024 keys (2048, 4096... beyond 64
- * pieces).  Both depend on the shape of one (batch, head) alone, never on
+ * rows, at least 2048 keys), of 1024 keys (2048, 4096... beyond
+ * FA_ATTN_SPLITS_MAX pieces).  Both depend on the shape of one (batch, head) alone, never on
  * the batch, the thread count, the strides nor on whether weights are
  * wanted; the pieces' bounds on its number of keys only through that
  * doubling, so that sequences sharing their first keys split them alike. */
+#define FA_ATTN_SPLITS_MAX 64
 fa_idx fa_attn_splits(const fa_attn_args *a);
 fa_idx fa_attn_split_keys(const fa_attn_args *a);
 /* Query heads of one key/value head to compute together (heads) for a

@@ -120,6 +120,7 @@ cdef extern from "fastattn.h" nogil:
                 fa_idx i1, const fa_attn_next *next, void *work)
     fa_idx fa_attn_splits(const fa_attn_args *a)
     fa_idx fa_attn_split_keys(const fa_attn_args *a)
+    enum: FA_ATTN_SPLITS_MAX
     enum: FA_ATTN_PARTS_MAX
     int fa_attn_parts(fa_isa isa, int elsize, fa_idx n, const fa_attn_args *a,
                       const void *const *q, const void *const *k, const void *const *v,
@@ -382,8 +383,10 @@ cdef struct RaggedTask:
     # its keys s_lo..s_hi-1 into the state at `state` (elements from the
     # start of the call's states).  cost: of its whole item; order: when made.
     # share: the tasks from this one on that read the same keys together
-    # (fa_attn_parts: pieces over a paged cache's shared blocks), 1 alone.
+    # (fa_attn_parts: pieces over a paged cache's shared blocks), 1 alone;
+    # key: a paged piece's hash of the rows it reads, else 0.
     fa_idx seq, head, heads, i0, i1, s_lo, s_hi, nsplit, state, order, share
+    cnp.uint64_t key
     double cost
 
 
@@ -696,6 +699,20 @@ cdef void implicit_plan(const Ragged *p, Plan *pl) noexcept nogil:
         pl.nstate = pl.ntasks * pl.slen
 
 
+cdef inline cnp.uint64_t mixed(cnp.uint64_t h, cnp.uint64_t x) noexcept nogil:
+    return (h ^ x) * <cnp.uint64_t>1099511628211  # FNV-1a's step, a word at a time
+
+
+cdef cnp.uint64_t block_ids_key(const Ragged *p, fa_idx b, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
+    """A hash of sequence b's keys s_lo..s_hi-1 and the blocks they lie in."""
+    cdef cnp.uint64_t h = mixed(mixed(<cnp.uint64_t>14695981039346656037, <cnp.uint64_t>s_lo),
+                                <cnp.uint64_t>s_hi)
+    cdef fa_idx j
+    for j in range(s_lo // p.a.block_size, (s_hi - 1) // p.a.block_size + 1):
+        h = mixed(h, <cnp.uint64_t><cnp.uint32_t>p.table[b * p.table_s + j])
+    return h
+
+
 cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
     """A ragged call's plan, sorted; 1 when the list cannot be allocated."""
     cdef fa_idx qb = fa_attn_query_block(p.es)
@@ -704,6 +721,7 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
     cdef double cost
     cdef fa_attn_args ai
     cdef RaggedTask *x
+    cdef cnp.uint64_t blocks[FA_ATTN_SPLITS_MAX]  # each piece's hash of its block ids
     for b in range(nseq):
         ragged_args(p, b, 0, 1, &ai)
         if ai.L == 0:
@@ -731,6 +749,8 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
         nsplit = item_splits(&ai, together)
         nqb = (ai.L + qb - 1) // qb
         chunk = fa_attn_split_keys(&ai)
+        for piece in range(nsplit if nsplit > 1 and p.table != NULL else 0):
+            blocks[piece] = block_ids_key(p, b, piece * chunk, min((piece + 1) * chunk, ai.S))
         for h0 in range(p.Hq):  # chunks of `together` heads of one key/value head
             if h0 % p.group % together:
                 continue
@@ -739,17 +759,21 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
             slen = fa_attn_state_len(&ai, 0, ai.L)
             if nsplit > 1:
                 pl.tasks[ntasks + nitems] = RaggedTask(b, h0, h, 0, ai.L, 0, ai.S, nsplit,
-                                                       nstate, nitems, 1, 0)
+                                                       nstate, nitems, 1, 0, 0)
                 nitems += 1
             first, cost = t, 0
             for piece in range(nsplit if nsplit > 1 else nqb):
                 x = &pl.tasks[t]
                 x.seq, x.head, x.heads, x.nsplit, x.order, x.share = b, h0, h, nsplit, t, 1
+                x.key = 0
                 if nsplit > 1:
                     x.i0, x.i1, x.s_lo = 0, ai.L, piece * chunk
                     x.s_hi = min(x.s_lo + chunk, ai.S)
                     x.state = nstate
                     nstate += slen
+                    if p.table != NULL:  # those blocks of its key/value head's rows
+                        x.key = mixed(blocks[piece], <size_t>start(
+                            &p.k, p, b, h0 // p.group, kv_row(p, b), p.a.k_ss))
                 else:
                     x.i0 = (piece if pl.ascending else nqb - 1 - piece) * qb
                     x.i1 = min(x.i0 + qb, ai.L)
@@ -761,7 +785,7 @@ cdef int explicit_plan(const Ragged *p, Plan *pl, fa_stop *stop) noexcept nogil:
     pl.nitems, pl.nstate = nitems, nstate
     qsort(pl.tasks, ntasks, sizeof(RaggedTask), costlier_first)
     if p.table != NULL and nitems > 1:
-        return share_pieces(p, pl)
+        return share_pieces(pl)
     return 0
 
 
@@ -779,44 +803,15 @@ cdef int by_key(const void *x, const void *y) noexcept nogil:
     return -1 if s.task < t.task else (1 if s.task > t.task else 0)
 
 
-cdef inline const char *piece_keys(const Ragged *p, const RaggedTask *x) noexcept nogil:
-    """The pool rows of piece x's key/value head."""
-    return start(&p.k, p, x.seq, x.head // p.group, kv_row(p, x.seq), p.a.k_ss)
-
-
-cdef inline cnp.uint64_t mixed(cnp.uint64_t h, cnp.uint64_t x) noexcept nogil:
-    return (h ^ x) * <cnp.uint64_t>1099511628211  # FNV-1a's step, a word at a time
-
-
-cdef cnp.uint64_t piece_key(const Ragged *p, const RaggedTask *x) noexcept nogil:
-    """A hash of what piece x reads: its head's rows, its keys and their blocks."""
-    cdef cnp.uint64_t h = mixed(<cnp.uint64_t>14695981039346656037, <size_t>piece_keys(p, x))
-    cdef fa_idx j
-    h = mixed(mixed(h, <cnp.uint64_t>x.s_lo), <cnp.uint64_t>x.s_hi)
-    for j in range(x.s_lo // p.a.block_size, (x.s_hi - 1) // p.a.block_size + 1):
-        h = mixed(h, <cnp.uint64_t><cnp.uint32_t>p.table[x.seq * p.table_s + j])
-    return h
-
-
-cdef bint same_keys(const Ragged *p, const RaggedTask *x, const RaggedTask *y) noexcept nogil:
-    """Whether pieces x and y read the same key and value rows: the same
-    keys of one key/value head of the pool, in the same blocks."""
-    cdef fa_idx j
-    if x.s_lo != y.s_lo or x.s_hi != y.s_hi or piece_keys(p, x) != piece_keys(p, y):
-        return False
-    for j in range(x.s_lo // p.a.block_size, (x.s_hi - 1) // p.a.block_size + 1):
-        if p.table[x.seq * p.table_s + j] != p.table[y.seq * p.table_s + j]:
-            return False
-    return True
-
-
-cdef int share_pieces(const Ragged *p, Plan *pl) noexcept nogil:
+cdef int share_pieces(Plan *pl) noexcept nogil:
     """Pieces of different items that read the same keys in the same blocks
     (forked sequences, a prompt several requests share) made runs of up to
     FA_ATTN_PARTS_MAX tasks, each where its first (costliest) one was, so that
     fa_attn_parts reads those rows once for all; each piece's bits are its
-    own still.  Found by hashing each piece's block ids.  1 when memory
-    fails."""
+    own still.  Found by their keys (hashes of the rows they read: a
+    collision would only run pieces that read different rows together, each
+    still computed alone, and fa_attn_parts checks the rows before it lets
+    one ask nothing ahead).  1 when memory fails."""
     cdef fa_idx n = pl.ntasks, nk = 0, i, j, u, w, t, c, g
     cdef Keyed *keyed = <Keyed *>malloc(n * sizeof(Keyed))
     cdef fa_idx *lead = <fa_idx *>malloc(4 * n * sizeof(fa_idx))
@@ -830,8 +825,8 @@ cdef int share_pieces(const Ragged *p, Plan *pl) noexcept nogil:
         return 1
     for t in range(n):
         lead[t], count[t], nxt[t], tail[t] = t, 1, -1, t
-        if pl.tasks[t].nsplit > 1:
-            keyed[nk].key, keyed[nk].task = piece_key(p, &pl.tasks[t]), t
+        if pl.tasks[t].key != 0:
+            keyed[nk].key, keyed[nk].task = pl.tasks[t].key, t
             nk += 1
     qsort(keyed, nk, sizeof(Keyed), by_key)
     g = 0
@@ -847,7 +842,7 @@ cdef int share_pieces(const Ragged *p, Plan *pl) noexcept nogil:
             w = u + 1
             while w < j and count[t] < FA_ATTN_PARTS_MAX:
                 c = keyed[w].task
-                if lead[c] == c and count[c] == 1 and same_keys(p, &pl.tasks[t], &pl.tasks[c]):
+                if lead[c] == c and count[c] == 1:
                     lead[c] = t
                     nxt[tail[t]] = c
                     tail[t] = c
