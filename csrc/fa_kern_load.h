@@ -239,8 +239,19 @@ static void FA_NAME(gemv_t)(fa_idx nk, fa_idx n, const T *p, const T *x, fa_idx 
  * (nq query heads sharing x), x stored as st: each row of x read once for
  * them all (gemv_t_rows_any), the bits of a gemv_t_any per row. */
 static void FA_NAME(gemv_t_st)(fa_store st, fa_idx nq, fa_idx nk, fa_idx n, const T *p,
-                               fa_idx ldp, const void *x, fa_idx rs, T *o, fa_idx ldo)
+                               fa_idx ldp, const void *x, fa_idx rs, T *o, fa_idx ldo, int cached)
 {
+    /* value rows in cache (cached) are bound by instructions: Ev of 64 and
+     * 128 as constants, so that the loops over them unroll (the same
+     * products in the same order) */
+    if (cached && st == FA_STORE_NATIVE && n == 128) {
+        FA_NAME(gemv_t_rows_any)(FA_STORE_NATIVE, nq, nk, 128, p, ldp, x, rs, o, ldo);
+        return;
+    }
+    if (cached && st == FA_STORE_NATIVE && n == 64) {
+        FA_NAME(gemv_t_rows_any)(FA_STORE_NATIVE, nq, nk, 64, p, ldp, x, rs, o, ldo);
+        return;
+    }
 #if FA_IS_F32
     switch (st) {
     case FA_STORE_F16: FA_NAME(gemv_t_rows_any)(FA_STORE_F16, nq, nk, n, p, ldp, x, rs, o, ldo); return;

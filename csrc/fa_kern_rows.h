@@ -229,7 +229,7 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scrat
             }
             FA_NAME(gemv_t_st)(st, nq, n, Ev, s + r0, FA_RB,
                                FA_NAME(st_at)(st, v, fa_value_at(a, s0 + r0)), a->v_ss, o,
-                               FA_EVP(a));
+                               FA_EVP(a), (a->prefetch & FA_PREFETCH_NONE) != 0);
         }
         return;
     }
