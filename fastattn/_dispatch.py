@@ -20,7 +20,7 @@ from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _core, _runtime, _tuning, _variants
+from . import _cascade, _core, _runtime, _tuning, _variants
 from ._storage import narrow, query_store
 from ._tree import Trees, no_positions
 from ._typing import Alignment, Float, MaskArray, NDArray, Result
@@ -384,7 +384,7 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
            sinks: Optional[NDArray[Any]], return_lse: bool, out: Optional[NDArray[Any]],
            num_threads: Optional[int], inputs: Mapping[str, Optional[NDArray[Any]]],
            precision: int = _core.PRECISION_EXACT, key_mean: Optional[NDArray[Any]] = None,
-           trees: Optional[Trees] = None
+           trees: Optional[Trees] = None, cascade: bool = False
            ) -> Union[NDArray[Any], tuple[NDArray[Any], NDArray[Any]]]:
     """A ragged batch's call once its caches, keys' places, lengths and
     offsets are known good (_core.ragged's arguments: a block table, or
@@ -395,7 +395,7 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
     here.  inputs: what out must not overlap; precision: C.check_precision's;
     key_mean: (B, Hkv, E) C-contiguous in the compute dtype, the mean each
     sequence's keys were stored less (PagedKVCache's smooth_k), or None;
-    trees: _tree.check's, or None."""
+    trees: _tree.check's, or None; cascade: paged_attention's (_cascade)."""
     total_q, Hq, E = query.shape
     Hkv = key_cache.shape[1]
     B = lens.shape[0]
@@ -418,6 +418,26 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
     if out is not None:
         C.check_out(out, out_shape, dtype,
                     {**inputs, "alibi_slopes": alibi_slopes, "sinks": sinks})
+    if C.check_bool(cascade, "cascade"):
+        if window_size is not None or alibi_slopes is not None or key_mean is not None:
+            raise ValueError("cascade=True cannot go with window_size, alibi_slopes or a "
+                             "smoothed cache's key means: the prefix the sequences share is "
+                             "attended once for queries whose positions and means differ")
+        prefix = 0 if table is None else _cascade.common_prefix(table, lens, q_lens,
+                                                                key_cache.shape[2])
+        if prefix and table is not None:
+            from .attention import merge_attention  # (attention imports this module)
+
+            def part(q: NDArray[Any], t: NDArray[np.int32], n: NDArray[np.int64],
+                     cu: NDArray[np.int64], ql: NDArray[np.int64], hide: Optional[bool],
+                     s: Optional[NDArray[Any]], tr: Optional[Trees]) -> Any:
+                return ragged(q, key_cache, value_cache, t, None, n, cu, ql, scales, q_store,
+                              kv_store, Ev, causal if hide is None else hide, lower_right,
+                              offset, scale, None, None, softcap, s, True, None, num_threads,
+                              inputs, precision, None, tr)
+            return _cascade.attend(part, query, table, lens, cu_q, q_lens, prefix,
+                                   key_cache.shape[2], lse_wanted, out, sinks, trees,
+                                   merge_attention)
     # the kernels write float32 for 16-bit queries, rounded to them at the end
     result = out if out is not None and compute == dtype else np.empty(out_shape, compute)
     lse = np.empty((Hq, total_q), compute) if lse_wanted else None

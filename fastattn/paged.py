@@ -148,7 +148,7 @@ def paged_attention(
         out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
         precision: str = "exact", key_mean: Optional[NDArray[Any]] = None,
         tree_mask: Optional[NDArray[np.bool_]] = None,
-        tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None,
+        tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None, cascade: bool = False,
 ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """Attention of a ragged batch of sequences over a paged key/value cache,
     in one call: a serving step that mixes prefill chunks, single decoding
@@ -276,6 +276,21 @@ def paged_attention(
         range is empty has no tree (a prefill chunk or a plain decoding
         token in the same call).  None: every sequence's mask, packed in
         order.
+    cascade : bool
+        Opt-in cascade attention (vLLM's ``use_cascade_attention`` with its
+        common prefix; FlashInfer's shared-prefix attention): the leading
+        whole blocks that every sequence with queries holds, and that all
+        of their queries see, are attended once for all the call's queries
+        as one matrix product, then each sequence's own keys, the two merged
+        by their log-sum-exps (``merge_attention``; ``sinks`` join the first
+        part).  Faster where many queries share a long prefix (forks, a
+        common system prompt) with several query heads per key/value head;
+        a sequence's result then differs from its exact bits in the last
+        bits and depends on the prefix the call's sequences share.  Not
+        with ``window_size``, ``alibi_slopes`` or ``key_mean``; without a
+        common prefix, the exact call.  Without it (the default) the blocks
+        sequences share are read once for all of them too, each sequence
+        keeping the bits of a call of its own.
 
     Returns
     -------
@@ -301,7 +316,8 @@ def paged_attention(
         agree (key_mean's included); a key_mean that is not finite; a
         tree_mask whose sequences' masks are not L_b x L_b or hold more
         tokens than their keys, with window_size or alibi_slopes, or
-        tree_mask_indptr without tree_mask;
+        tree_mask_indptr without tree_mask; cascade with window_size,
+        alibi_slopes or key_mean;
         Hq not a multiple of Hkv; cu_seqlens_q
         not starting at 0, decreasing or not ending at total_q; a seq_lens
         entry below 0 or beyond max_blocks x block_size; a block-table entry
@@ -374,7 +390,8 @@ def paged_attention(
     trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, lens)
     return ragged(query, key_cache, value_cache, table, None, lens, cu_q, q_lens, scales,
                   q_store, kv_store, Ev, causal, True, 0, scale, window_size, alibi_slopes,
-                  softcap, sinks, lse_wanted, out, num_threads, inputs, mode, mean, trees)
+                  softcap, sinks, lse_wanted, out, num_threads, inputs, mode, mean, trees,
+                  cascade)
 
 
 def _key_mean(key_mean: object, shape: tuple[int, int, int], dtype: np.dtype[Any]

@@ -835,7 +835,7 @@ class PagedKVCache(KeyOptions):
                out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
                precision: str = "exact", tree_mask: Optional[NDArray[np.bool_]] = None,
                tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None,
-               positions: Optional[NDArray[np.integer[Any]]] = None
+               positions: Optional[NDArray[np.integer[Any]]] = None, cascade: bool = False
                ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
         """Attention of each sequence's new queries over every position it
         holds: one ``paged_attention`` call.
@@ -854,7 +854,7 @@ class PagedKVCache(KeyOptions):
         rotary, rotary_interleaved, positions
             As ``append``'s, at each query's position (by default its
             sequence's length minus its L queries, plus its row).
-        scale, is_causal, window_size, alibi_slopes, softcap, sinks, return_lse, out, num_threads, precision, tree_mask, tree_mask_indptr
+        scale, is_causal, window_size, alibi_slopes, softcap, sinks, return_lse, out, num_threads, precision, tree_mask, tree_mask_indptr, cascade
             As ``paged_attention``'s (the cache passes its own scales,
             storage and value_dim).  With a tree, pass each draft token's
             own position (its depth after the tokens before the tree) as
@@ -913,7 +913,7 @@ class PagedKVCache(KeyOptions):
                         _storage.store(self._storage), self._value_dim, causal, True, 0,
                         scale, window_size, alibi_slopes, softcap, sinks, return_lse,
                         out if rounded_to is None else None, num_threads, inputs, mode,
-                        key_mean, trees)
+                        key_mean, trees, cascade)
         if rounded_to is None:
             return result
         nthreads = _runtime.resolve_threads(num_threads)

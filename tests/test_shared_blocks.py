@@ -194,3 +194,80 @@ def test_the_plan_counts_a_shared_piece_once():
             cache.attend([s], query[b:b + 1])
     assert sum(apart) == sum(4096 + t for t in tails) * HKV * row
     assert shared == [(4096 + sum(tails)) * HKV * row]
+
+
+@pytest.mark.parametrize("options", [{}, {"softcap": 3.0}, {"sinks": np.array([0.5, -1.0, 2.0, 0.0])},
+                                     {"is_causal": False}, {"scale": 0.4}],
+                         ids=["plain", "softcap", "sinks", "not-causal", "scale"])
+def test_cascade_matches_the_exact_call(simd, dtype, options):
+    """cascade=True (opt-in): the common prefix once for all the queries,
+    merged by log-sum-exp; within float rounding of the exact call (the
+    merge adds a rounding: the suite's bound over S keys), the same bits
+    for any thread count."""
+    rng = np.random.default_rng(21)
+    cache, ids, keys, values = forks(rng, 5, dtype=dtype, tails=[1, 30, 70, 200, 5])
+    query, cu = queries(rng, len(ids), HKV * 2, 1, dtype)
+    exact, exact_lse = cache.attend(ids, query, cu, return_lse=True, **options)
+    out, lse = cache.attend(ids, query, cu, return_lse=True, cascade=True, **options)
+    assert_close(out, exact, dtype, E + 2300)
+    assert_close(lse, exact_lse, dtype, E + 2300, magnitude=float(np.abs(exact_lse).max()))
+    for threads in (2, 3):
+        again = cache.attend(ids, query, cu, return_lse=True, cascade=True,
+                             num_threads=threads, **options)
+        np.testing.assert_array_equal(again[0], out)
+        np.testing.assert_array_equal(again[1], lse)
+
+
+def test_cascade_with_trees_storage_and_idle_sequences():
+    """Trees over the sequences' own keys, an int8 cache, a sequence with no
+    query (which holds fewer keys) and out=."""
+    rng = np.random.default_rng(22)
+    cache, ids, _, _ = forks(rng, 4, storage="int8", tails=[3, 9, 40, 2])
+    idle = cache.add_sequence()
+    k = rng.standard_normal((10, HKV, E)).astype(np.float32)
+    cache.append([idle], k, k[..., :EV], np.array([0, 10]))
+    seqs = ids + [idle]
+    lens = [1, 3, 1, 2, 0]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    query = rng.standard_normal((cu[-1], HKV * 2, E)).astype(np.float32)
+    tree = np.array([True, False, False, True, True, False, True, False, True])  # 3 x 3
+    indptr = np.array([0, 0, 9, 9, 9, 9])
+    exact = cache.attend(seqs, query, cu, tree_mask=tree, tree_mask_indptr=indptr)
+    out = np.empty_like(exact)
+    got = cache.attend(seqs, query, cu, tree_mask=tree, tree_mask_indptr=indptr, cascade=True,
+                       out=out)
+    assert got is out
+    assert_close(out, exact, np.float32, E + 2300)
+
+
+def test_cascade_without_a_common_prefix_is_the_exact_call():
+    rng = np.random.default_rng(23)
+    cache, ids, _, _ = forks(rng, 3, spare=2500 // BS + 2)
+    other = cache.add_sequence()  # shares no block with the forks
+    k = rng.standard_normal((2500, HKV, E)).astype(np.float32)
+    cache.append([other], k, k[..., :EV], np.array([0, 2500]))
+    seqs = ids + [other]
+    query, cu = queries(rng, len(seqs), HKV, 1)
+    np.testing.assert_array_equal(cache.attend(seqs, query, cu, cascade=True),
+                                  cache.attend(seqs, query, cu))
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"window_size": (100, 0)}, "window_size"),
+    ({"alibi_slopes": np.array([0.1, 0.2])}, "alibi_slopes"),
+    ({"cascade": "yes"}, "cascade")])
+def test_cascade_refusals(options, words):
+    rng = np.random.default_rng(24)
+    cache, ids, _, _ = forks(rng, 2)
+    query, cu = queries(rng, 2, HKV, 1)
+    options = {"cascade": True, **options}
+    error = TypeError if options["cascade"] == "yes" else ValueError
+    with pytest.raises(error, match=words):
+        cache.attend(ids, query, cu, **options)
+    smooth = fastattn.PagedKVCache(300, BS, HKV, E, smooth_k=True)
+    a = smooth.add_sequence()
+    smooth.append([a], np.ones((2100, HKV, E), np.float32), np.ones((2100, HKV, E), np.float32),
+                  np.array([0, 2100]))
+    b = smooth.fork(a)
+    with pytest.raises(ValueError, match="key means"):
+        smooth.attend([a, b], np.ones((2, HKV, E), np.float32), cascade=True)

@@ -31,6 +31,9 @@ prefix-cache scenario (prefix_cache).  The rows:
   unshared        shared steps only: the paged call over a pool where each
                   sequence holds a copy of the prompt's blocks, whose reads
                   no sequence shares
+  cascade         shared steps only: paged with cascade=True (opt-in: the
+                  prompt once for all the queries as one matrix product,
+                  merged by log-sum-exp; not each sequence's exact bits)
 
 "MB read" is the bytes of keys and values the paged calls' kernels stream,
 as the scheduler counts them (a shared block once for the sequences that
@@ -190,6 +193,11 @@ def rows(batch, threads) -> Dict[str, Callable[[], np.ndarray]]:
         calls[name] = (lambda key=key, value=value, table=table: fastattn.paged_attention(
             batch.query, key, value, table, s.k_lens, batch.cu_q, num_threads=threads,
             tree_mask=tree))
+    if s.shared:  # the opt-in cascade: the prompt once for all the queries, then merged
+        key, value, table = batch.pools[BLOCK]
+        calls["cascade"] = lambda: fastattn.paged_attention(
+            batch.query, key, value, table, s.k_lens, batch.cu_q, num_threads=threads,
+            cascade=True)
     if tree is not None:
         key, value, table = batch.pools[BLOCK]
         calls["plain"] = lambda: fastattn.paged_attention(
@@ -282,7 +290,7 @@ def measure(step, threads, *, rounds=5, seed=0, only: Optional[List[str]] = None
         same = out.size and name != "plain"  # (plain: another step's output)
         result[name] = {"max_abs_diff": float(np.abs(out - want).max()) if same else 0.0,
                         "times": [], "rounds": rounds if first < 2.0 else 1}
-        if name in ("paged", "paged-16", "unshared", "plain"):
+        if name in ("paged", "paged-16", "unshared", "cascade", "plain"):
             result[name]["read_bytes"] = sum(read)
         if progress:
             progress(name)
