@@ -808,10 +808,12 @@ cdef int share_pieces(Plan *pl) noexcept nogil:
     (forked sequences, a prompt several requests share) made runs of up to
     FA_ATTN_PARTS_MAX tasks, each where its first (costliest) one was, so that
     fa_attn_parts reads those rows once for all; each piece's bits are its
-    own still.  Found by their keys (hashes of the rows they read: a
-    collision would only run pieces that read different rows together, each
-    still computed alone, and fa_attn_parts checks the rows before it lets
-    one ask nothing ahead).  1 when memory fails."""
+    own still.  Found by their keys (hashes of the rows they read) and
+    their key ranges, which a run shares (fa_attn_parts takes one): a
+    collision, which a crafted block table can make, only runs pieces of
+    the same keys over different blocks together, each still computed
+    alone, and fa_attn_parts checks the rows before it lets one ask
+    nothing ahead.  1 when memory fails."""
     cdef fa_idx n = pl.ntasks, nk = 0, i, j, u, w, t, c, g
     cdef Keyed *keyed = <Keyed *>malloc(n * sizeof(Keyed))
     cdef fa_idx *lead = <fa_idx *>malloc(4 * n * sizeof(fa_idx))
@@ -842,7 +844,9 @@ cdef int share_pieces(Plan *pl) noexcept nogil:
             w = u + 1
             while w < j and count[t] < FA_ATTN_PARTS_MAX:
                 c = keyed[w].task
-                if lead[c] == c and count[c] == 1:
+                # the same keys: the run is computed over its first's range
+                if lead[c] == c and count[c] == 1 and pl.tasks[c].s_lo == pl.tasks[t].s_lo \
+                        and pl.tasks[c].s_hi == pl.tasks[t].s_hi:
                     lead[c] = t
                     nxt[tail[t]] = c
                     tail[t] = c
@@ -877,23 +881,35 @@ cdef int share_pieces(Plan *pl) noexcept nogil:
     return 0
 
 
+cdef inline void task_keys(const Ragged *p, const RaggedTask *x, fa_idx *lo,
+                           fa_idx *hi) noexcept nogil:
+    """The keys task x reads: its s_lo..s_hi-1 that the bounds leave its
+    rows (fa_attn_part's range)."""
+    cdef fa_attn_args ai
+    ragged_args(p, x.seq, x.head, x.heads, &ai)
+    lo[0], hi[0] = x.s_lo, x.s_hi
+    if ai.causal or ai.window_right >= 0:
+        hi[0] = min(hi[0], max(ai.causal_offset + x.i1 + (0 if ai.causal else ai.window_right), 0))
+    if ai.window_left >= 0:
+        lo[0] = max(lo[0], ai.causal_offset + x.i0 - ai.window_left)
+
+
 cdef cnp.int64_t plan_reads(const Ragged *p, const Plan *pl, fa_idx n) noexcept nogil:
     """Bytes of keys and values the plan's n tasks stream: each task's keys
-    (those its bounds leave) times a key row's and a value row's bytes, a
-    run of pieces over shared blocks once."""
+    times a key row's and a value row's bytes; in a run of pieces over
+    shared blocks, the keys of its first once, and those of each piece that
+    the bounds leave other keys (which fa_attn_parts computes alone)."""
     cdef RaggedTask x
-    cdef fa_attn_args ai
-    cdef fa_idx t, lo, hi
+    cdef fa_idx t, u, lo, hi, lo1, hi1
     cdef cnp.int64_t total = 0
     for t in range(n):
         plan_task(p, pl, t, False, &x)
-        ragged_args(p, x.seq, x.head, x.heads, &ai)
-        lo, hi = x.s_lo, x.s_hi
-        if ai.causal or ai.window_right >= 0:
-            hi = min(hi, max(ai.causal_offset + x.i1 + (0 if ai.causal else ai.window_right), 0))
-        if ai.window_left >= 0:
-            lo = max(lo, ai.causal_offset + x.i0 - ai.window_left)
+        task_keys(p, &x, &lo, &hi)
         total += max(hi - lo, 0) * p.kv_row_bytes
+        for u in range(1, x.share):
+            task_keys(p, &pl.tasks[pl.run[t] + u], &lo1, &hi1)
+            if lo1 != lo or hi1 != hi:
+                total += max(hi1 - lo1, 0) * p.kv_row_bytes
     return total
 
 

@@ -271,3 +271,23 @@ def test_cascade_refusals(options, words):
     b = smooth.fork(a)
     with pytest.raises(ValueError, match="key means"):
         smooth.attend([a, b], np.ones((2, HKV, E), np.float32), cascade=True)
+
+
+def test_the_plan_counts_pieces_a_window_leaves_apart_each():
+    """Under a window the forks' pieces over the prompt hold other keys
+    (fa_attn_parts computes them alone): each counted, in any order."""
+    from fastattn import _dispatch
+
+    rng = np.random.default_rng(4)
+    cache, ids, _, _ = forks(rng, 2, tails=[1, 900])
+    query, cu = queries(rng, 2, HKV, 1)
+    counts = []
+    for order in (ids, ids[::-1]):
+        with _dispatch.reads() as shared:
+            cache.attend(order, query, cu, window_size=(1500, 0))
+        with _dispatch.reads() as apart:
+            for b, s in enumerate(order):
+                cache.attend([s], query[b:b + 1], window_size=(1500, 0))
+        assert shared == [sum(apart)]
+        counts.append(shared[0])
+    assert counts[0] == counts[1]
