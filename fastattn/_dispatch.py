@@ -423,6 +423,10 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
             raise ValueError("cascade=True cannot go with window_size, alibi_slopes or a "
                              "smoothed cache's key means: the prefix the sequences share is "
                              "attended once for queries whose positions and means differ")
+        if precision != _core.PRECISION_EXACT:
+            raise ValueError('cascade=True cannot go with precision="int8": the shared '
+                             "prefix is one matrix product of all the queries, whose int8 "
+                             'rows are per decoding sequence; use precision="exact"')
         prefix = 0 if table is None else _cascade.common_prefix(table, lens, q_lens,
                                                                 key_cache.shape[2])
         if prefix and table is not None:

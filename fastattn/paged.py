@@ -287,8 +287,8 @@ def paged_attention(
         common system prompt) with several query heads per key/value head;
         a sequence's result then differs from its exact bits in the last
         bits and depends on the prefix the call's sequences share.  Not
-        with ``window_size``, ``alibi_slopes`` or ``key_mean``; without a
-        common prefix, the exact call.  Without it (the default) the blocks
+        with ``window_size``, ``alibi_slopes``, ``key_mean`` or
+        ``precision="int8"``; without a common prefix, the exact call.  Without it (the default) the blocks
         sequences share are read once for all of them too, each sequence
         keeping the bits of a call of its own.
 
@@ -317,7 +317,7 @@ def paged_attention(
         tree_mask whose sequences' masks are not L_b x L_b or hold more
         tokens than their keys, with window_size or alibi_slopes, or
         tree_mask_indptr without tree_mask; cascade with window_size,
-        alibi_slopes or key_mean;
+        alibi_slopes, key_mean or precision="int8";
         Hq not a multiple of Hkv; cu_seqlens_q
         not starting at 0, decreasing or not ending at total_q; a seq_lens
         entry below 0 or beyond max_blocks x block_size; a block-table entry

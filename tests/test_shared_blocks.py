@@ -255,6 +255,7 @@ def test_cascade_without_a_common_prefix_is_the_exact_call():
 @pytest.mark.parametrize("options, words", [
     ({"window_size": (100, 0)}, "window_size"),
     ({"alibi_slopes": np.array([0.1, 0.2])}, "alibi_slopes"),
+    ({"precision": "int8"}, "precision"),
     ({"cascade": "yes"}, "cascade")])
 def test_cascade_refusals(options, words):
     rng = np.random.default_rng(24)
