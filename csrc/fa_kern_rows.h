@@ -690,6 +690,13 @@ static int FA_NAME(same_rows)(const fa_attn_args *a, const void *ka, const void 
  * at a run's ends. */
 #define FA_PARTS_RUN 32
 
+/* The end of the run from key r0: the next multiple of FA_PARTS_RUN, or end. */
+static FA_ALWAYS_INLINE fa_idx FA_NAME(run_end)(fa_idx r0, fa_idx end)
+{
+    const fa_idx r1 = (r0 / FA_PARTS_RUN + 1) * FA_PARTS_RUN;
+    return r1 < end ? r1 : end;
+}
+
 /* attn_part of n calls, each of rows 0..L-1 over the same keys s_lo..s_hi-1,
  * run by run of FA_PARTS_RUN keys (at multiples of it) for all of them:
  * where their key and value rows are the same memory (a paged cache's
@@ -727,8 +734,7 @@ void FA_NAME(attn_parts)(fa_idx n, const fa_attn_args *a, const void *const *q,
     for (fa_idx s0 = lo; s0 < hi; s0 += FA_RB) {
         const fa_idx nk = hi - s0 < FA_RB ? hi - s0 : FA_RB;
         for (fa_idx r0 = s0, r1; r0 < s0 + nk; r0 = r1) {
-            r1 = (r0 / FA_PARTS_RUN + 1) * FA_PARTS_RUN;
-            r1 = r1 < s0 + nk ? r1 : s0 + nk;
+            r1 = FA_NAME(run_end)(r0, s0 + nk);
             for (fa_idx u = 0; u < nw; ++u) {
                 const fa_idx c = with[u];
                 FA_NAME(rows_scratch) run = ws[u];
@@ -741,8 +747,7 @@ void FA_NAME(attn_parts)(fa_idx n, const fa_attn_args *a, const void *const *q,
             FA_NAME(rows_values_start)(&own[u], &ws[u], nq[u]);
         }
         for (fa_idx r0 = s0, r1; r0 < s0 + nk; r0 = r1) {
-            r1 = (r0 / FA_PARTS_RUN + 1) * FA_PARTS_RUN;
-            r1 = r1 < s0 + nk ? r1 : s0 + nk;
+            r1 = FA_NAME(run_end)(r0, s0 + nk);
             for (fa_idx u = 0; u < nw; ++u)
                 FA_NAME(rows_values)(&own[u], &ws[u], v[with[u]], nq[u], r0, r1 - r0,
                                      ws[u].s + (r0 - s0), ws[u].ob);

@@ -627,16 +627,23 @@ cdef inline fa_idx item_splits(const fa_attn_args *a, fa_idx together) noexcept 
     return fa_attn_splits(a) if together * a.L <= 4 else 1
 
 
+cdef inline void bounded_keys(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx *lo,
+                              fa_idx *hi) noexcept nogil:
+    """lo..hi-1 (s_lo..s_hi-1 on entry): those of the keys that the causal
+    and window bounds leave rows i0..i1-1 (fa_kern_scores.h's key_range)."""
+    if a.causal or a.window_right >= 0:
+        hi[0] = min(hi[0], max(a.causal_offset + i1 + (0 if a.causal else a.window_right), 0))
+    if a.window_left >= 0:
+        lo[0] = max(lo[0], a.causal_offset + i0 - a.window_left)
+
+
 cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo, fa_idx s_hi) noexcept nogil:
     """About the time of rows i0..i1-1 over keys s_lo..s_hi-1 (those the
     bounds leave), in key-rows: a block of rows reads each key once for all
     of them, and a key read costs some 8 rows' products (decoding is bound
     by memory, blocks of rows by arithmetic)."""
     cdef fa_idx lo = s_lo, hi = s_hi
-    if a.causal or a.window_right >= 0:
-        hi = min(hi, max(a.causal_offset + i1 + (0 if a.causal else a.window_right), 0))
-    if a.window_left >= 0:
-        lo = max(lo, a.causal_offset + i0 - a.window_left)
+    bounded_keys(a, i0, i1, &lo, &hi)
     return <double>max(hi - lo, 0) * <double>(i1 - i0 + 8)
 
 
@@ -888,10 +895,7 @@ cdef inline void task_keys(const Ragged *p, const RaggedTask *x, fa_idx *lo,
     cdef fa_attn_args ai
     ragged_args(p, x.seq, x.head, x.heads, &ai)
     lo[0], hi[0] = x.s_lo, x.s_hi
-    if ai.causal or ai.window_right >= 0:
-        hi[0] = min(hi[0], max(ai.causal_offset + x.i1 + (0 if ai.causal else ai.window_right), 0))
-    if ai.window_left >= 0:
-        lo[0] = max(lo[0], ai.causal_offset + x.i0 - ai.window_left)
+    bounded_keys(&ai, x.i0, x.i1, lo, hi)
 
 
 cdef cnp.int64_t plan_reads(const Ragged *p, const Plan *pl, fa_idx n) noexcept nogil:

@@ -122,7 +122,7 @@ class Batch:
         # sequence contiguous, as in a dense cache
         self.key = rng.standard_normal((HKV, T, E), dtype=np.float32).transpose(1, 0, 2)
         self.value = rng.standard_normal((HKV, T, E), dtype=np.float32).transpose(1, 0, 2)
-        for start in self.cu_k[1:-1]:  # every sequence's first `shared` rows: the prompt's
+        for start in self.cu_k[1:-1] if step.shared else ():  # the prompt's rows, copied
             self.key[start:start + step.shared] = self.key[:step.shared]
             self.value[start:start + step.shared] = self.value[:step.shared]
         self.pools = {bs: self._pool(bs, rng, step.shared) for bs in (BLOCK, 16)}
