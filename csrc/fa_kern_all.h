@@ -96,6 +96,7 @@ static FA_ALWAYS_INLINE void FA_NAME(prefetch_bytes)(const void *x, fa_idx n)
 #include "fa_kern_softmax.h"
 #include "fa_kern_scores.h"
 #include "fa_kern_attn.h"
+#include "fa_kern_grad.h"
 
 /* y = exp(x): mode 0 the general exp; 1 and 2 the softmax's (exp_block,
  * for x <= ln 256, hidden lanes skipped with mode 2), whose error bounds

@@ -21,7 +21,7 @@
 #include "fa_kern_rows.h"
 
 #define FA_QB (FA_QB_BYTES / (fa_idx)sizeof(T)) /* query rows per block: 64 floats, 32 doubles */
-#define FA_KB 128           /* keys per block */
+#define FA_KB FA_KEY_BLOCK /* keys per block */
 /* A score of E >= 2 * FA_EC features is summed in two halves: float32
  * scores then carry less rounding error for one more load, add and store
  * per tile (threads-and-speed.md gives both, by "summed in two halves").
@@ -227,11 +227,12 @@ static int FA_NAME(block_edge)(const fa_attn_args *a, fa_idx i0, fa_idx nq, fa_i
  * st untouched, when the mask hides every key of the block from every query
  * row (the block is then skipped without reading K).  The scale is qp's
  * (the packed queries) times alpha; shift[j]: query j's term of the key
- * mean (k_mean). */
+ * mean (k_mean); capped (not NULL, with a softcap): the scores after step 2
+ * too, whose tanh the backward pass differentiates (fa_kern_grad.h). */
 static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, const T *shift,
                                  const void *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx G,
                                  fa_idx ld, fa_idx s0, fa_idx nk, T *st, T *bias, T *bm, T *panel,
-                                 FA_NAME(ahead) *ahead, FA_NAME(ahead) *block)
+                                 FA_NAME(ahead) *ahead, FA_NAME(ahead) *block, T *capped)
 {
     const T ninf = -(T)INFINITY;
     const int masked = FA_NAME(masked)(a, s0, nk);
@@ -313,6 +314,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
          * (rows_dot_scaled) */
         for (fa_idx t = 0; t < nk * ld; ++t) st[t] = st[t] - st[t] == 0 ? st[t] : (T)NAN;
         FA_NAME(softcap)(a, nk * ld, st);
+        if (capped != NULL) memcpy(capped, st, sizeof(T) * (size_t)(nk * ld));
     }
     for (fa_idx r = 0; r < nk; ++r) {
         T *z = st + r * ld;
@@ -354,6 +356,19 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
     return 1;
 }
 
+/* The tile t of nk rows of n elements in panel (rows lp apart), copied
+ * there unless it is there already: before rows of it are zeroed. */
+static FA_NAME(tile) FA_NAME(tile_in)(FA_NAME(tile) t, fa_idx nk, fa_idx n, T *panel, fa_idx lp)
+{
+    if (t.p == panel) return t;
+    for (fa_idx r = 0; r < nk; ++r)
+        for (fa_idx c = 0; c < n; ++c) panel[r * lp + c] = t.p[r * t.ss + c * t.es];
+    t.p = panel;
+    t.ss = lp;
+    t.es = 1;
+    return t;
+}
+
 /* The value tile vt of keys s0..s0+nk-1 with the rows of the keys that the
  * mask hides from every query of the block (bias as block_logits leaves
  * it) read as zeros where they are not finite: their weights are 0, but 0 x
@@ -381,13 +396,7 @@ static FA_NAME(tile) FA_NAME(hidden_values)(const fa_attn_args *a, FA_NAME(tile)
         else
             for (fa_idx c = 0; c < a->Ev; ++c) sum += x[c * vt.es] * 0;
         if (sum - sum == 0) continue;
-        if (vt.p != panel) { /* the tile in place: copied first */
-            for (fa_idx t = 0; t < nk; ++t)
-                for (fa_idx c = 0; c < a->Ev; ++c) panel[t * lp + c] = vt.p[t * vt.ss + c * vt.es];
-            vt.p = panel;
-            vt.ss = lp;
-            vt.es = 1;
-        }
+        vt = FA_NAME(tile_in)(vt, nk, a->Ev, panel, lp);
         for (fa_idx c = 0; c < a->Ev; ++c) panel[r * lp + c] = 0;
     }
     return vt;
@@ -473,7 +482,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         const fa_idx nn = s_end - s0 - nk < FA_KB ? s_end - s0 - nk : FA_KB; /* the next block's */
         FA_NAME(ahead) block = FA_NAME(ahead_of_block)(a, k, v, s0 + nk, nn, tiles * (ld / FA_NR));
         if (!FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, G, ld, s0, nk, st,
-                                   bias, bm, panel, &ahead, &block))
+                                   bias, bm, panel, &ahead, &block, NULL))
             continue;
 
         int rescale = 0;
@@ -566,7 +575,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
                             FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, 1, ld,
-                                                  s0, nk, st, bias, bm, panel, NULL, NULL);
+                                                  s0, nk, st, bias, bm, panel, NULL, NULL, NULL);
         if (visible) /* exp(z - m); their sums, unused, in alpha (bl flags the rows recomputed) */
             FA_NAME(exp_block)(0, nk, ld, ld, st, ms, alpha,
                                FA_NAME(block_edge)(a, i0, nq, s0, nk) || FA_NAME(masked)(a, s0, nk));

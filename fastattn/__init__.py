@@ -24,6 +24,7 @@ from . import reference
 from ._runtime import (available_simd_paths, get_num_threads, openmp_enabled,
                        set_num_threads, set_simd_path, simd_path)
 from .attention import merge_attention, scaled_dot_product_attention
+from .backward import attention_backward
 from .kv_cache import KVCache
 from .mha import MultiHeadAttention
 from .ops import matmul, merge_heads, softmax, split_heads
@@ -38,7 +39,8 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
     __version__ = "0+unknown"
 
 __all__ = [
-    "scaled_dot_product_attention", "merge_attention", "varlen_attention", "paged_attention",
+    "scaled_dot_product_attention", "attention_backward", "merge_attention", "varlen_attention",
+    "paged_attention",
     "MultiHeadAttention", "KVCache", "PagedKVCache", "OutOfBlocksError", "rotary", "matmul", "softmax",
     "split_heads", "merge_heads",
     "reference", "simd_path", "set_simd_path", "available_simd_paths", "openmp_enabled",

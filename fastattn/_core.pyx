@@ -140,6 +140,18 @@ cdef extern from "fastattn.h" nogil:
                        const void *k, const void *v, const void *mask, fa_idx nsplit,
                        const void *states, void *out, void *lse, fa_idx i0, fa_idx i1,
                        void *work)
+    ctypedef struct fa_grad_args:
+        fa_idx do_ls, do_es, d_s, dq_ls, dq_es, dk_ss, dk_es, dv_ss, dv_es, do_hs, d_hs, m_hs
+    fa_idx fa_attn_key_block()
+    size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize)
+    int fa_attn_grad_q(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
+                       const void *q, const void *k, const void *v, const void *mask,
+                       const void *dout, const void *lse, const void *delta, void *dq,
+                       void *psum, fa_idx i0, fa_idx i1, void *work)
+    int fa_attn_grad_kv(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
+                        const void *q, const void *k, const void *v, const void *mask,
+                        const void *dout, const void *lse, const void *delta, void *dk,
+                        void *dv, fa_idx s0, fa_idx s1, void *work)
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x,
                   fa_idx xs, const void *c, const void *s, void *y, fa_idx ys)
@@ -647,12 +659,16 @@ cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo
     return <double>max(hi - lo, 0) * <double>(i1 - i0 + 8)
 
 
-cdef int run_tasks(int isa, const Ragged *p, const Plan *pl, fa_idx n, char *states,
-                   bint merge, int nthreads, fa_stop *stop) except -1:
-    """Tasks 0..n-1 of the plan (or its merges) over nthreads threads; a
-    single thread without a parallel region: entering one costs a tenth of
-    a small call (threads-and-speed.md, "Small calls")."""
-    cdef size_t work_bytes = fa_attn_work_bytes(&p.a, p.es) * (1 if merge else pl.most)
+ctypedef int (*task_fn)(const void *ctx, fa_idx t, void *work) noexcept nogil
+
+
+cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes, int nthreads,
+                      fa_stop *stop) except -1:
+    """task(ctx, t, work) for t in 0..n-1 over nthreads threads, each with
+    work_bytes of scratch; a single thread without a parallel region:
+    entering one costs a tenth of a small call (threads-and-speed.md,
+    "Small calls").  1 when a thread's scratch could not be allocated, 2
+    when a task returned non-zero, else 0."""
     cdef fa_idx t
     cdef void *work
     cdef int err = 0
@@ -664,7 +680,7 @@ cdef int run_tasks(int isa, const Ragged *p, const Plan *pl, fa_idx n, char *sta
             err = 1 if work == NULL else 0
             t = 0
             while err == 0 and t < n and not stopped(stop):
-                err = 2 if ragged_run(isa, p, pl, t, n, 1, states, merge, work) != 0 else 0
+                err = 2 if task(ctx, t, work) != 0 else 0
                 t += 1
             free(work)
     else:
@@ -675,10 +691,36 @@ cdef int run_tasks(int isa, const Ragged *p, const Plan *pl, fa_idx n, char *sta
             for t in prange(n, schedule="dynamic"):
                 if work == NULL or stopped(stop):
                     continue
-                if ragged_run(isa, p, pl, t, n, nthreads, states, merge, work) != 0:
+                if task(ctx, t, work) != 0:
                     errp[0] = 2
             free(work)
     return err
+
+
+cdef struct PlanRun:
+    # run_tasks' arguments, for run_parallel
+    int isa
+    const Ragged *p
+    const Plan *pl
+    fa_idx n
+    char *states
+    bint merge
+    int nthreads
+
+
+cdef int plan_task_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
+    cdef const PlanRun *r = <const PlanRun *>ctx
+    return ragged_run(r.isa, r.p, r.pl, t, r.n, r.nthreads, r.states, r.merge, work)
+
+
+cdef int run_tasks(int isa, const Ragged *p, const Plan *pl, fa_idx n, char *states,
+                   bint merge, int nthreads, fa_stop *stop) except -1:
+    """Tasks 0..n-1 of the plan (or its merges) over nthreads threads."""
+    cdef PlanRun r
+    r.isa, r.p, r.pl, r.n, r.states, r.merge = isa, p, pl, n, states, merge
+    r.nthreads = min(nthreads, n)
+    return run_parallel(plan_task_run, &r, n,
+                        fa_attn_work_bytes(&p.a, p.es) * (1 if merge else pl.most), nthreads, stop)
 
 
 cdef void implicit_plan(const Ragged *p, Plan *pl) noexcept nogil:
@@ -970,6 +1012,46 @@ cdef int schedule(int isa, Ragged *p, size_t operand_bytes, int nthreads,
     return raise_on(err, "attention")
 
 
+cdef int dense_operands(Ragged *p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
+                        cnp.ndarray out, object mask, int mask_kind, object lse, object slopes,
+                        fa_idx group, bint causal, fa_idx causal_offset, double scale,
+                        fa_idx window_left, fa_idx window_right, double softcap) except -1:
+    """p (zeroed) from a dense call's operands, all of one number of
+    dimensions: the axes before the last two are batch axes, out's (..., Hq,
+    L, Ev) but that k and v have its heads divided by group; lse (..., Hq,
+    L), slopes (..., Hq).  The other operands are left to the caller."""
+    cdef int nd = q.ndim - 2
+    cdef int ns = nd - 1 if nd > 0 else 0   # the sequences' axes: the batch axes but the heads
+    cdef int ha = nd - 1                    # the heads' axis, or -1
+    fill_batch(&p.seqs, out, ns)
+    p.Hq = out.shape[ha] if nd > 0 else 1
+    p.group = group if nd > 0 else 1
+    p.es = cnp.PyArray_ITEMSIZE(out)
+    operand(&p.q, q, ns, ha)
+    operand(&p.k, k, ns, ha)
+    operand(&p.v, v, ns, ha)
+    operand(&p.o, out, ns, ha)
+    operand(&p.m, mask if mask_kind != MASK_NONE else None, ns, ha)
+    operand(&p.lse, lse, ns, ha)
+    operand(&p.slope, slopes, ns, ha)
+    p.a.L, p.a.E, p.a.S = q.shape[nd], q.shape[nd + 1], k.shape[nd]
+    p.a.Ev = out.shape[nd + 1]  # v's last axis counts bytes for Q4
+    p.a.q_ls, p.a.q_es = estride(q, nd), estride(q, nd + 1)
+    p.a.k_ss, p.a.k_es = estride(k, nd), estride(k, nd + 1)
+    p.a.v_ss, p.a.v_es = estride(v, nd), estride(v, nd + 1)
+    p.a.o_ls, p.a.o_es = estride(out, nd), estride(out, nd + 1)
+    p.a.q_hs, p.a.o_hs, p.a.lse_hs = p.q.head, p.o.head, p.lse.head
+    p.a.mask_kind = <fa_mask_kind>mask_kind
+    if p.m.base != NULL:
+        p.a.m_ls, p.a.m_ss = estride(mask, nd), estride(mask, nd + 1)
+    if p.lse.base != NULL:
+        p.a.lse_s = estride(lse, nd)
+    p.a.causal, p.align_offset = causal, causal_offset
+    p.a.scale, p.a.softcap = scale, softcap
+    p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
+    return 0
+
+
 def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
               cnp.ndarray out, object weights, fa_idx group, bint causal, fa_idx causal_offset,
               double scale, int nthreads, int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES,
@@ -995,45 +1077,21 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     k_mean), out's dtype, k's batch shape and E, its last axis contiguous.
     The tasks: schedule()'s, every item of the batch a sequence."""
     cdef int nd = q.ndim - 2
-    cdef int ns = nd - 1 if nd > 0 else 0   # the sequences' axes: the batch axes but the heads
-    cdef int ha = nd - 1                    # the heads' axis, or -1
+    cdef int ns = nd - 1 if nd > 0 else 0
+    cdef int ha = nd - 1
     cdef Ragged p
     memset(&p, 0, sizeof(p))
-    fill_batch(&p.seqs, out, ns)
-    p.Hq = out.shape[ha] if nd > 0 else 1
-    p.group = group if nd > 0 else 1
-    p.es = cnp.PyArray_ITEMSIZE(out)
-    operand(&p.q, q, ns, ha)
-    operand(&p.k, k, ns, ha)
-    operand(&p.v, v, ns, ha)
-    operand(&p.o, out, ns, ha)
-    operand(&p.m, mask if mask_kind != MASK_NONE else None, ns, ha)
+    dense_operands(&p, q, k, v, out, mask, mask_kind, lse, slopes, group, causal, causal_offset,
+                   scale, window_left, window_right, softcap)
     operand(&p.w, weights, ns, ha)
-    operand(&p.lse, lse, ns, ha)
-    operand(&p.slope, slopes, ns, ha)
     operand(&p.sink, sinks, ns, ha)
     operand(&p.ksc, k_scale, ns, ha)
     operand(&p.vsc, v_scale, ns, ha)
     operand(&p.kmean, key_mean, ns, ha)
-    p.a.L, p.a.E, p.a.S = q.shape[nd], q.shape[nd + 1], k.shape[nd]
-    p.a.Ev = out.shape[nd + 1]  # v's last axis counts bytes for Q4
-    p.a.q_ls, p.a.q_es = estride(q, nd), estride(q, nd + 1)
-    p.a.k_ss, p.a.k_es = estride(k, nd), estride(k, nd + 1)
-    p.a.v_ss, p.a.v_es = estride(v, nd), estride(v, nd + 1)
-    p.a.o_ls, p.a.o_es = estride(out, nd), estride(out, nd + 1)
-    p.a.q_hs, p.a.o_hs, p.a.lse_hs = p.q.head, p.o.head, p.lse.head
-    p.a.mask_kind = <fa_mask_kind>mask_kind
-    if p.m.base != NULL:
-        p.a.m_ls, p.a.m_ss = estride(mask, nd), estride(mask, nd + 1)
     if p.w.base != NULL:
         p.a.w_ls, p.a.w_ss = estride(weights, nd), estride(weights, nd + 1)
-    if p.lse.base != NULL:
-        p.a.lse_s = estride(lse, nd)
     if p.ksc.base != NULL:
         p.a.ksc_s, p.a.vsc_s = estride(k_scale, nd), estride(v_scale, nd)
-    p.a.causal, p.align_offset = causal, causal_offset
-    p.a.scale, p.a.softcap = scale, softcap
-    p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
     p.a.prefetch, p.a.precision = prefetch, <fa_precision>precision
     p.kv_row_bytes = (k.shape[nd + 1] + v.shape[nd + 1]) * cnp.PyArray_ITEMSIZE(k)
@@ -1044,6 +1102,99 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    (p.slope.base == NULL or p.slope.head == 1) and
                    (p.sink.base == NULL or p.sink.head == 1))
     schedule(isa, &p, q.nbytes + k.nbytes + v.nbytes + out.nbytes, nthreads)
+
+
+cdef struct Grad:
+    # A backward call: the forward's operands (p: q, k, v, its mask m, dO
+    # as o, lse, slopes) and the backward's own, with its tasks: nkv per
+    # (sequence, key/value head) of nkb key blocks, then nq per (sequence,
+    # query head) of nqb query blocks.
+    Ragged p
+    fa_grad_args g
+    Operand delta, psum, dq, dk, dv
+    fa_idx nkb, nqb, nkv, ntasks, Hkv
+    int isa
+
+
+cdef int grad_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
+    """Task t of a backward call (a Grad); the kernel's return code."""
+    cdef const Grad *x = <const Grad *>ctx
+    cdef const Ragged *p = &x.p
+    cdef int isa = x.isa
+    cdef fa_attn_args ai
+    cdef fa_idx b, h, blk, kb = fa_attn_key_block(), qb = fa_attn_query_block(p.es)
+    cdef void *dout
+    if t < x.nkv:  # dK, dV of a key block over the query heads of its key/value head
+        b, h, blk = t // x.nkb // x.Hkv, t // x.nkb % x.Hkv, t % x.nkb
+        ragged_args(p, b, h * p.group, p.group, &ai)
+        dout = start(&p.o, p, b, h * p.group, 0, 0)
+        return fa_attn_grad_kv(<fa_isa>isa, p.es, &ai, &x.g, start(&p.q, p, b, h * p.group, 0, 0),
+                               start(&p.k, p, b, h, 0, 0), start(&p.v, p, b, h, 0, 0),
+                               mask_of(p, b, h * p.group), dout,
+                               start(&p.lse, p, b, h * p.group, 0, 0),
+                               start(&x.delta, p, b, h * p.group, 0, 0),
+                               start(&x.dk, p, b, h, 0, 0), start(&x.dv, p, b, h, 0, 0),
+                               blk * kb, min((blk + 1) * kb, ai.S), work)
+    t -= x.nkv
+    b, h, blk = t // x.nqb // p.Hq, t // x.nqb % p.Hq, t % x.nqb
+    ragged_args(p, b, h, 1, &ai)
+    return fa_attn_grad_q(<fa_isa>isa, p.es, &ai, &x.g, start(&p.q, p, b, h, 0, 0),
+                          start(&p.k, p, b, h // p.group, 0, 0),
+                          start(&p.v, p, b, h // p.group, 0, 0), mask_of(p, b, h),
+                          start(&p.o, p, b, h, 0, 0), start(&p.lse, p, b, h, 0, 0),
+                          start(&x.delta, p, b, h, 0, 0), start(&x.dq, p, b, h, 0, 0),
+                          start(&x.psum, p, b, h, 0, 0), blk * qb, min((blk + 1) * qb, ai.L),
+                          work)
+
+
+def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
+                       int mask_kind, cnp.ndarray dout, cnp.ndarray lse, cnp.ndarray delta,
+                       cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, cnp.ndarray psum,
+                       fa_idx group, bint causal, fa_idx causal_offset, double scale,
+                       int nthreads, fa_idx window_left=-1, fa_idx window_right=-1,
+                       double softcap=0, object slopes=None):
+    """dq, dk and dv of the attention that attention() computes with the
+    same arguments (FlashAttention-2's backward, fa_attn_grad_q and
+    fa_attn_grad_kv), and psum, each row's sum of exp(logit - lse) over its
+    keys.  q, dout, dq: (..., Hq, L, E | Ev); k, v, dk, dv: (..., Hkv, S,
+    E | Ev), Hkv = Hq / group; lse, delta = rowsum(dout * out), psum:
+    (..., Hq, L); mask a view of (..., Hq, L, S); slopes (..., Hq) float64.
+    All of one dtype, float32 or float64.  Every gradient is written once by
+    one task, its sums in an order fixed by positions: the same bits for any
+    thread count."""
+    cdef int nd = q.ndim - 2
+    cdef int ns = nd - 1 if nd > 0 else 0
+    cdef int ha = nd - 1
+    cdef Grad x
+    cdef fa_stop stop
+    cdef int err
+    memset(&x, 0, sizeof(x))
+    x.isa = isa
+    cdef Ragged *p = &x.p
+    dense_operands(p, q, k, v, dout, mask, mask_kind, lse, slopes, group, causal, causal_offset,
+                   scale, window_left, window_right, softcap)
+    x.Hkv = p.Hq // p.group
+    operand(&x.delta, delta, ns, ha)
+    operand(&x.psum, psum, ns, ha)
+    operand(&x.dq, dq, ns, ha)
+    operand(&x.dk, dk, ns, ha)
+    operand(&x.dv, dv, ns, ha)
+    x.g.do_ls, x.g.do_es, x.g.do_hs = estride(dout, nd), estride(dout, nd + 1), p.o.head
+    x.g.d_s, x.g.d_hs, x.g.m_hs = estride(delta, nd), x.delta.head, p.m.head
+    x.g.dq_ls, x.g.dq_es = estride(dq, nd), estride(dq, nd + 1)
+    x.g.dk_ss, x.g.dk_es = estride(dk, nd), estride(dk, nd + 1)
+    x.g.dv_ss, x.g.dv_es = estride(dv, nd), estride(dv, nd + 1)
+    if estride(psum, nd) != x.g.d_s or x.psum.head != x.delta.head:
+        raise ValueError("psum must have delta's strides")
+    x.nkb = (p.a.S + fa_attn_key_block() - 1) // fa_attn_key_block()
+    x.nqb = (p.a.L + fa_attn_query_block(p.es) - 1) // fa_attn_query_block(p.es)
+    x.nkv = p.seqs.count * x.Hkv * x.nkb
+    x.ntasks = x.nkv + p.seqs.count * p.Hq * x.nqb
+    stop_init(&stop)
+    err = run_parallel(grad_run, &x, x.ntasks, fa_attn_grad_work_bytes(&p.a, p.es), nthreads,
+                       &stop)
+    stop_raise(&stop)
+    raise_on(err, "attention backward")
 
 
 def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache,

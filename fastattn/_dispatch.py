@@ -225,16 +225,38 @@ class StoredKV(NamedTuple):
     key_mean: Optional[NDArray[Any]] = None
 
 
-def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
+class Call(NamedTuple):
+    """A dense call's arguments, checked: its dtype and the one computed in,
+    lengths, batch shapes of the queries and of the keys and values, query
+    heads per key/value head, options as the kernels take them, and the mask
+    as a view of (..., Hq, L, S) with its kind (_core.MASK_*)."""
+    dtype: np.dtype[Any]
+    compute: np.dtype[Any]
+    L: int
+    S: int
+    E: int
+    Ev: int
+    batch: C.Shape
+    kv_batch: C.Shape
+    group: int
+    causal: bool
+    offset: int
+    scale: float
+    nthreads: int
+    kind: int
+    mask: Optional[NDArray[Any]]
+    variants: _variants.Variants
+
+
+def check_call(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
                attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
                scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
-               need_weights: bool, return_lse: bool, window_size: Optional[tuple[int, int]],
-               alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
-               sinks: Optional[NDArray[Any]], out: Optional[NDArray[Any]],
-               num_threads: Optional[int], stored: Optional[StoredKV] = None) -> Result[Any]:
-    """scaled_dot_product_attention's work; with stored, key and value are a
-    KVCache's buffers in that storage (query's dtype is then the only one
-    checked)."""
+               window_size: Optional[tuple[int, int]], alibi_slopes: Optional[NDArray[Any]],
+               softcap: Optional[float], sinks: Optional[NDArray[Any]],
+               num_threads: Optional[int], stored: Optional[StoredKV] = None) -> Call:
+    """The checks of a dense call (scaled_dot_product_attention's, and of
+    its backward): with stored, key and value are a KVCache's buffers in
+    that storage (query's dtype is then the only one checked)."""
     packed = stored is not None and stored.store == _core.STORE_Q4  # rows of bytes
     if not packed:  # (a cache checked its own)
         require_qkv(query, key, value)
@@ -254,8 +276,6 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
                          f"got {dropout_p}")
     causal = C.check_bool(is_causal, "is_causal")
     gqa = C.check_bool(enable_gqa, "enable_gqa")
-    weights_wanted = C.check_bool(need_weights, "need_weights")
-    lse_wanted = C.check_bool(return_lse, "return_lse")
     offset = C.alignment_offset(causal_alignment, L, S)
     scale = C.check_scale(scale, E, compute)
     nthreads = _runtime.resolve_threads(num_threads)
@@ -307,6 +327,28 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
 
     variants = _variants.check(window_size, alibi_slopes, softcap, sinks, batch, L, S, compute,
                                offset)
+    return Call(dtype, compute, L, S, E, Ev, batch, kv_batch, group, causal, offset, scale,
+                nthreads, kind, mask, variants)
+
+
+def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
+               attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
+               scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
+               need_weights: bool, return_lse: bool, window_size: Optional[tuple[int, int]],
+               alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
+               sinks: Optional[NDArray[Any]], out: Optional[NDArray[Any]],
+               num_threads: Optional[int], stored: Optional[StoredKV] = None) -> Result[Any]:
+    """scaled_dot_product_attention's work; with stored, key and value are a
+    KVCache's buffers in that storage (query's dtype is then the only one
+    checked)."""
+    call = check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      causal_alignment, window_size, alibi_slopes, softcap, sinks, num_threads,
+                      stored)
+    dtype, compute, L, S, E, Ev, batch, kv_batch, group = call[:9]
+    causal, offset, scale, nthreads, kind, mask, variants = call[9:]
+    packed = stored is not None and stored.store == _core.STORE_Q4  # rows of bytes
+    weights_wanted = C.check_bool(need_weights, "need_weights")
+    lse_wanted = C.check_bool(return_lse, "return_lse")
 
     out_shape = batch + (L, Ev)
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
@@ -356,6 +398,102 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
         weights = narrow(weights, dtype, nthreads)
     results = (out,) + tuple(x for x in (weights, lse) if x is not None)  # lse: float32
     return results[0] if len(results) == 1 else results  # type: ignore[return-value]
+
+
+# How far each row's recomputed weights, the sink's included, may sum from 1
+# before the logsumexp is taken for another call's: the forward's sums and
+# the recomputed exps differ by roundings, of about S eps at worst
+_LSE_SLACK = {np.dtype(np.float32): 1e-3, np.dtype(np.float64): 1e-9}
+
+
+def _sum_to(x: NDArray[Any], shape: C.Shape) -> NDArray[Any]:
+    """x summed over the axes that shape broadcasts to x's (leading ones
+    and axes of 1): a broadcast input's gradient, in an order fixed by the
+    shapes alone."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + d for d, n in enumerate(shape)
+                                      if n == 1 and x.shape[lead + d] != 1)
+    return x.sum(axis=axes).reshape(shape) if axes else x
+
+
+def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
+             value: NDArray[Any], out: NDArray[Any], logsumexp: NDArray[Any],
+             attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
+             scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
+             window_size: Optional[tuple[int, int]], alibi_slopes: Optional[NDArray[Any]],
+             softcap: Optional[float], sinks: Optional[NDArray[Any]],
+             num_threads: Optional[int]) -> tuple[NDArray[Any], ...]:
+    """attention_backward's work: the checks of the forward's call, of
+    grad_out, out and logsumexp against it, the kernels, then each row's
+    recomputed weights checked to sum to 1 (a logsumexp of another call is
+    refused), and the gradients of broadcast inputs summed to their shapes."""
+    call = check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      causal_alignment, window_size, alibi_slopes, softcap, sinks, num_threads)
+    dtype, compute, L, S, E, Ev = call[:6]
+    batch, variants = call.batch, call.variants
+    grad_out = C.require_array(grad_out, "grad_out")
+    out = C.require_array(out, "out")
+    logsumexp = C.require_array(logsumexp, "logsumexp")
+    for name, a, shape, want in (("grad_out", grad_out, batch + (L, Ev), dtype),
+                                 ("out", out, batch + (L, Ev), dtype),
+                                 ("logsumexp", logsumexp, batch + (L,), compute)):
+        if a.shape != shape:
+            raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
+                             f"{C.shape_str(shape)}, the forward's "
+                             f"{'lse' if name == 'logsumexp' else 'output'} of these inputs")
+        if a.dtype != want:
+            raise TypeError(f"{name} has dtype {a.dtype}; expected {want}"
+                            + (" (the forward's return_lse dtype)" if name == "logsumexp" else
+                               f" (query's)"))
+
+    def computed(x: NDArray[Any]) -> NDArray[Any]:  # 16-bit inputs: float32 copies
+        return C.kernel_view(x if x.dtype == compute else x.astype(compute))
+
+    q = C.broadcast_view(computed(query), batch + (L, E))
+    k = C.broadcast_view(computed(key), call.kv_batch + (S, E))
+    v = C.broadcast_view(computed(value), call.kv_batch + (S, Ev))
+    dout = computed(grad_out)
+    lse = C.kernel_view(logsumexp)
+    # D = rowsum(dO o O), C-ordered so that its sums do not depend on the layout
+    with np.errstate(all="ignore"):
+        delta = np.multiply(dout, computed(out), order="C").sum(axis=-1)
+    dq = np.empty(batch + (L, E), compute)
+    dk = np.empty(call.kv_batch + (S, E), compute)
+    dv = np.empty(call.kv_batch + (S, Ev), compute)
+    psum = np.empty_like(delta)
+    slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
+    if dq.size or dk.size or dv.size:
+        _core.attention_backward(
+            _runtime.isa(), q, k, v, call.mask, call.kind, dout, lse, delta, dq, dk, dv, psum,
+            call.group, call.causal, call.offset, call.scale, call.nthreads,
+            window_left=variants.window_left, window_right=variants.window_right,
+            softcap=variants.softcap, slopes=slopes)
+    else:
+        psum.fill(0)
+    with np.errstate(all="ignore"):
+        sink = (np.exp(variants.sinks[..., None] - lse.astype(np.float64))
+                if variants.sinks is not None else np.zeros(lse.shape))
+        total = psum + sink
+        # rows with nothing visible (lse -inf, no sink) sum to 0; NaN rows are NaN's
+        bad = np.where(lse == -np.inf, psum != 0,
+                       np.abs(total - 1) > _LSE_SLACK[compute]) & ~np.isnan(total)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"logsumexp does not match these inputs: at row {at} the weights "
+                         f"exp(logit - logsumexp) over the keys (the sink included) sum to "
+                         f"{float(total[at]):.6g}, not 1; pass the lse that the forward call "
+                         f"with return_lse=True returned for the same inputs and options")
+    grads = [_sum_to(g, np.shape(x)) for g, x in ((dq, query), (dk, key), (dv, value))]
+    if compute != dtype:
+        grads = [narrow(np.ascontiguousarray(g), dtype, call.nthreads) for g in grads]
+    if sinks is not None:
+        # d/d sink = -sum over rows of the sink's weight times D (it has no value)
+        g_sink = -(sink * delta).sum(axis=-1)
+        sinks_arr = np.asarray(sinks)
+        want = sinks_arr.dtype if np.issubdtype(sinks_arr.dtype, np.floating) else \
+            np.dtype(np.float64)
+        grads.append(_sum_to(g_sink, sinks_arr.shape).astype(want))
+    return tuple(grads)
 
 
 def require_qkv(query: object, key: object, value: object) -> None:

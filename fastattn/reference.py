@@ -60,27 +60,16 @@ def per_head(x: Array, batch_shape: tuple[int, ...]) -> Array:
     return x[..., None, None]
 
 
-def scaled_dot_product_attention(query: Array, key: Array, value: Array,
-                                 attn_mask: Optional[Mask] = None, *, is_causal: bool = False,
-                                 scale: Optional[float] = None, enable_gqa: bool = False,
-                                 causal_alignment: Union[str, int] = "upper_left",
-                                 need_weights: bool = False, return_lse: bool = False,
-                                 window_size: Optional[tuple[int, int]] = None,
-                                 alibi_slopes: Optional[Array] = None,
-                                 softcap: Optional[float] = None,
-                                 sinks: Optional[Array] = None) -> Result:
-    """softmax(query @ key^T * scale + mask) @ value, step by step, with the
-    variants in the kernels' order (csrc/fa_kern_scores.h).
-
-    fastattn.scaled_dot_product_attention's arguments, keyword-only after
-    attn_mask: there is no dropout_p here, so PyTorch's positional order
-    would shift them.  Returns out, then the weights and the log-sum-exp
-    when asked for."""
+def logits(query: Array, key: Array, attn_mask: Optional[Mask] = None, *,
+           is_causal: bool = False, scale: Optional[float] = None,
+           causal_alignment: Union[str, int] = "upper_left",
+           window_size: Optional[tuple[int, int]] = None,
+           alibi_slopes: Optional[Array] = None,
+           softcap: Optional[float] = None) -> tuple[Array, Array, float]:
+    """Steps 2 and 3 with the variants in the kernels' order
+    (csrc/fa_kern_scores.h), key already repeated for GQA: the scaled
+    scores Q K^T * scale, the logits (-inf where hidden), and the scale."""
     E = query.shape[-1]
-    if enable_gqa:
-        group = query.shape[-3] // key.shape[-3]
-        key = np.repeat(key, group, axis=-3)
-        value = np.repeat(value, group, axis=-3)
     L, S = query.shape[-2], key.shape[-2]
     # where each query sits among the keys: i' = i, i + S - L (lower right)
     # or i + k for an int k
@@ -89,8 +78,9 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array,
     i = np.arange(L)[:, None] + offset
     j = np.arange(S)[None, :]
 
-    scores = query @ np.swapaxes(key, -1, -2)                                  # step 2: Q K^T
-    scores = scores * (scale if scale is not None else (1 / math.sqrt(E) if E else 1.0))
+    scale = scale if scale is not None else (1 / math.sqrt(E) if E else 1.0)
+    scaled = (query @ np.swapaxes(key, -1, -2)) * scale                       # step 2: Q K^T
+    scores = scaled
     if softcap is not None:                                # soft-cap (Gemma 2)
         scores = softcap * np.tanh(scores / softcap)
 
@@ -111,11 +101,40 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array,
             visible = visible & (j >= i - left)
         if right >= 0:
             visible = visible & (j <= i + right)
-    scores = np.where(visible, scores, -np.inf)
+    return scaled, np.where(visible, scores, -np.inf), scale
 
-    if sinks is not None:                                  # one more key, with no value
-        sink = np.broadcast_to(per_head(sinks, scores.shape[:-2]), scores.shape[:-1] + (1,))
-        scores = np.concatenate([scores, sink], axis=-1)
+
+def with_sinks(scores: Array, sinks: Optional[Array]) -> Array:
+    """The logits with the sink's as one more key, with no value (gpt-oss)."""
+    if sinks is None:
+        return scores
+    sink = np.broadcast_to(per_head(sinks, scores.shape[:-2]), scores.shape[:-1] + (1,))
+    return np.concatenate([scores, sink], axis=-1)
+
+
+def scaled_dot_product_attention(query: Array, key: Array, value: Array,
+                                 attn_mask: Optional[Mask] = None, *, is_causal: bool = False,
+                                 scale: Optional[float] = None, enable_gqa: bool = False,
+                                 causal_alignment: Union[str, int] = "upper_left",
+                                 need_weights: bool = False, return_lse: bool = False,
+                                 window_size: Optional[tuple[int, int]] = None,
+                                 alibi_slopes: Optional[Array] = None,
+                                 softcap: Optional[float] = None,
+                                 sinks: Optional[Array] = None) -> Result:
+    """softmax(query @ key^T * scale + mask) @ value, step by step, with the
+    variants in the kernels' order (csrc/fa_kern_scores.h).
+
+    fastattn.scaled_dot_product_attention's arguments, keyword-only after
+    attn_mask: there is no dropout_p here, so PyTorch's positional order
+    would shift them.  Returns out, then the weights and the log-sum-exp
+    when asked for."""
+    if enable_gqa:
+        group = query.shape[-3] // key.shape[-3]
+        key = np.repeat(key, group, axis=-3)
+        value = np.repeat(value, group, axis=-3)
+    scores = with_sinks(logits(query, key, attn_mask, is_causal=is_causal, scale=scale,
+                               causal_alignment=causal_alignment, window_size=window_size,
+                               alibi_slopes=alibi_slopes, softcap=softcap)[1], sinks)
     weights = softmax(scores, axis=-1)                                         # step 4
     m = np.max(scores, axis=-1, initial=-np.inf)
     with np.errstate(divide="ignore", invalid="ignore"):  # log(0) = -inf: nothing visible
@@ -126,6 +145,66 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array,
     out = weighted_sum(weights, value)                                         # step 5
     extra = ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
     return (out,) + extra if extra else out  # type: ignore[return-value]
+
+
+def sum_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """The gradient x of an input of this shape that was broadcast to x's."""
+    while x.ndim > len(shape):
+        x = x.sum(axis=0)
+    axes = tuple(d for d, n in enumerate(shape) if n == 1 and x.shape[d] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def attention_backward(grad_out: Array, query: Array, key: Array, value: Array,
+                       attn_mask: Optional[Mask] = None, *, is_causal: bool = False,
+                       scale: Optional[float] = None, enable_gqa: bool = False,
+                       causal_alignment: Union[str, int] = "upper_left",
+                       window_size: Optional[tuple[int, int]] = None,
+                       alibi_slopes: Optional[Array] = None, softcap: Optional[float] = None,
+                       sinks: Optional[Array] = None) -> tuple[Array, ...]:
+    """The gradients of scaled_dot_product_attention's output (grad_out
+    given) with respect to query, key and value (and sinks), by the chain
+    rule through each step, every intermediate held: the softmax's
+    dS = P (dP - rowsum(P dP)), the soft-cap's tanh' = 1 - tanh^2, and for
+    GQA the sum over each group's query heads."""
+    group = query.shape[-3] // key.shape[-3] if enable_gqa else 1
+    k = np.repeat(key, group, axis=-3) if group > 1 else key
+    v = np.repeat(value, group, axis=-3) if group > 1 else value
+    scaled, scores, scale = logits(query, k, attn_mask, is_causal=is_causal, scale=scale,
+                                   causal_alignment=causal_alignment, window_size=window_size,
+                                   alibi_slopes=alibi_slopes, softcap=softcap)
+    weights = softmax(with_sinks(scores, sinks), axis=-1)    # the sink's in the last column
+    p = weights[..., :scores.shape[-1]]
+    grad_v = np.swapaxes(p, -1, -2) @ grad_out                       # out = P V
+    grad_p = np.concatenate([grad_out @ np.swapaxes(v, -1, -2),       # the sink has no value
+                             np.zeros(weights.shape[:-1] + (weights.shape[-1] - p.shape[-1],))],
+                            axis=-1)
+    with np.errstate(invalid="ignore"):  # 0 * inf at hidden keys, discarded by the where
+        grad_s = np.where(weights != 0, weights * (
+            grad_p - np.sum(np.where(weights != 0, weights * grad_p, 0), axis=-1, keepdims=True)),
+            0)                                                          # through the softmax
+    grad_sink = grad_s[..., -1]
+    grad_s = grad_s[..., :scores.shape[-1]]
+    if softcap is not None:
+        grad_s = grad_s * (1 - np.tanh(scaled / softcap) ** 2)
+    with np.errstate(invalid="ignore"):
+        grad_q = scale * weighted_sum(grad_s, k)                       # S = scale Q K^T
+        grad_k = scale * weighted_sum(np.swapaxes(grad_s, -1, -2), query)
+    if group > 1:  # each key/value head's gradient: the sum over its query heads
+        shape = grad_k.shape[:-3] + (key.shape[-3], group) + grad_k.shape[-2:]
+        grad_k = grad_k.reshape(shape).sum(axis=-3)
+        grad_v = grad_v.reshape(shape[:-1] + (value.shape[-1],)).sum(axis=-3)
+    grads = (sum_to(grad_q, query.shape), sum_to(grad_k, key.shape),
+             sum_to(grad_v, value.shape))
+    if sinks is None:
+        return grads
+    g = grad_sink.sum(axis=-1)                                       # over the rows
+    s = np.asarray(sinks)
+    if s.ndim == 2:  # (B, Hq): B is the first batch axis
+        g = g.reshape(g.shape[0], -1, g.shape[-1]).sum(axis=1)
+    else:
+        g = g.reshape(-1, g.shape[-1]).sum(axis=0)
+    return grads + (g,)
 
 
 def rotary(x: Array, positions: NDArray[np.integer[Any]], cos: Array, sin: Array,

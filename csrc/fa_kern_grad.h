@@ -1,0 +1,214 @@
+/* The gradients of the attention for element type T: FlashAttention-2's
+ * backward (Dao 2023, "FlashAttention-2", Algorithm 2), in two sweeps that
+ * each write their gradients once, with no atomics and no sum whose order
+ * depends on the threads: attn_grad_kv sweeps the query blocks past one
+ * key block (dK and dV, the query heads of a group one after the other),
+ * attn_grad_q the key blocks past one query block (dQ).  Both recompute
+ * the logits of a key block x query block tile through the forward's
+ * per-score stage (block_logits), then
+ *   P  = exp(logit - lse)               the forward's weights
+ *   dP = V dO^T,  dS = P (dP - D)       D = rowsum(dO o O), the caller's
+ *   dS = dS (1 - (capped / softcap)^2)  through the softcap's tanh
+ *   dV = P^T dO,  dK = scale dS^T Q,  dQ = scale dS K
+ * with tiles transposed as in the forward (keys x queries).  A key of
+ * weight 0 adds nothing, not even a non-finite key or value row.
+ *
+ * Needs T, FA_NR, FA_NAME and the block kernel's. */
+
+/* Columns of the B operands of the products (rows of Q, dO, and the dK
+ * and dV accumulators): whole micro-kernel panels. */
+#define FA_GP(n) (((n) + FA_NR - 1) / FA_NR * FA_NR)
+
+typedef struct {
+    T *qp, *dop;             /* E x QB and Ev x QB: a query block and its dO, transposed */
+    T *qr, *dor;             /* QB x GP(E) and QB x GP(Ev): the same as rows */
+    T *st, *bias, *cap, *dp; /* KB x QB: logits then P, the mask, capped scores, dP then dS */
+    T *ms, *dl, *bm, *bl;    /* QB each: lse (0 for -inf), D, block maxima, P's column sums */
+    T *panel, *kpanel;       /* converted tiles (block_logits'), key rows zeroed */
+    T *acc;                  /* dK and dV of a key block, or dQ^T of a query block */
+} FA_NAME(grad_scratch);
+
+size_t FA_NAME(grad_work)(const fa_attn_args *a)
+{
+    const size_t qb = FA_QB, kb = FA_KB, E = (size_t)a->E, Ev = (size_t)a->Ev;
+    const size_t kv = kb * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)), q = E * qb;
+    return sizeof(T) * ((E + Ev) * qb + qb * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)) + 4 * kb * qb +
+                        4 * qb + kb * (size_t)(2 * FA_EP(a) + FA_EVP(a)) + (kv > q ? kv : q)) +
+           FA_ALIGN;
+}
+
+static FA_NAME(grad_scratch) FA_NAME(grad_scratch_of)(const fa_attn_args *a, void *work)
+{
+    const fa_idx qb = FA_QB, kb = FA_KB;
+    FA_NAME(grad_scratch) w;
+    w.qp = (T *)FA_ALIGNED(work);
+    w.dop = w.qp + a->E * qb;
+    w.qr = w.dop + a->Ev * qb;
+    w.dor = w.qr + qb * FA_GP(a->E);
+    w.st = w.dor + qb * FA_GP(a->Ev);
+    w.bias = w.st + kb * qb;
+    w.cap = w.bias + kb * qb;
+    w.dp = w.cap + kb * qb;
+    w.ms = w.dp + kb * qb;
+    w.dl = w.ms + qb;
+    w.bm = w.dl + qb;
+    w.bl = w.bm + qb;
+    w.panel = w.bl + qb;
+    w.kpanel = w.panel + kb * (FA_EP(a) + FA_EVP(a));
+    w.acc = w.kpanel + kb * FA_EP(a);
+    return w;
+}
+
+/* Rows i0..i0+nq-1 of one head: its queries and dO, both transposed and as
+ * rows (zero padded), its lse and D. */
+static void FA_NAME(grad_rows)(const fa_attn_args *a, const fa_grad_args *g, const T *q,
+                               const T *dout, const T *lse, const T *delta, fa_idx i0, fa_idx nq,
+                               const FA_NAME(grad_scratch) *w)
+{
+    const fa_idx qb = FA_QB, eg = FA_GP(a->E), evg = FA_GP(a->Ev);
+    FA_NAME(pack_t)(nq, a->E, q + i0 * a->q_ls, a->q_ls, a->q_es, 1, w->qp, qb, 1);
+    FA_NAME(pack_t)(nq, a->Ev, dout + i0 * g->do_ls, g->do_ls, g->do_es, 1, w->dop, qb, 1);
+    for (fa_idx e = 0; e < a->E; ++e)
+        for (fa_idx j = nq; j < qb; ++j) w->qp[e * qb + j] = 0;
+    for (fa_idx c = 0; c < a->Ev; ++c)
+        for (fa_idx j = nq; j < qb; ++j) w->dop[c * qb + j] = 0;
+    for (fa_idx j = 0; j < nq; ++j) {
+        for (fa_idx e = 0; e < eg; ++e) w->qr[j * eg + e] = e < a->E ? w->qp[e * qb + j] : 0;
+        for (fa_idx c = 0; c < evg; ++c) w->dor[j * evg + c] = c < a->Ev ? w->dop[c * qb + j] : 0;
+    }
+    for (fa_idx j = 0; j < qb; ++j) {
+        const T l = j < nq ? lse[(i0 + j) * a->lse_s] : 0;
+        w->ms[j] = l == -(T)INFINITY ? 0 : l; /* a row with nothing visible: P = exp(-inf) */
+        w->dl[j] = j < nq ? delta[(i0 + j) * g->d_s] : 0;
+    }
+}
+
+/* P (in st) and dS (in dp) of the key block s0..s0+nk-1 and the query
+ * block grad_rows loaded; 0 when the mask hides the whole block. */
+static int FA_NAME(grad_block)(const fa_attn_args *a, const void *k, const void *v,
+                               const void *mask, fa_idx i0, fa_idx nq, fa_idx s0, fa_idx nk,
+                               const FA_NAME(grad_scratch) *w)
+{
+    const fa_idx qb = FA_QB;
+    const T c = (T)a->softcap;
+    if (!FA_NAME(block_logits)(a, w->qp, (T)a->scale, NULL, k, mask, i0, nq, 1, qb, s0, nk,
+                               w->st, w->bias, w->bm, w->panel, NULL, NULL,
+                               c > 0 ? w->cap : NULL))
+        return 0;
+    FA_NAME(exp_block)(0, nk, qb, qb, w->st, w->ms, w->bl, 1);
+    const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, w->panel + FA_KB * FA_EP(a));
+    for (fa_idx r = 0, mr; r < nk; r += mr) {
+        mr = FA_NAME(tile_rows)(nk, r);
+        for (fa_idx p = 0; p < qb; p += FA_NR)
+            FA_NAME(ukr)((int)mr, a->Ev, vt.p + r * vt.ss, vt.ss, vt.es, w->dop + p, qb,
+                         w->dp + r * qb + p, qb, 1, 0, NULL);
+    }
+    for (fa_idx r = 0; r < nk; ++r)
+        for (fa_idx j = 0; j < qb; ++j) {
+            const fa_idx t = r * qb + j;
+            const T p = w->st[t];
+            /* weight 0: no gradient, whatever dP (a non-finite value row)
+             * or the capped score (hidden tiles hold NaN there) */
+            T ds = 0;
+            if (p != 0) {
+                const T h = c > 0 ? w->cap[t] / c : 0;
+                ds = p * (w->dp[t] - w->dl[j]) * (1 - h * h);
+            }
+            w->dp[t] = ds;
+        }
+    return 1;
+}
+
+/* The key tile kt with the rows that no query of the block uses (dS 0
+ * throughout) read as zeros where they are not finite: 0 x inf in dS K
+ * would be NaN.  In place unless a row is zeroed, then copied into panel. */
+static FA_NAME(tile) FA_NAME(unused_keys)(const fa_attn_args *a, FA_NAME(tile) kt, const T *ds,
+                                          fa_idx nq, fa_idx nk, T *panel)
+{
+    const fa_idx lp = FA_EP(a);
+    for (fa_idx r = 0; r < nk; ++r) {
+        int used = 0;
+        for (fa_idx j = 0; j < nq; ++j) used |= ds[r * FA_QB + j] != 0;
+        T zero = 0;
+        for (fa_idx e = 0; !used && e < a->E; ++e) zero += kt.p[r * kt.ss + e * kt.es] * 0;
+        if (used || zero == 0) continue;
+        kt = FA_NAME(tile_in)(kt, nk, a->E, panel, lp);
+        for (fa_idx e = 0; e < a->E; ++e) panel[r * lp + e] = 0;
+    }
+    return kt;
+}
+
+void FA_NAME(attn_grad_q)(const fa_attn_args *a, const fa_grad_args *g, const void *q,
+                          const void *k, const void *v, const void *mask, const T *dout,
+                          const T *lse, const T *delta, T *dq, T *psum, fa_idx i0, fa_idx i1,
+                          void *work)
+{
+    const FA_NAME(grad_scratch) w = FA_NAME(grad_scratch_of)(a, work);
+    const fa_idx qb = FA_QB, nq = i1 - i0, E = a->E;
+    T total[FA_QB];
+    if (nq <= 0) return;
+    FA_NAME(grad_rows)(a, g, (const T *)q, dout, lse, delta, i0, nq, &w);
+    for (fa_idx t = 0; t < E * qb; ++t) w.acc[t] = 0;
+    for (fa_idx j = 0; j < qb; ++j) total[j] = 0;
+    fa_idx s_begin, s_end;
+    FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
+    for (fa_idx s0 = s_begin; s0 < s_end; s0 += FA_KB) {
+        const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
+        if (!FA_NAME(grad_block)(a, k, v, mask, i0, nq, s0, nk, &w)) continue;
+        for (fa_idx j = 0; j < qb; ++j) total[j] += w.bl[j];
+        FA_NAME(tile) kt = FA_NAME(key_tile)(a, k, s0, nk, w.kpanel);
+        kt = FA_NAME(unused_keys)(a, kt, w.dp, nq, nk, w.kpanel);
+        for (fa_idx e = 0, mr; e < E; e += mr) { /* dQ^T[e, j] += sum_r K[r, e] dS[r, j] */
+            mr = FA_NAME(tile_rows)(E, e);
+            for (fa_idx p = 0; p < qb; p += FA_NR)
+                FA_NAME(ukr)((int)mr, nk, kt.p + e * kt.es, kt.es, kt.ss, w.dp + p, qb,
+                             w.acc + e * qb + p, qb, 1, 1, NULL);
+        }
+    }
+    FA_NAME(pack_t)(E, nq, w.acc, qb, 1, (T)a->scale, dq + i0 * g->dq_ls, g->dq_ls, g->dq_es);
+    for (fa_idx j = 0; psum != NULL && j < nq; ++j) psum[(i0 + j) * g->d_s] = total[j];
+}
+
+void FA_NAME(attn_grad_kv)(const fa_attn_args *a, const fa_grad_args *g, const void *q,
+                           const void *k, const void *v, const void *mask, const T *dout,
+                           const T *lse, const T *delta, T *dk, T *dv, fa_idx s0, fa_idx s1,
+                           void *work)
+{
+    const FA_NAME(grad_scratch) w = FA_NAME(grad_scratch_of)(a, work);
+    const fa_idx qb = FA_QB, nk = s1 - s0, eg = FA_GP(a->E), evg = FA_GP(a->Ev);
+    const fa_idx msize = a->mask_kind == FA_MASK_BOOL ? 1 : (fa_idx)sizeof(T);
+    T *ak = w.acc, *av = w.acc + FA_KB * eg;
+    if (nk <= 0) return;
+    for (fa_idx t = 0; t < nk * eg; ++t) ak[t] = 0;
+    for (fa_idx t = 0; t < nk * evg; ++t) av[t] = 0;
+    for (fa_idx h = 0; h < FA_NAME(heads)(a); ++h) { /* in order: the same sums on any thread */
+        const fa_attn_args ah = FA_NAME(head_args)(a, h);
+        const T *qh = (const T *)q + h * a->q_hs;
+        const void *mh = mask == NULL ? NULL : (const char *)mask + h * g->m_hs * msize;
+        fa_idx lo, hi, lo_last, hi_last; /* the rows that may see the first and the last key */
+        FA_NAME(key_rows)(&ah, s0, 0, ah.L, &lo, &hi);
+        FA_NAME(key_rows)(&ah, s1 - 1, 0, ah.L, &lo_last, &hi_last);
+        for (fa_idx i0 = lo / qb * qb; i0 < hi_last; i0 += qb) {
+            const fa_idx nq = ah.L - i0 < qb ? ah.L - i0 : qb;
+            FA_NAME(grad_rows)(&ah, g, qh, dout + h * g->do_hs, lse + h * a->lse_hs,
+                               delta + h * g->d_hs, i0, nq, &w);
+            if (!FA_NAME(grad_block)(&ah, k, v, mh, i0, nq, s0, nk, &w)) continue;
+            for (fa_idx r = 0, mr; r < nk; r += mr) { /* dV += P dO, dK += dS Q */
+                mr = FA_NAME(tile_rows)(nk, r);
+                for (fa_idx c = 0; c < evg; c += FA_NR)
+                    FA_NAME(ukr)((int)mr, nq, w.st + r * qb, qb, 1, w.dor + c, evg,
+                                 av + r * evg + c, evg, 1, 1, NULL);
+                for (fa_idx e = 0; e < eg; e += FA_NR)
+                    FA_NAME(ukr)((int)mr, nq, w.dp + r * qb, qb, 1, w.qr + e, eg,
+                                 ak + r * eg + e, eg, 1, 1, NULL);
+            }
+        }
+    }
+    for (fa_idx r = 0; r < nk; ++r) {
+        for (fa_idx e = 0; e < a->E; ++e)
+            dk[(s0 + r) * g->dk_ss + e * g->dk_es] = (T)a->scale * ak[r * eg + e];
+        for (fa_idx c = 0; c < a->Ev; ++c) dv[(s0 + r) * g->dv_ss + c * g->dv_es] = av[r * evg + c];
+    }
+}
+
+#undef FA_GP
