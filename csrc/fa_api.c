@@ -247,8 +247,6 @@ int fa_attn(fa_isa isa, int elsize, const fa_attn_args *a, const void *q, const 
     return 0;
 }
 
-fa_idx fa_attn_key_block(void) { return FA_KEY_BLOCK; }
-
 size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize)
 {
     if (!attn_features_ok(a) || !elsize_ok(elsize)) return 0;
@@ -264,38 +262,28 @@ static int grad_ok(const fa_attn_args *a, int elsize)
            a->block_table == NULL && a->precision == FA_PRECISION_EXACT && a->k_mean == NULL;
 }
 
-int fa_attn_grad_q(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
-                   const void *q, const void *k, const void *v, const void *mask,
-                   const void *dout, const void *lse, const void *delta, void *dq, void *psum,
-                   fa_idx i0, fa_idx i1, void *work)
+fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a)
 {
-    if (!grad_ok(a, elsize) || a->heads > 1 || !rows_ok(a, i0, i1, elsize)) return -1;
-    if (elsize == 4)
-        FA_DISPATCH(isa, attn_grad_q, f32, (a, g, q, k, v, mask, (const float *)dout,
-                                            (const float *)lse, (const float *)delta,
-                                            (float *)dq, (float *)psum, i0, i1, work));
-    else
-        FA_DISPATCH(isa, attn_grad_q, f64, (a, g, q, k, v, mask, (const double *)dout,
-                                            (const double *)lse, (const double *)delta,
-                                            (double *)dq, (double *)psum, i0, i1, work));
-    return 0;
+    const fa_idx blocks = (a->S + FA_KEY_BLOCK - 1) / FA_KEY_BLOCK;
+    const fa_idx per = (blocks + FA_ATTN_GRAD_CHUNKS - 1) / FA_ATTN_GRAD_CHUNKS;
+    return FA_KEY_BLOCK * (per > 1 ? per : 1);
 }
 
-int fa_attn_grad_kv(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
-                    const void *q, const void *k, const void *v, const void *mask,
-                    const void *dout, const void *lse, const void *delta, void *dk, void *dv,
-                    fa_idx s0, fa_idx s1, void *work)
+int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
+                 const void *q, const void *k, const void *v, const void *mask,
+                 const void *dout, const void *lse, const void *delta, void *dk, void *dv,
+                 void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work)
 {
-    if (!grad_ok(a, elsize) || s0 < 0 || s1 < s0 || s1 > a->S || s1 - s0 > FA_KEY_BLOCK)
-        return -1;
+    if (!grad_ok(a, elsize) || s0 < 0 || s1 < s0 || s1 > a->S) return -1;
     if (elsize == 4)
-        FA_DISPATCH(isa, attn_grad_kv, f32, (a, g, q, k, v, mask, (const float *)dout,
-                                             (const float *)lse, (const float *)delta,
-                                             (float *)dk, (float *)dv, s0, s1, work));
+        FA_DISPATCH(isa, attn_grad, f32, (a, g, q, k, v, mask, (const float *)dout,
+                                          (const float *)lse, (const float *)delta, (float *)dk,
+                                          (float *)dv, (float *)dqt, (float *)psum, s0, s1, work));
     else
-        FA_DISPATCH(isa, attn_grad_kv, f64, (a, g, q, k, v, mask, (const double *)dout,
-                                             (const double *)lse, (const double *)delta,
-                                             (double *)dk, (double *)dv, s0, s1, work));
+        FA_DISPATCH(isa, attn_grad, f64, (a, g, q, k, v, mask, (const double *)dout,
+                                          (const double *)lse, (const double *)delta,
+                                          (double *)dk, (double *)dv, (double *)dqt,
+                                          (double *)psum, s0, s1, work));
     return 0;
 }
 

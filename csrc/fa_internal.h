@@ -82,16 +82,11 @@
                                             fa_idx i0, fa_idx i1, void *work);              \
     void FA_CAT4(fa, exp_array, SFX, ISA)(fa_idx n, const T *x, T *y, int mode);          \
     size_t FA_CAT4(fa, grad_work, SFX, ISA)(const fa_attn_args *a);                       \
-    void FA_CAT4(fa, attn_grad_q, SFX, ISA)(const fa_attn_args *a, const fa_grad_args *g, \
-                                            const void *q, const void *k, const void *v,  \
-                                            const void *mask, const T *dout, const T *lse, \
-                                            const T *delta, T *dq, T *psum, fa_idx i0,    \
-                                            fa_idx i1, void *work);                       \
-    void FA_CAT4(fa, attn_grad_kv, SFX, ISA)(const fa_attn_args *a, const fa_grad_args *g, \
-                                             const void *q, const void *k, const void *v,  \
-                                             const void *mask, const T *dout, const T *lse, \
-                                             const T *delta, T *dk, T *dv, fa_idx s0,      \
-                                             fa_idx s1, void *work);
+    void FA_CAT4(fa, attn_grad, SFX, ISA)(const fa_attn_args *a, const fa_grad_args *g,   \
+                                          const void *q, const void *k, const void *v,    \
+                                          const void *mask, const T *dout, const T *lse,   \
+                                          const T *delta, T *dk, T *dv, T *dqt, T *psum,   \
+                                          fa_idx s0, fa_idx s1, void *work);
 
 #define FA_DECLARE_NARROW(ISA) \
     void FA_CAT4(fa, narrow, f32, ISA)(fa_store st, fa_idx n, const float *x, void *y);

@@ -1,11 +1,12 @@
 /* The gradients of the attention for element type T: FlashAttention-2's
  * backward (Dao 2023, "FlashAttention-2", Algorithm 2), in two sweeps that
  * each write their gradients once, with no atomics and no sum whose order
- * depends on the threads: attn_grad_kv sweeps the query blocks past one
- * key block (dK and dV, the query heads of a group one after the other),
- * attn_grad_q the key blocks past one query block (dQ).  Both recompute
- * the logits of a key block x query block tile through the forward's
- * per-score stage (block_logits), then
+ * depends on the threads: attn_grad sweeps the query blocks past each key
+ * block of a chunk of keys (the query heads of a group one after the
+ * other), writing the chunk's dK and dV and its part of dQ, which the
+ * caller sums over the chunks in their order.  It recomputes the logits of
+ * a key block x query block tile through the forward's per-score stage
+ * (block_logits), then
  *   P  = exp(logit - lse)               the forward's weights
  *   dP = V dO^T,  dS = P (dP - D)       D = rowsum(dO o O), the caller's
  *   dS = dS (1 - (capped / softcap)^2)  through the softcap's tanh
@@ -25,15 +26,14 @@ typedef struct {
     T *st, *bias, *cap, *dp; /* KB x QB: logits then P, the mask, capped scores, dP then dS */
     T *ms, *dl, *bm, *bl;    /* QB each: lse (0 for -inf), D, block maxima, P's column sums */
     T *panel, *kpanel;       /* converted tiles (block_logits'), key rows zeroed */
-    T *acc;                  /* dK and dV of a key block, or dQ^T of a query block */
+    T *acc;                  /* dK and dV of a key block */
 } FA_NAME(grad_scratch);
 
 size_t FA_NAME(grad_work)(const fa_attn_args *a)
 {
     const size_t qb = FA_QB, kb = FA_KB, E = (size_t)a->E, Ev = (size_t)a->Ev;
-    const size_t kv = kb * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)), q = E * qb;
-    return sizeof(T) * ((E + Ev) * qb + qb * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)) + 4 * kb * qb +
-                        4 * qb + kb * (size_t)(2 * FA_EP(a) + FA_EVP(a)) + (kv > q ? kv : q)) +
+    return sizeof(T) * ((E + Ev) * qb + (qb + kb) * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)) +
+                        4 * kb * qb + 4 * qb + kb * (size_t)(2 * FA_EP(a) + FA_EVP(a))) +
            FA_ALIGN;
 }
 
@@ -138,76 +138,62 @@ static FA_NAME(tile) FA_NAME(unused_keys)(const fa_attn_args *a, FA_NAME(tile) k
     return kt;
 }
 
-void FA_NAME(attn_grad_q)(const fa_attn_args *a, const fa_grad_args *g, const void *q,
-                          const void *k, const void *v, const void *mask, const T *dout,
-                          const T *lse, const T *delta, T *dq, T *psum, fa_idx i0, fa_idx i1,
-                          void *work)
+void FA_NAME(attn_grad)(const fa_attn_args *a, const fa_grad_args *g, const void *q,
+                        const void *k, const void *v, const void *mask, const T *dout,
+                        const T *lse, const T *delta, T *dk, T *dv, T *dqt, T *psum, fa_idx s0,
+                        fa_idx s1, void *work)
 {
     const FA_NAME(grad_scratch) w = FA_NAME(grad_scratch_of)(a, work);
-    const fa_idx qb = FA_QB, nq = i1 - i0, E = a->E;
-    T total[FA_QB];
-    if (nq <= 0) return;
-    FA_NAME(grad_rows)(a, g, (const T *)q, dout, lse, delta, i0, nq, &w);
-    for (fa_idx t = 0; t < E * qb; ++t) w.acc[t] = 0;
-    for (fa_idx j = 0; j < qb; ++j) total[j] = 0;
-    fa_idx s_begin, s_end;
-    FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
-    for (fa_idx s0 = s_begin; s0 < s_end; s0 += FA_KB) {
-        const fa_idx nk = s_end - s0 < FA_KB ? s_end - s0 : FA_KB;
-        if (!FA_NAME(grad_block)(a, k, v, mask, i0, nq, s0, nk, &w)) continue;
-        for (fa_idx j = 0; j < qb; ++j) total[j] += w.bl[j];
-        FA_NAME(tile) kt = FA_NAME(key_tile)(a, k, s0, nk, w.kpanel);
-        kt = FA_NAME(unused_keys)(a, kt, w.dp, nq, nk, w.kpanel);
-        for (fa_idx e = 0, mr; e < E; e += mr) { /* dQ^T[e, j] += sum_r K[r, e] dS[r, j] */
-            mr = FA_NAME(tile_rows)(E, e);
-            for (fa_idx p = 0; p < qb; p += FA_NR)
-                FA_NAME(ukr)((int)mr, nk, kt.p + e * kt.es, kt.es, kt.ss, w.dp + p, qb,
-                             w.acc + e * qb + p, qb, 1, 1, NULL);
-        }
-    }
-    FA_NAME(pack_t)(E, nq, w.acc, qb, 1, (T)a->scale, dq + i0 * g->dq_ls, g->dq_ls, g->dq_es);
-    for (fa_idx j = 0; psum != NULL && j < nq; ++j) psum[(i0 + j) * g->d_s] = total[j];
-}
-
-void FA_NAME(attn_grad_kv)(const fa_attn_args *a, const fa_grad_args *g, const void *q,
-                           const void *k, const void *v, const void *mask, const T *dout,
-                           const T *lse, const T *delta, T *dk, T *dv, fa_idx s0, fa_idx s1,
-                           void *work)
-{
-    const FA_NAME(grad_scratch) w = FA_NAME(grad_scratch_of)(a, work);
-    const fa_idx qb = FA_QB, nk = s1 - s0, eg = FA_GP(a->E), evg = FA_GP(a->Ev);
+    const fa_idx qb = FA_QB, E = a->E, eg = FA_GP(a->E), evg = FA_GP(a->Ev);
+    const fa_idx heads = FA_NAME(heads)(a), nqb = (a->L + qb - 1) / qb;
     const fa_idx msize = a->mask_kind == FA_MASK_BOOL ? 1 : (fa_idx)sizeof(T);
     T *ak = w.acc, *av = w.acc + FA_KB * eg;
-    if (nk <= 0) return;
-    for (fa_idx t = 0; t < nk * eg; ++t) ak[t] = 0;
-    for (fa_idx t = 0; t < nk * evg; ++t) av[t] = 0;
-    for (fa_idx h = 0; h < FA_NAME(heads)(a); ++h) { /* in order: the same sums on any thread */
-        const fa_attn_args ah = FA_NAME(head_args)(a, h);
-        const T *qh = (const T *)q + h * a->q_hs;
-        const void *mh = mask == NULL ? NULL : (const char *)mask + h * g->m_hs * msize;
-        fa_idx lo, hi, lo_last, hi_last; /* the rows that may see the first and the last key */
-        FA_NAME(key_rows)(&ah, s0, 0, ah.L, &lo, &hi);
-        FA_NAME(key_rows)(&ah, s1 - 1, 0, ah.L, &lo_last, &hi_last);
-        for (fa_idx i0 = lo / qb * qb; i0 < hi_last; i0 += qb) {
-            const fa_idx nq = ah.L - i0 < qb ? ah.L - i0 : qb;
-            FA_NAME(grad_rows)(&ah, g, qh, dout + h * g->do_hs, lse + h * a->lse_hs,
-                               delta + h * g->d_hs, i0, nq, &w);
-            if (!FA_NAME(grad_block)(&ah, k, v, mh, i0, nq, s0, nk, &w)) continue;
-            for (fa_idx r = 0, mr; r < nk; r += mr) { /* dV += P dO, dK += dS Q */
-                mr = FA_NAME(tile_rows)(nk, r);
-                for (fa_idx c = 0; c < evg; c += FA_NR)
-                    FA_NAME(ukr)((int)mr, nq, w.st + r * qb, qb, 1, w.dor + c, evg,
-                                 av + r * evg + c, evg, 1, 1, NULL);
-                for (fa_idx e = 0; e < eg; e += FA_NR)
-                    FA_NAME(ukr)((int)mr, nq, w.dp + r * qb, qb, 1, w.qr + e, eg,
-                                 ak + r * eg + e, eg, 1, 1, NULL);
+    for (fa_idx t = 0; t < heads * nqb * E * qb; ++t) dqt[t] = 0;
+    for (fa_idx t = 0; t < heads * a->L; ++t) psum[t] = 0;
+    for (fa_idx b0 = s0; b0 < s1; b0 += FA_KB) {
+        const fa_idx nk = s1 - b0 < FA_KB ? s1 - b0 : FA_KB;
+        for (fa_idx t = 0; t < nk * eg; ++t) ak[t] = 0;
+        for (fa_idx t = 0; t < nk * evg; ++t) av[t] = 0;
+        for (fa_idx h = 0; h < heads; ++h) { /* in order: the same sums on any thread */
+            const fa_attn_args ah = FA_NAME(head_args)(a, h);
+            const T *qh = (const T *)q + h * a->q_hs;
+            const void *mh = mask == NULL ? NULL : (const char *)mask + h * g->m_hs * msize;
+            fa_idx lo, hi, lo_last, hi_last; /* the rows that may see the first and the last key */
+            FA_NAME(key_rows)(&ah, b0, 0, ah.L, &lo, &hi);
+            FA_NAME(key_rows)(&ah, b0 + nk - 1, 0, ah.L, &lo_last, &hi_last);
+            for (fa_idx i0 = lo / qb * qb; i0 < hi_last; i0 += qb) {
+                const fa_idx nq = ah.L - i0 < qb ? ah.L - i0 : qb;
+                FA_NAME(grad_rows)(&ah, g, qh, dout + h * g->do_hs, lse + h * a->lse_hs,
+                                   delta + h * g->d_hs, i0, nq, &w);
+                if (!FA_NAME(grad_block)(&ah, k, v, mh, i0, nq, b0, nk, &w)) continue;
+                for (fa_idx j = 0; j < nq; ++j) psum[h * a->L + i0 + j] += w.bl[j];
+                for (fa_idx r = 0, mr; r < nk; r += mr) { /* dV += P^T dO, dK += dS^T Q */
+                    mr = FA_NAME(tile_rows)(nk, r);
+                    for (fa_idx c = 0; c < evg; c += FA_NR)
+                        FA_NAME(ukr)((int)mr, nq, w.st + r * qb, qb, 1, w.dor + c, evg,
+                                     av + r * evg + c, evg, 1, 1, NULL);
+                    for (fa_idx e = 0; e < eg; e += FA_NR)
+                        FA_NAME(ukr)((int)mr, nq, w.dp + r * qb, qb, 1, w.qr + e, eg,
+                                     ak + r * eg + e, eg, 1, 1, NULL);
+                }
+                /* dQ^T[e, j] += sum_r K[r, e] dS[r, j] */
+                FA_NAME(tile) kt = FA_NAME(key_tile)(&ah, k, b0, nk, w.kpanel);
+                kt = FA_NAME(unused_keys)(&ah, kt, w.dp, nq, nk, w.kpanel);
+                T *dqb = dqt + (h * nqb + i0 / qb) * E * qb;
+                for (fa_idx e = 0, mr; e < E; e += mr) {
+                    mr = FA_NAME(tile_rows)(E, e);
+                    for (fa_idx p = 0; p < qb; p += FA_NR)
+                        FA_NAME(ukr)((int)mr, nk, kt.p + e * kt.es, kt.es, kt.ss, w.dp + p, qb,
+                                     dqb + e * qb + p, qb, 1, 1, NULL);
+                }
             }
         }
-    }
-    for (fa_idx r = 0; r < nk; ++r) {
-        for (fa_idx e = 0; e < a->E; ++e)
-            dk[(s0 + r) * g->dk_ss + e * g->dk_es] = (T)a->scale * ak[r * eg + e];
-        for (fa_idx c = 0; c < a->Ev; ++c) dv[(s0 + r) * g->dv_ss + c * g->dv_es] = av[r * evg + c];
+        for (fa_idx r = 0; r < nk; ++r) {
+            for (fa_idx e = 0; e < E; ++e)
+                dk[(b0 + r) * g->dk_ss + e * g->dk_es] = (T)a->scale * ak[r * eg + e];
+            for (fa_idx c = 0; c < a->Ev; ++c)
+                dv[(b0 + r) * g->dv_ss + c * g->dv_es] = av[r * evg + c];
+        }
     }
 }
 

@@ -256,47 +256,46 @@ int fa_attn_repair(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
 
 /* What the backward pass reads and writes besides the forward's
  * fa_attn_args (FlashAttention-2's backward, Dao 2023, Algorithm 2), in
- * element strides: dO (grad_out) is (L, Ev), D = rowsum(dO o O) and the
- * weights' row sums (L) as lse, dQ (L, E), dK (S, E), dV (S, Ev); between
+ * element strides: dO (grad_out) is (L, Ev), D = rowsum(dO o O) (L), dK
+ * (S, E), dV (S, Ev); between
  * the query heads of a grouped call (fa_attn_args' heads, whose q_hs and
  * lse_hs serve here too), do_hs, d_hs and m_hs (the mask's). */
 typedef struct {
     fa_idx do_ls, do_es;
     fa_idx d_s;
-    fa_idx dq_ls, dq_es;
     fa_idx dk_ss, dk_es;
     fa_idx dv_ss, dv_es;
     fa_idx do_hs, d_hs, m_hs;
 } fa_grad_args;
 
-/* Keys per block of fa_attn_grad_kv. */
-fa_idx fa_attn_key_block(void);
-/* Bytes of scratch one call of fa_attn_grad_q or fa_attn_grad_kv needs
- * (0 when E or Ev is out of range). */
+/* Keys per chunk of fa_attn_grad: whole key blocks of the block kernel,
+ * as many as make at most FA_ATTN_GRAD_CHUNKS chunks of a->S keys; by the
+ * shape of one (batch, head) alone. */
+#define FA_ATTN_GRAD_CHUNKS 8
+fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a);
+/* Bytes of scratch one call of fa_attn_grad needs (0 when E or Ev is out
+ * of range). */
 size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize);
-/* dQ of rows i0..i1-1 (i1 - i0 <= the query block, i0 a multiple of it for
- * results that do not depend on how the caller cuts the rows) of one head
- * (heads <= 1), from the queries, keys, values and mask of the forward
- * call a describes, dO, the forward's lse and D.  The logits are computed
- * again through the per-score stage (sinks aside: they are in lse), and
- * psum (when not NULL) receives each row's sum of exp(logit - lse) over the
- * keys: 1 less the sink's weight when lse is the forward's, which lets the
- * caller check it.  Dense keys and values stored as T, exact precision and
- * no k_mean only; returns 0, or -1 (nothing done) otherwise. */
-int fa_attn_grad_q(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
-                   const void *q, const void *k, const void *v, const void *mask,
-                   const void *dout, const void *lse, const void *delta, void *dq, void *psum,
-                   fa_idx i0, fa_idx i1, void *work);
-/* dK and dV of keys s0..s1-1 (at most a key block, s0 a multiple of it),
- * summed over the query heads of the call (heads; head g's queries, dO,
- * lse, D and mask at g times their head strides, its ALiBi slope
- * head_slopes[g]) in the order of the heads, then of the query blocks
- * (multiples of the query block from row 0), so that no result depends on
- * the threads.  Returns 0, or -1 as fa_attn_grad_q. */
-int fa_attn_grad_kv(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
-                    const void *q, const void *k, const void *v, const void *mask,
-                    const void *dout, const void *lse, const void *delta, void *dk, void *dv,
-                    fa_idx s0, fa_idx s1, void *work);
+/* The gradients of the keys s0..s1-1 (a chunk: s0 a multiple of
+ * fa_attn_grad_chunk_keys, s1 the next one or S) from the queries, keys,
+ * values and mask of the forward call a describes, dO, the forward's lse
+ * and D, for the query heads of the call (heads; head h's queries, dO,
+ * lse, D and mask at h times their head strides, its ALiBi slope
+ * head_slopes[h]): dK and dV of those keys, summed over the heads in their
+ * order, then over the query blocks (multiples of the query block from row
+ * 0); and what those keys add to dQ / scale, transposed per query block,
+ * into dqt (heads x ceil(L / qb) x E x qb, qb the query block), and to each
+ * row's sum of exp(logit - lse), into psum (heads x L).  dQ is the sum of
+ * the chunks' dqt in their order, times the scale: no result depends on
+ * the threads.  The logits are computed again through the per-score stage
+ * (sinks aside: they are in lse); psum summed over the chunks is 1 less the
+ * sink's weight when lse is the forward's, which lets the caller check it.
+ * Dense keys and values stored as T, exact precision, no k_mean; returns
+ * 0, or -1 (nothing done) otherwise. */
+int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
+                 const void *q, const void *k, const void *v, const void *mask,
+                 const void *dout, const void *lse, const void *delta, void *dk, void *dv,
+                 void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work);
 
 /* ---- Rotary position embedding (fa_rotary.c) --------------------------- */
 

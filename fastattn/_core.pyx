@@ -141,17 +141,13 @@ cdef extern from "fastattn.h" nogil:
                        const void *states, void *out, void *lse, fa_idx i0, fa_idx i1,
                        void *work)
     ctypedef struct fa_grad_args:
-        fa_idx do_ls, do_es, d_s, dq_ls, dq_es, dk_ss, dk_es, dv_ss, dv_es, do_hs, d_hs, m_hs
-    fa_idx fa_attn_key_block()
+        fa_idx do_ls, do_es, d_s, dk_ss, dk_es, dv_ss, dv_es, do_hs, d_hs, m_hs
+    fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a)
     size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize)
-    int fa_attn_grad_q(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
-                       const void *q, const void *k, const void *v, const void *mask,
-                       const void *dout, const void *lse, const void *delta, void *dq,
-                       void *psum, fa_idx i0, fa_idx i1, void *work)
-    int fa_attn_grad_kv(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
-                        const void *q, const void *k, const void *v, const void *mask,
-                        const void *dout, const void *lse, const void *delta, void *dk,
-                        void *dv, fa_idx s0, fa_idx s1, void *work)
+    int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
+                     const void *q, const void *k, const void *v, const void *mask,
+                     const void *dout, const void *lse, const void *delta, void *dk, void *dv,
+                     void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work)
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x,
                   fa_idx xs, const void *c, const void *s, void *y, fa_idx ys)
@@ -1106,13 +1102,15 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
 
 cdef struct Grad:
     # A backward call: the forward's operands (p: q, k, v, its mask m, dO
-    # as o, lse, slopes) and the backward's own, with its tasks: nkv per
-    # (sequence, key/value head) of nkb key blocks, then nq per (sequence,
-    # query head) of nqb query blocks.
+    # as o, lse, slopes) and the backward's own, with its tasks: one per
+    # (sequence, key/value head, chunk of keys), chunk c's part of dQ and
+    # of the rows' sums at parts (dqt) and sums (psum) from chunk c's.
     Ragged p
     fa_grad_args g
-    Operand delta, psum, dq, dk, dv
-    fa_idx nkb, nqb, nkv, ntasks, Hkv
+    Operand delta, dk, dv
+    char *parts
+    char *sums
+    fa_idx chunks, chunk_keys, part_len, sum_len, Hkv
     int isa
 
 
@@ -1120,48 +1118,46 @@ cdef int grad_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
     """Task t of a backward call (a Grad); the kernel's return code."""
     cdef const Grad *x = <const Grad *>ctx
     cdef const Ragged *p = &x.p
-    cdef int isa = x.isa
     cdef fa_attn_args ai
-    cdef fa_idx b, h, blk, kb = fa_attn_key_block(), qb = fa_attn_query_block(p.es)
-    cdef void *dout
-    if t < x.nkv:  # dK, dV of a key block over the query heads of its key/value head
-        b, h, blk = t // x.nkb // x.Hkv, t // x.nkb % x.Hkv, t % x.nkb
-        ragged_args(p, b, h * p.group, p.group, &ai)
-        dout = start(&p.o, p, b, h * p.group, 0, 0)
-        return fa_attn_grad_kv(<fa_isa>isa, p.es, &ai, &x.g, start(&p.q, p, b, h * p.group, 0, 0),
-                               start(&p.k, p, b, h, 0, 0), start(&p.v, p, b, h, 0, 0),
-                               mask_of(p, b, h * p.group), dout,
-                               start(&p.lse, p, b, h * p.group, 0, 0),
-                               start(&x.delta, p, b, h * p.group, 0, 0),
-                               start(&x.dk, p, b, h, 0, 0), start(&x.dv, p, b, h, 0, 0),
-                               blk * kb, min((blk + 1) * kb, ai.S), work)
-    t -= x.nkv
-    b, h, blk = t // x.nqb // p.Hq, t // x.nqb % p.Hq, t % x.nqb
-    ragged_args(p, b, h, 1, &ai)
-    return fa_attn_grad_q(<fa_isa>isa, p.es, &ai, &x.g, start(&p.q, p, b, h, 0, 0),
-                          start(&p.k, p, b, h // p.group, 0, 0),
-                          start(&p.v, p, b, h // p.group, 0, 0), mask_of(p, b, h),
-                          start(&p.o, p, b, h, 0, 0), start(&p.lse, p, b, h, 0, 0),
-                          start(&x.delta, p, b, h, 0, 0), start(&x.dq, p, b, h, 0, 0),
-                          start(&x.psum, p, b, h, 0, 0), blk * qb, min((blk + 1) * qb, ai.L),
-                          work)
+    cdef fa_idx item = t // x.chunks, c = t % x.chunks
+    cdef fa_idx b = item // x.Hkv, h = item % x.Hkv
+    cdef fa_idx at = c * p.seqs.count * x.Hkv + item  # its parts: (chunk, sequence, head)
+    ragged_args(p, b, h * p.group, p.group, &ai)
+    return fa_attn_grad(<fa_isa>x.isa, p.es, &ai, &x.g, start(&p.q, p, b, h * p.group, 0, 0),
+                        start(&p.k, p, b, h, 0, 0), start(&p.v, p, b, h, 0, 0),
+                        mask_of(p, b, h * p.group), start(&p.o, p, b, h * p.group, 0, 0),
+                        start(&p.lse, p, b, h * p.group, 0, 0),
+                        start(&x.delta, p, b, h * p.group, 0, 0), start(&x.dk, p, b, h, 0, 0),
+                        start(&x.dv, p, b, h, 0, 0), x.parts + p.es * at * x.part_len,
+                        x.sums + p.es * at * x.sum_len, c * x.chunk_keys,
+                        min((c + 1) * x.chunk_keys, ai.S), work)
+
+
+def grad_chunk_keys(fa_idx S):
+    """Keys per chunk of the backward's tasks for S keys (fa_attn_grad_chunk_keys)."""
+    cdef fa_attn_args a
+    memset(&a, 0, sizeof(a))
+    a.S = S
+    return fa_attn_grad_chunk_keys(&a)
 
 
 def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                        int mask_kind, cnp.ndarray dout, cnp.ndarray lse, cnp.ndarray delta,
-                       cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, cnp.ndarray psum,
+                       cnp.ndarray dk, cnp.ndarray dv, cnp.ndarray parts, cnp.ndarray sums,
                        fa_idx group, bint causal, fa_idx causal_offset, double scale,
                        int nthreads, fa_idx window_left=-1, fa_idx window_right=-1,
                        double softcap=0, object slopes=None):
-    """dq, dk and dv of the attention that attention() computes with the
-    same arguments (FlashAttention-2's backward, fa_attn_grad_q and
-    fa_attn_grad_kv), and psum, each row's sum of exp(logit - lse) over its
-    keys.  q, dout, dq: (..., Hq, L, E | Ev); k, v, dk, dv: (..., Hkv, S,
-    E | Ev), Hkv = Hq / group; lse, delta = rowsum(dout * out), psum:
-    (..., Hq, L); mask a view of (..., Hq, L, S); slopes (..., Hq) float64.
-    All of one dtype, float32 or float64.  Every gradient is written once by
-    one task, its sums in an order fixed by positions: the same bits for any
-    thread count."""
+    """dk and dv of the attention that attention() computes with the same
+    arguments (FlashAttention-2's backward, fa_attn_grad), with each chunk
+    of keys' part of dq / scale and of each row's sum of exp(logit - lse):
+    parts (C-contiguous) (chunks, ..., Hq, ceil(L / qb), E, qb), each query
+    block transposed, and sums (chunks, ..., Hq, L), chunks of
+    grad_chunk_keys(S) keys.  q, dout: (..., Hq, L, E | Ev); k, v, dk, dv:
+    (..., Hkv, S, E | Ev), Hkv = Hq / group; lse and delta = rowsum(dout *
+    out): (..., Hq, L); mask a view of (..., Hq, L, S); slopes (..., Hq)
+    float64, its last axis contiguous.  All of one dtype, float32 or
+    float64.  Every gradient and part is written once by one task, its sums
+    in an order fixed by positions: the same bits for any thread count."""
     cdef int nd = q.ndim - 2
     cdef int ns = nd - 1 if nd > 0 else 0
     cdef int ha = nd - 1
@@ -1175,24 +1171,25 @@ def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, obj
                    scale, window_left, window_right, softcap)
     x.Hkv = p.Hq // p.group
     operand(&x.delta, delta, ns, ha)
-    operand(&x.psum, psum, ns, ha)
-    operand(&x.dq, dq, ns, ha)
     operand(&x.dk, dk, ns, ha)
     operand(&x.dv, dv, ns, ha)
     x.g.do_ls, x.g.do_es, x.g.do_hs = estride(dout, nd), estride(dout, nd + 1), p.o.head
     x.g.d_s, x.g.d_hs, x.g.m_hs = estride(delta, nd), x.delta.head, p.m.head
-    x.g.dq_ls, x.g.dq_es = estride(dq, nd), estride(dq, nd + 1)
     x.g.dk_ss, x.g.dk_es = estride(dk, nd), estride(dk, nd + 1)
     x.g.dv_ss, x.g.dv_es = estride(dv, nd), estride(dv, nd + 1)
-    if estride(psum, nd) != x.g.d_s or x.psum.head != x.delta.head:
-        raise ValueError("psum must have delta's strides")
-    x.nkb = (p.a.S + fa_attn_key_block() - 1) // fa_attn_key_block()
-    x.nqb = (p.a.L + fa_attn_query_block(p.es) - 1) // fa_attn_query_block(p.es)
-    x.nkv = p.seqs.count * x.Hkv * x.nkb
-    x.ntasks = x.nkv + p.seqs.count * p.Hq * x.nqb
+    x.chunk_keys = grad_chunk_keys(p.a.S)
+    x.chunks = max(1, (p.a.S + x.chunk_keys - 1) // x.chunk_keys)
+    x.part_len = p.group * ((p.a.L + fa_attn_query_block(p.es) - 1) // fa_attn_query_block(p.es)) \
+        * p.a.E * fa_attn_query_block(p.es)
+    x.sum_len = p.group * p.a.L
+    if (not parts.flags.c_contiguous or not sums.flags.c_contiguous or
+            parts.size != x.chunks * p.seqs.count * x.Hkv * x.part_len or
+            sums.size != x.chunks * p.seqs.count * x.Hkv * x.sum_len):
+        raise ValueError("parts and sums must be C-contiguous, of the chunks' sizes")
+    x.parts, x.sums = <char *>cnp.PyArray_DATA(parts), <char *>cnp.PyArray_DATA(sums)
     stop_init(&stop)
-    err = run_parallel(grad_run, &x, x.ntasks, fa_attn_grad_work_bytes(&p.a, p.es), nthreads,
-                       &stop)
+    err = run_parallel(grad_run, &x, p.seqs.count * x.Hkv * x.chunks,
+                       fa_attn_grad_work_bytes(&p.a, p.es), nthreads, &stop)
     stop_raise(&stop)
     raise_on(err, "attention backward")
 

@@ -457,19 +457,28 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
     # D = rowsum(dO o O), C-ordered so that its sums do not depend on the layout
     with np.errstate(all="ignore"):
         delta = np.multiply(dout, computed(out), order="C").sum(axis=-1)
-    dq = np.empty(batch + (L, E), compute)
     dk = np.empty(call.kv_batch + (S, E), compute)
     dv = np.empty(call.kv_batch + (S, Ev), compute)
-    psum = np.empty_like(delta)
+    # each chunk of keys' part of dQ / scale, transposed per query block,
+    # and of the rows' sums: summed here in the chunks' order
+    qb = _core.attn_query_block(compute.itemsize)
+    nqb = -(-L // qb)
+    chunks = max(1, -(-S // _core.grad_chunk_keys(S)))
+    parts = np.empty((chunks,) + batch + (nqb, E, qb), compute)
+    sums = np.empty((chunks,) + batch + (L,), compute)
     slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
-    if dq.size or dk.size or dv.size:
+    if math.prod(batch) and (L or S):
         _core.attention_backward(
-            _runtime.isa(), q, k, v, call.mask, call.kind, dout, lse, delta, dq, dk, dv, psum,
+            _runtime.isa(), q, k, v, call.mask, call.kind, dout, lse, delta, dk, dv, parts, sums,
             call.group, call.causal, call.offset, call.scale, call.nthreads,
             window_left=variants.window_left, window_right=variants.window_right,
             softcap=variants.softcap, slopes=slopes)
     else:
-        psum.fill(0)
+        parts.fill(0)
+        sums.fill(0)
+    dq = parts.sum(axis=0).swapaxes(-1, -2).reshape(batch + (nqb * qb, E))[..., :L, :]
+    dq = dq * np.asarray(call.scale, compute)
+    psum = sums.sum(axis=0)
     with np.errstate(all="ignore"):
         sink = (np.exp(variants.sinks[..., None] - lse.astype(np.float64))
                 if variants.sinks is not None else np.zeros(lse.shape))
