@@ -487,16 +487,16 @@ def test_zero_copy_in_and_out(calls):
 def test_fallbacks_warn_once_and_match_sdpa(calls):
     module = Module(groups=2)
     q, k, v = qkv()
-    ref = sdpa_reference(module, q, k, v, None)
-    q_grad = q.detach().clone().requires_grad_()
-    with pytest.warns(hf.FastattnFallbackWarning, match="gradients"):
-        out, _ = hf.attention_forward(module, q_grad, k, v, None)
+    bias = torch.randn(1, 4, 5, 9, requires_grad=True)  # T5's, in training
+    ref = sdpa_reference(module, q, k, v, None, position_bias=bias.detach())
+    with pytest.warns(hf.FastattnFallbackWarning, match="position_bias needs a gradient"):
+        out, _ = hf.attention_forward(module, q, k, v, None, position_bias=bias)
     out.sum().backward()  # SDPA's backward ran
-    assert q_grad.grad is not None
+    assert bias.grad is not None
     torch.testing.assert_close(out.detach(), ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second time: no warning
-        hf.attention_forward(module, q_grad, k, v, None)
+        hf.attention_forward(module, q, k, v, None, position_bias=bias)
     with pytest.warns(hf.FastattnFallbackWarning, match="dropout"):
         hf.attention_forward(module, q, k, v, None, dropout=0.1)
     assert calls == []

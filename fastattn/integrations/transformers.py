@@ -12,16 +12,20 @@ and padding is silently ignored.  Tested with transformers 5.24 and
 torch 2.13 (CPU).
 
 What runs on fastattn: float32, float64, float16 and bfloat16 CPU tensors
-without autograd (bfloat16 needs the ml_dtypes package; 16-bit inputs are
-read as they are, computed in float32 and rounded once), causal and
+(bfloat16 needs the ml_dtypes package; 16-bit inputs are read as they
+are, computed in float32 and rounded once), in inference and in training
+(``model.train()``: a call that autograd records runs on
+``fastattn.integrations.torch``'s operator, whose backward is
+``fastattn.attention_backward``; sinks get their gradient), causal and
 bidirectional attention, sliding windows (Mistral, Gemma 2/3, gpt-oss: the
 window option, never a dense mask), padding (key masks, never a dense
 (B, 1, L, S) mask), dynamic and static caches, grouped-query attention
 (key/value heads shared, never repeated), T5's ``position_bias``, and the
 attention weights when a model asks for them (``output_attentions=True``).  The
 rest runs on transformers' SDPA function with a one-time
-``FastattnFallbackWarning`` naming the reason: autograd, dropout in
-training, non-CPU tensors, other dtypes, bfloat16 without ml_dtypes.
+``FastattnFallbackWarning`` naming the reason: dropout in training, a
+``position_bias`` that needs a gradient (T5 in training), attention weights
+in training, non-CPU tensors, other dtypes, bfloat16 without ml_dtypes.
 Soft-capping (Gemma 2's ``softcap``) and attention sinks (gpt-oss's
 ``s_aux``) run on fastattn's own options, which SDPA lacks.
 """
@@ -53,16 +57,13 @@ import numpy as np
 import fastattn
 
 from ._hf_masks import CausalMask, fastattn_mask
+from ._tensors import ml_dtypes, numpy_of, real_of, tensor_of
+from .torch import scaled_dot_product_attention as sdpa_trained
 
-try:  # NumPy's bfloat16 (optional: bfloat16 models fall back to SDPA without it)
-    import ml_dtypes
-except ImportError:  # pragma: no cover - depends on the environment
-    ml_dtypes = None
 
 __all__ = ["register", "attention_forward", "fastattn_mask", "FastattnFallbackWarning"]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class FastattnFallbackWarning(UserWarning):
@@ -147,12 +148,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if key_mask is not None:
             mask = key_mask.numpy()
     elif isinstance(attention_mask, torch.Tensor):
-        length, mask = key.shape[2], _real(attention_mask.as_subclass(torch.Tensor))
+        length, mask = key.shape[2], real_of(attention_mask.as_subclass(torch.Tensor))
     else:
         raise TypeError(f"attention_mask must be None or a torch.Tensor, got "
                         f"{type(attention_mask).__name__}: is the mask function registered "
                         "under the same name (fastattn.integrations.transformers.register)?")
-    q_np, k_np, v_np = _numpy(query), _numpy(key), _numpy(value)
+    q_np, k_np, v_np = numpy_of(query), numpy_of(key), numpy_of(value)
     keys = k_np.shape[2]
     # keys before the first query's window are hidden from every query: not passed
     first = max(length - q_len - window, 0) if window >= 0 else 0
@@ -165,8 +166,22 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if position_bias is not None:
             position_bias = position_bias[..., first:length]
     if position_bias is not None:
-        mask = _add_bias(mask, _real(position_bias))
+        mask = _add_bias(mask, real_of(position_bias))
 
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if _trains(query, key, value, *(() if sinks is None else (sinks,))):
+        if _weights_requested(kwargs):
+            return _sdpa("attention weights with gradients: fastattn's backward has no "
+                         "weights", module, query, key, value, attention_mask, dropout,
+                         scaling, is_causal, position_bias, **kwargs)
+        # the autograd operator, on the same keys, mask and options
+        out = sdpa_trained(
+            query, key[:, :, first:length], value[:, :, first:length],
+            None if mask is None else torch.from_numpy(mask), is_causal=causal, scale=scaling,
+            enable_gqa=hq != hkv, causal_alignment=alignment,
+            window_size=None if window < 0 else (window, 0),
+            softcap=None if softcap is None else float(softcap), sinks=sinks)
+        return out.transpose(1, 2), None
     batch = max(batch, key.shape[0], value.shape[0], 1 if mask is None else mask.shape[0])
     out = np.empty((batch, q_len, hq, ev), q_np.dtype)  # what the model gets, as a view
     out_heads = out.transpose(0, 2, 1, 3)
@@ -178,19 +193,23 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         q_np = q_np.reshape(q_np.shape[0], hkv, hq // hkv, q_np.shape[-1])
         out_heads = out.reshape(batch, hkv, hq // hkv, ev)
     need_weights = _weights_requested(kwargs)
-    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     result = fastattn.scaled_dot_product_attention(
         q_np, k_np, v_np, mask, is_causal=causal, scale=scaling,
         enable_gqa=q_np.shape[1] != hkv, causal_alignment=alignment, need_weights=need_weights,
         window_size=None if window < 0 else (window, 0),
         softcap=None if softcap is None else float(softcap),
-        sinks=None if sinks is None else _real(sinks), out=out_heads,
+        sinks=None if sinks is None else real_of(sinks), out=out_heads,
         num_threads=torch.get_num_threads())
     if not need_weights:
-        return _torch(out), None
-    weights = _torch(result[1].reshape(batch, hq, q_len, -1))
+        return tensor_of(out), None
+    weights = tensor_of(result[1].reshape(batch, hq, q_len, -1))
     # zero for the keys cut off (before every query's window, later than every query)
-    return _torch(out), torch.nn.functional.pad(weights, (first, keys - length))
+    return tensor_of(out), torch.nn.functional.pad(weights, (first, keys - length))
+
+
+def _trains(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records this call: a gradient may flow to one of them."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _weights_requested(kwargs: dict[str, Any]) -> bool:
@@ -221,27 +240,6 @@ def _causal_mask_parts(mask: CausalMask) -> tuple[int, Optional[torch.Tensor], i
         return plain.shape[-1], plain, getattr(mask, "window", -1)
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor (no copy); bfloat16 as ml_dtypes.bfloat16."""
-    t = t.detach() if t.requires_grad else t
-    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: the same bits seen as ml_dtypes'
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def _real(t: torch.Tensor) -> np.ndarray:
-    """A mask, bias or sink tensor for NumPy: float32 when 16-bit (additive masks and
-    biases as fastattn computes them), else a view."""
-    return _numpy(t.float() if t.dtype in _HALF else t)
-
-
-def _torch(a: np.ndarray) -> torch.Tensor:
-    """The tensor on a NumPy array's memory (no copy); ml_dtypes.bfloat16 as torch.bfloat16."""
-    if ml_dtypes is not None and a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
 def _add_bias(mask: Optional[np.ndarray], bias: np.ndarray) -> np.ndarray:
     """An additive mask: position_bias where mask allows (or plus a float mask), -inf elsewhere."""
     if mask is None:
@@ -263,9 +261,9 @@ def _fallback_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if query.dtype == torch.bfloat16 and ml_dtypes is None:
         return ("dtype torch.bfloat16 needs the ml_dtypes package, NumPy's bfloat16 "
                 "(pip install ml_dtypes, or 'fastattn[bfloat16]')")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return ("gradients are needed and fastattn has no backward pass "
-                "(run inference under torch.no_grad() or torch.inference_mode())")
+    if position_bias is not None and _trains(position_bias):
+        return ("position_bias needs a gradient, and fastattn's backward gives none to an "
+                "additive bias")
     if dropout > 0:
         return f"dropout {dropout} (training): fastattn computes inference-time attention"
     return None
