@@ -24,7 +24,7 @@ from . import reference
 from ._runtime import (available_simd_paths, get_num_threads, openmp_enabled,
                        set_num_threads, set_simd_path, simd_path)
 from .attention import merge_attention, scaled_dot_product_attention
-from .backward import attention_backward
+from .backward import attention_backward, varlen_attention_backward
 from .kv_cache import KVCache
 from .mha import MultiHeadAttention
 from .ops import matmul, merge_heads, softmax, split_heads
@@ -40,7 +40,7 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
 
 __all__ = [
     "scaled_dot_product_attention", "attention_backward", "merge_attention", "varlen_attention",
-    "paged_attention",
+    "paged_attention", "varlen_attention_backward",
     "MultiHeadAttention", "KVCache", "PagedKVCache", "OutOfBlocksError", "rotary", "matmul", "softmax",
     "split_heads", "merge_heads",
     "reference", "simd_path", "set_simd_path", "available_simd_paths", "openmp_enabled",

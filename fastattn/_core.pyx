@@ -1102,15 +1102,16 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
 
 cdef struct Grad:
     # A backward call: the forward's operands (p: q, k, v, its mask m, dO
-    # as o, lse, slopes) and the backward's own, with its tasks: one per
-    # (sequence, key/value head, chunk of keys), chunk c's part of dQ and
-    # of the rows' sums at parts (dqt) and sums (psum) from chunk c's.
+    # as o, lse, slopes) and the backward's own, with its tasks: rows of
+    # five int64 (sequence, key/value head, chunk of keys, and where in
+    # parts and in sums the task writes its part of dQ / scale and of the
+    # rows' sums: fa_attn_grad's dqt and psum).
     Ragged p
     fa_grad_args g
     Operand delta, dk, dv
     char *parts
     char *sums
-    fa_idx chunks, chunk_keys, part_len, sum_len, Hkv
+    const cnp.int64_t *tasks
     int isa
 
 
@@ -1118,19 +1119,20 @@ cdef int grad_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
     """Task t of a backward call (a Grad); the kernel's return code."""
     cdef const Grad *x = <const Grad *>ctx
     cdef const Ragged *p = &x.p
+    cdef const cnp.int64_t *task = x.tasks + 5 * t
+    cdef fa_idx b = task[0], h = task[1], c = task[2], hq = task[1] * p.group
+    cdef fa_idx qr = q_row(p, b), kr = kv_row(p, b), n
     cdef fa_attn_args ai
-    cdef fa_idx item = t // x.chunks, c = t % x.chunks
-    cdef fa_idx b = item // x.Hkv, h = item % x.Hkv
-    cdef fa_idx at = c * p.seqs.count * x.Hkv + item  # its parts: (chunk, sequence, head)
-    ragged_args(p, b, h * p.group, p.group, &ai)
-    return fa_attn_grad(<fa_isa>x.isa, p.es, &ai, &x.g, start(&p.q, p, b, h * p.group, 0, 0),
-                        start(&p.k, p, b, h, 0, 0), start(&p.v, p, b, h, 0, 0),
-                        mask_of(p, b, h * p.group), start(&p.o, p, b, h * p.group, 0, 0),
-                        start(&p.lse, p, b, h * p.group, 0, 0),
-                        start(&x.delta, p, b, h * p.group, 0, 0), start(&x.dk, p, b, h, 0, 0),
-                        start(&x.dv, p, b, h, 0, 0), x.parts + p.es * at * x.part_len,
-                        x.sums + p.es * at * x.sum_len, c * x.chunk_keys,
-                        min((c + 1) * x.chunk_keys, ai.S), work)
+    ragged_args(p, b, hq, p.group, &ai)
+    n = fa_attn_grad_chunk_keys(&ai)
+    return fa_attn_grad(<fa_isa>x.isa, p.es, &ai, &x.g, start(&p.q, p, b, hq, qr, ai.q_ls),
+                        start(&p.k, p, b, h, kr, ai.k_ss), start(&p.v, p, b, h, kr, ai.v_ss),
+                        mask_of(p, b, hq), start(&p.o, p, b, hq, qr, ai.o_ls),
+                        start(&p.lse, p, b, hq, qr, ai.lse_s),
+                        start(&x.delta, p, b, hq, qr, x.g.d_s),
+                        start(&x.dk, p, b, h, kr, x.g.dk_ss), start(&x.dv, p, b, h, kr, x.g.dv_ss),
+                        x.parts + p.es * task[3], x.sums + p.es * task[4], c * n,
+                        min((c + 1) * n, ai.S), work)
 
 
 def grad_chunk_keys(fa_idx S):
@@ -1141,57 +1143,118 @@ def grad_chunk_keys(fa_idx S):
     return fa_attn_grad_chunk_keys(&a)
 
 
+cdef int grad_call(Grad *x, cnp.ndarray dout, cnp.ndarray delta, cnp.ndarray dk,
+                   cnp.ndarray dv, cnp.ndarray parts, cnp.ndarray sums,
+                   const cnp.int64_t[:, ::1] tasks, int ns, int ha, int rows, int lse_ha,
+                   int lse_rows, int nthreads) except -1:
+    """The backward's own operands into x, whose p holds the forward's, then
+    its tasks: the axes before ns are the sequences', ha the heads', rows
+    the positions' (lse_ha and lse_rows: delta's), the features' last."""
+    cdef fa_stop stop
+    cdef int err
+    operand(&x.delta, delta, ns, lse_ha)
+    operand(&x.dk, dk, ns, ha)
+    operand(&x.dv, dv, ns, ha)
+    x.g.do_ls, x.g.do_es, x.g.do_hs = estride(dout, rows), estride(dout, dout.ndim - 1), x.p.o.head
+    x.g.d_s, x.g.d_hs, x.g.m_hs = estride(delta, lse_rows), x.delta.head, x.p.m.head
+    x.g.dk_ss, x.g.dk_es = estride(dk, rows), estride(dk, dk.ndim - 1)
+    x.g.dv_ss, x.g.dv_es = estride(dv, rows), estride(dv, dv.ndim - 1)
+    if tasks.shape[1] != 5 or not parts.flags.c_contiguous or not sums.flags.c_contiguous:
+        raise ValueError("tasks must be (n, 5), parts and sums C-contiguous")
+    x.parts, x.sums = <char *>cnp.PyArray_DATA(parts), <char *>cnp.PyArray_DATA(sums)
+    x.tasks = &tasks[0, 0] if tasks.shape[0] > 0 else NULL
+    stop_init(&stop)
+    err = run_parallel(grad_run, x, tasks.shape[0], fa_attn_grad_work_bytes(&x.p.a, x.p.es),
+                       nthreads, &stop)
+    stop_raise(&stop)
+    return raise_on(err, "attention backward")
+
+
 def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                        int mask_kind, cnp.ndarray dout, cnp.ndarray lse, cnp.ndarray delta,
                        cnp.ndarray dk, cnp.ndarray dv, cnp.ndarray parts, cnp.ndarray sums,
-                       fa_idx group, bint causal, fa_idx causal_offset, double scale,
-                       int nthreads, fa_idx window_left=-1, fa_idx window_right=-1,
-                       double softcap=0, object slopes=None):
+                       const cnp.int64_t[:, ::1] tasks, fa_idx group, bint causal,
+                       fa_idx causal_offset, double scale, int nthreads,
+                       fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
+                       object slopes=None):
     """dk and dv of the attention that attention() computes with the same
-    arguments (FlashAttention-2's backward, fa_attn_grad), with each chunk
-    of keys' part of dq / scale and of each row's sum of exp(logit - lse):
-    parts (C-contiguous) (chunks, ..., Hq, ceil(L / qb), E, qb), each query
-    block transposed, and sums (chunks, ..., Hq, L), chunks of
-    grad_chunk_keys(S) keys.  q, dout: (..., Hq, L, E | Ev); k, v, dk, dv:
-    (..., Hkv, S, E | Ev), Hkv = Hq / group; lse and delta = rowsum(dout *
-    out): (..., Hq, L); mask a view of (..., Hq, L, S); slopes (..., Hq)
-    float64, its last axis contiguous.  All of one dtype, float32 or
-    float64.  Every gradient and part is written once by one task, its sums
-    in an order fixed by positions: the same bits for any thread count."""
+    arguments (FlashAttention-2's backward, fa_attn_grad), with the tasks'
+    parts of dq / scale and of each row's sum of exp(logit - lse) in parts
+    and sums, C-contiguous, where tasks (n, 5: sequence, key/value head,
+    chunk of grad_chunk_keys(S) keys, offset in parts, offset in sums) say.
+    The sequences: the batch axes before the heads, flattened.  q, dout:
+    (..., Hq, L, E | Ev); k, v, dk, dv: (..., Hkv, S, E | Ev), Hkv = Hq /
+    group; lse and delta = rowsum(dout * out): (..., Hq, L); mask a view of
+    (..., Hq, L, S); slopes (..., Hq) float64, its last axis contiguous.  All
+    of one dtype, float32 or float64.  Every gradient and part is written
+    once by one task, its sums in an order fixed by positions: the same bits
+    for any thread count."""
     cdef int nd = q.ndim - 2
-    cdef int ns = nd - 1 if nd > 0 else 0
-    cdef int ha = nd - 1
     cdef Grad x
-    cdef fa_stop stop
-    cdef int err
     memset(&x, 0, sizeof(x))
     x.isa = isa
+    dense_operands(&x.p, q, k, v, dout, mask, mask_kind, lse, slopes, group, causal,
+                   causal_offset, scale, window_left, window_right, softcap)
+    grad_call(&x, dout, delta, dk, dv, parts, sums, tasks, nd - 1 if nd > 0 else 0, nd - 1,
+              nd, nd - 1, nd, nthreads)
+
+
+def varlen_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray dout,
+                    cnp.ndarray lse, cnp.ndarray delta, cnp.ndarray dk, cnp.ndarray dv,
+                    cnp.ndarray parts, cnp.ndarray sums, const cnp.int64_t[:, ::1] tasks,
+                    const cnp.int64_t[::1] cu_q, const cnp.int64_t[::1] cu_k,
+                    const cnp.int64_t[::1] seq_lens, fa_idx group,
+                    bint causal, bint lower_right, fa_idx align_offset, double scale,
+                    int nthreads, fa_idx window_left, fa_idx window_right, double softcap,
+                    object slopes):
+    """attention_backward of packed sequences (varlen_attention's): q, dout
+    (total_q, Hq, E | Ev), k and v as the one block of caches (1, Hkv,
+    total_k, E | Ev), dk, dv (total_k, Hkv, E | Ev), lse and delta (Hq,
+    total_q), sequence b's rows cu_q[b]..cu_q[b + 1] - 1 and keys
+    cu_k[b]..cu_k[b + 1] - 1 (seq_lens[b] keys); slopes (B, Hq) float64 or None."""
+    cdef Grad x
     cdef Ragged *p = &x.p
-    dense_operands(p, q, k, v, dout, mask, mask_kind, lse, slopes, group, causal, causal_offset,
-                   scale, window_left, window_right, softcap)
-    x.Hkv = p.Hq // p.group
-    operand(&x.delta, delta, ns, ha)
-    operand(&x.dk, dk, ns, ha)
-    operand(&x.dv, dv, ns, ha)
-    x.g.do_ls, x.g.do_es, x.g.do_hs = estride(dout, nd), estride(dout, nd + 1), p.o.head
-    x.g.d_s, x.g.d_hs, x.g.m_hs = estride(delta, nd), x.delta.head, p.m.head
-    x.g.dk_ss, x.g.dk_es = estride(dk, nd), estride(dk, nd + 1)
-    x.g.dv_ss, x.g.dv_es = estride(dv, nd), estride(dv, nd + 1)
-    x.chunk_keys = grad_chunk_keys(p.a.S)
-    x.chunks = max(1, (p.a.S + x.chunk_keys - 1) // x.chunk_keys)
-    x.part_len = p.group * ((p.a.L + fa_attn_query_block(p.es) - 1) // fa_attn_query_block(p.es)) \
-        * p.a.E * fa_attn_query_block(p.es)
-    x.sum_len = p.group * p.a.L
-    if (not parts.flags.c_contiguous or not sums.flags.c_contiguous or
-            parts.size != x.chunks * p.seqs.count * x.Hkv * x.part_len or
-            sums.size != x.chunks * p.seqs.count * x.Hkv * x.sum_len):
-        raise ValueError("parts and sums must be C-contiguous, of the chunks' sizes")
-    x.parts, x.sums = <char *>cnp.PyArray_DATA(parts), <char *>cnp.PyArray_DATA(sums)
-    stop_init(&stop)
-    err = run_parallel(grad_run, &x, p.seqs.count * x.Hkv * x.chunks,
-                       fa_attn_grad_work_bytes(&p.a, p.es), nthreads, &stop)
-    stop_raise(&stop)
-    raise_on(err, "attention backward")
+    cdef fa_idx nseq = cu_q.shape[0] - 1
+    memset(&x, 0, sizeof(x))
+    x.isa = isa
+    packed_operands(p, q, k, v, dout, lse, slopes, nseq, group, causal, lower_right,
+                    align_offset, scale, window_left, window_right, softcap)
+    if nseq > 0:
+        p.cu_q, p.kv_start, p.seq_lens = &cu_q[0], &cu_k[0], &seq_lens[0]
+    grad_call(&x, dout, delta, dk, dv, parts, sums, tasks, 0, 1, 0, 0, 1, nthreads)
+
+
+cdef int packed_operands(Ragged *p, cnp.ndarray q, cnp.ndarray key_cache,
+                         cnp.ndarray value_cache, cnp.ndarray out, object lse, object slopes,
+                         fa_idx nseq, fa_idx group, bint causal, bint lower_right,
+                         fa_idx align_offset, double scale, fa_idx window_left,
+                         fa_idx window_right, double softcap) except -1:
+    """p (zeroed) from a ragged call's operands: q and out (total_q, Hq, E |
+    Ev), the caches (blocks, Hkv, rows, E | Ev), lse (Hq, total_q), slopes
+    (nseq, Hq); each sequence's rows, keys and lengths are the caller's."""
+    p.seqs.nd, p.seqs.shape[0], p.seqs.count = 1, nseq, nseq
+    p.Hq, p.group = out.shape[1], group
+    p.es = cnp.PyArray_ITEMSIZE(out)
+    operand(&p.q, q, 0, 1)
+    operand(&p.k, key_cache, 0, 1)
+    operand(&p.v, value_cache, 0, 1)
+    operand(&p.o, out, 0, 1)
+    operand(&p.lse, lse, 0, 0)
+    operand(&p.slope, slopes, 1, 1)
+    p.a.E, p.a.Ev = q.shape[2], out.shape[2]  # the caches' last axes count bytes for Q4
+    p.a.q_ls, p.a.q_es = estride(q, 0), estride(q, 2)
+    p.a.k_bs, p.a.k_ss, p.a.k_es = estride(key_cache, 0), estride(key_cache, 2), estride(key_cache, 3)
+    p.a.v_bs, p.a.v_ss, p.a.v_es = (estride(value_cache, 0), estride(value_cache, 2),
+                                    estride(value_cache, 3))
+    p.a.o_ls, p.a.o_es = estride(out, 0), estride(out, 2)
+    p.a.q_hs, p.a.o_hs, p.a.lse_hs = p.q.head, p.o.head, p.lse.head
+    if p.lse.base != NULL:
+        p.a.lse_s = estride(lse, 1)
+    p.a.mask_kind = FA_MASK_NONE
+    p.a.scale, p.a.softcap, p.a.causal = scale, softcap, causal
+    p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
+    p.lower_right, p.align_offset = lower_right, align_offset
+    return 0
 
 
 def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cache,
@@ -1230,40 +1293,20 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
     cdef cnp.int64_t *read_at = NULL
     cdef fa_idx nseq = cu_q.shape[0] - 1
     memset(&p, 0, sizeof(p))
-    p.seqs.nd, p.seqs.shape[0], p.seqs.count = 1, nseq, nseq
-    p.Hq, p.group = out.shape[1], group
-    p.es = cnp.PyArray_ITEMSIZE(out)
-    operand(&p.q, q, 0, 1)
-    operand(&p.k, key_cache, 0, 1)
-    operand(&p.v, value_cache, 0, 1)
-    operand(&p.o, out, 0, 1)
-    operand(&p.lse, lse, 0, 0)
-    operand(&p.slope, slopes, 1, 1)
+    packed_operands(&p, q, key_cache, value_cache, out, lse, slopes, nseq, group, causal,
+                    lower_right, align_offset, scale, window_left, window_right, softcap)
     operand(&p.sink, sinks, 0, 0)
     operand(&p.ksc, k_scale, 0, 1)
     operand(&p.vsc, v_scale, 0, 1)
     operand(&p.kmean, key_mean, 1, 1)
-    p.a.E, p.a.Ev = q.shape[2], out.shape[2]  # the caches' last axes count bytes for Q4
-    p.a.q_ls, p.a.q_es = estride(q, 0), estride(q, 2)
-    p.a.k_bs, p.a.k_ss, p.a.k_es = estride(key_cache, 0), estride(key_cache, 2), estride(key_cache, 3)
-    p.a.v_bs, p.a.v_ss, p.a.v_es = (estride(value_cache, 0), estride(value_cache, 2),
-                                    estride(value_cache, 3))
-    p.a.o_ls, p.a.o_es = estride(out, 0), estride(out, 2)
-    p.a.q_hs, p.a.o_hs, p.a.lse_hs = p.q.head, p.o.head, p.lse.head
-    if p.lse.base != NULL:
-        p.a.lse_s = estride(lse, 1)
     if p.ksc.base != NULL:
         p.a.ksc_bs, p.a.ksc_s = estride(k_scale, 0), estride(k_scale, 2)
         p.a.vsc_bs, p.a.vsc_s = estride(v_scale, 0), estride(v_scale, 2)
-    p.a.mask_kind = FA_MASK_NONE
     p.a.prefetch, p.a.precision = prefetch, <fa_precision>precision
-    p.a.scale, p.a.softcap, p.a.causal = scale, softcap, causal
-    p.a.window_left, p.a.window_right, p.a.sink = window_left, window_right, -INFINITY
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
     p.a.block_size = key_cache.shape[2]
     p.kv_row_bytes = (key_cache.shape[3] + value_cache.shape[3]) * cnp.PyArray_ITEMSIZE(key_cache)
     p.ahead_blocks = ahead_blocks
-    p.lower_right, p.align_offset = lower_right, align_offset
     p.can_group = True
     if block_table is not None:
         table = block_table

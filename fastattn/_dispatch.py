@@ -416,72 +416,67 @@ def _sum_to(x: NDArray[Any], shape: C.Shape) -> NDArray[Any]:
     return x.sum(axis=axes).reshape(shape) if axes else x
 
 
-def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
-             value: NDArray[Any], out: NDArray[Any], logsumexp: NDArray[Any],
-             attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
-             scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
-             window_size: Optional[tuple[int, int]], alibi_slopes: Optional[NDArray[Any]],
-             softcap: Optional[float], sinks: Optional[NDArray[Any]],
-             num_threads: Optional[int]) -> tuple[NDArray[Any], ...]:
-    """attention_backward's work: the checks of the forward's call, of
-    grad_out, out and logsumexp against it, the kernels, then each row's
-    recomputed weights checked to sum to 1 (a logsumexp of another call is
-    refused), and the gradients of broadcast inputs summed to their shapes."""
-    call = check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                      causal_alignment, window_size, alibi_slopes, softcap, sinks, num_threads)
-    dtype, compute, L, S, E, Ev = call[:6]
-    batch, variants = call.batch, call.variants
-    grad_out = C.require_array(grad_out, "grad_out")
-    out = C.require_array(out, "out")
-    logsumexp = C.require_array(logsumexp, "logsumexp")
-    for name, a, shape, want in (("grad_out", grad_out, batch + (L, Ev), dtype),
-                                 ("out", out, batch + (L, Ev), dtype),
-                                 ("logsumexp", logsumexp, batch + (L,), compute)):
-        if a.shape != shape:
-            raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
-                             f"{C.shape_str(shape)}, the forward's "
-                             f"{'lse' if name == 'logsumexp' else 'output'} of these inputs")
-        if a.dtype != want:
-            raise TypeError(f"{name} has dtype {a.dtype}; expected {want}"
-                            + (" (the forward's return_lse dtype)" if name == "logsumexp" else
-                               f" (query's)"))
+class GradPlan(NamedTuple):
+    """The tasks of a backward call over sequences of L[b] queries and S[b]
+    keys (_core's tasks: sequence, key/value head, chunk of keys, offsets in
+    parts and sums), costlier first, and the buffers their parts of dQ /
+    scale and of the rows' sums go to: sequence b's from parts_at[b] and
+    sums_at[b], as (chunks[b], Hq, nqb[b], E, qb) and (chunks[b], Hq, L[b])."""
+    tasks: NDArray[np.int64]
+    parts: NDArray[Any]
+    sums: NDArray[Any]
+    parts_at: NDArray[np.int64]
+    sums_at: NDArray[np.int64]
+    chunks: NDArray[np.int64]
+    nqb: NDArray[np.int64]
+    qb: int
 
-    def computed(x: NDArray[Any]) -> NDArray[Any]:  # 16-bit inputs: float32 copies
-        return C.kernel_view(x if x.dtype == compute else x.astype(compute))
 
-    q = C.broadcast_view(computed(query), batch + (L, E))
-    k = C.broadcast_view(computed(key), call.kv_batch + (S, E))
-    v = C.broadcast_view(computed(value), call.kv_batch + (S, Ev))
-    dout = computed(grad_out)
-    lse = C.kernel_view(logsumexp)
-    # D = rowsum(dO o O), C-ordered so that its sums do not depend on the layout
-    with np.errstate(all="ignore"):
-        delta = np.multiply(dout, computed(out), order="C").sum(axis=-1)
-    dk = np.empty(call.kv_batch + (S, E), compute)
-    dv = np.empty(call.kv_batch + (S, Ev), compute)
-    # each chunk of keys' part of dQ / scale, transposed per query block,
-    # and of the rows' sums: summed here in the chunks' order
+def _grad_plan(L: NDArray[np.int64], S: NDArray[np.int64], Hq: int, group: int, E: int,
+               compute: np.dtype[Any]) -> GradPlan:
     qb = _core.attn_query_block(compute.itemsize)
     nqb = -(-L // qb)
-    chunks = max(1, -(-S // _core.grad_chunk_keys(S)))
-    parts = np.empty((chunks,) + batch + (nqb, E, qb), compute)
-    sums = np.empty((chunks,) + batch + (L,), compute)
-    slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
-    if math.prod(batch) and (L or S):
-        _core.attention_backward(
-            _runtime.isa(), q, k, v, call.mask, call.kind, dout, lse, delta, dk, dv, parts, sums,
-            call.group, call.causal, call.offset, call.scale, call.nthreads,
-            window_left=variants.window_left, window_right=variants.window_right,
-            softcap=variants.softcap, slopes=slopes)
-    else:
-        parts.fill(0)
-        sums.fill(0)
-    dq = parts.sum(axis=0).swapaxes(-1, -2).reshape(batch + (nqb * qb, E))[..., :L, :]
-    dq = dq * np.asarray(call.scale, compute)
-    psum = sums.sum(axis=0)
+    sizes, inverse = np.unique(S, return_inverse=True)
+    keys = np.array([_core.grad_chunk_keys(int(n)) for n in sizes], np.int64)[inverse]
+    chunks = np.maximum(-(-S // keys), 1)
+    part_len, sum_len = chunks * Hq * nqb * E * qb, chunks * Hq * L
+    parts_at = np.cumsum(part_len) - part_len
+    sums_at = np.cumsum(sum_len) - sum_len
+    per_seq = chunks * (Hq // group if group else 0)
+    seq = np.repeat(np.arange(L.shape[0]), per_seq)
+    local = np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    head, chunk = local // chunks[seq], local % chunks[seq]
+    first = chunk * Hq + head * group  # the task's first query head in its chunk
+    tasks = np.stack([seq, head, chunk, parts_at[seq] + first * nqb[seq] * E * qb,
+                      sums_at[seq] + first * L[seq]], axis=1).astype(np.int64)
+    tasks = tasks[np.argsort(-(L * S)[seq], kind="stable")]
+    return GradPlan(np.ascontiguousarray(tasks), np.empty(int(part_len.sum()), compute),
+                    np.empty(int(sum_len.sum()), compute), parts_at, sums_at, chunks, nqb, qb)
+
+
+def _grad_query(plan: GradPlan, b: int, n: int, Hq: int, E: int, L: int,
+                scale: float) -> tuple[NDArray[Any], NDArray[Any]]:
+    """dQ (n, Hq, L, E) and the rows' sums (n, Hq, L) of the n sequences from
+    b on, all of L queries and the same chunks: their parts summed in the
+    chunks' order."""
+    if n == 0:
+        return np.zeros((0, Hq, L, E), plan.parts.dtype), np.zeros((0, Hq, L), plan.sums.dtype)
+    c, nqb, qb = int(plan.chunks[b]), int(plan.nqb[b]), plan.qb
+    at, sat = int(plan.parts_at[b]), int(plan.sums_at[b])
+    parts = plan.parts[at:at + n * c * Hq * nqb * E * qb].reshape(n, c, Hq, nqb, E, qb)
+    dq = parts.sum(axis=1).swapaxes(-1, -2).reshape(n, Hq, nqb * qb, E)[:, :, :L]
+    psum = plan.sums[sat:sat + n * c * Hq * L].reshape(n, c, Hq, L).sum(axis=1)
+    return dq * np.asarray(scale, dq.dtype), psum
+
+
+def _sink_weights(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[Any]],
+                  compute: np.dtype[Any]) -> NDArray[Any]:
+    """Each row's sink weight exp(sink - lse) (0 without sinks), once every
+    row's weights, the sink's with them, are checked to sum to 1: a
+    logsumexp of other inputs or options is refused."""
     with np.errstate(all="ignore"):
-        sink = (np.exp(variants.sinks[..., None] - lse.astype(np.float64))
-                if variants.sinks is not None else np.zeros(lse.shape))
+        sink = (np.exp(sinks[..., None] - lse.astype(np.float64)) if sinks is not None
+                else np.zeros(lse.shape))
         total = psum + sink
         # rows with nothing visible (lse -inf, no sink) sum to 0; NaN rows are NaN's
         bad = np.where(lse == -np.inf, psum != 0,
@@ -492,16 +487,147 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
                          f"exp(logit - logsumexp) over the keys (the sink included) sum to "
                          f"{float(total[at]):.6g}, not 1; pass the lse that the forward call "
                          f"with return_lse=True returned for the same inputs and options")
+    return sink
+
+
+def _sink_grad(sink: NDArray[Any], delta: NDArray[Any], sinks: Any,
+               rows_of_head: tuple[int, ...]) -> NDArray[Any]:
+    """d/d sink = -sum over a head's rows of the sink's weight times D (the
+    sink has no value), summed to sinks' shape, in its dtype (float64 for
+    integer sinks)."""
+    g = -(sink * delta).sum(axis=rows_of_head)
+    s = np.asarray(sinks)
+    want = s.dtype if np.issubdtype(s.dtype, np.floating) else np.dtype(np.float64)
+    return _sum_to(g, s.shape).astype(want)
+
+
+def _grad_arrays(names: tuple[str, ...], arrays: tuple[Any, ...], shapes: tuple[C.Shape, ...],
+                 dtypes: tuple[np.dtype[Any], ...]) -> list[NDArray[Any]]:
+    """grad_out, out and logsumexp as arrays of the forward's shapes and dtypes."""
+    checked = []
+    for name, a, shape, want in zip(names, arrays, shapes, dtypes):
+        a = C.require_array(a, name)
+        if a.shape != shape:
+            raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
+                             f"{C.shape_str(shape)}, the forward's "
+                             f"{'lse' if name == 'logsumexp' else 'output'} of these inputs")
+        if a.dtype != want:
+            raise TypeError(f"{name} has dtype {a.dtype}; expected {want}" +
+                            (" (the forward's return_lse dtype)" if name == "logsumexp"
+                             else " (query's)"))
+        checked.append(a)
+    return checked
+
+
+def _computed(x: NDArray[Any], compute: np.dtype[Any]) -> NDArray[Any]:
+    """x as the kernels read it: 16-bit inputs as float32 copies."""
+    return C.kernel_view(x if x.dtype == compute else x.astype(compute))
+
+
+def _delta(dout: NDArray[Any], out: NDArray[Any]) -> NDArray[Any]:
+    """D = rowsum(dO o O), C-ordered so that its sums do not depend on the layout."""
+    with np.errstate(all="ignore"):
+        delta: NDArray[Any] = np.multiply(dout, out, order="C").sum(axis=-1)
+    return delta
+
+
+def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
+             value: NDArray[Any], out: NDArray[Any], logsumexp: NDArray[Any],
+             attn_mask: Optional[MaskArray], dropout_p: float, is_causal: bool,
+             scale: Optional[float], enable_gqa: bool, causal_alignment: Alignment,
+             window_size: Optional[tuple[int, int]], alibi_slopes: Optional[NDArray[Any]],
+             softcap: Optional[float], sinks: Optional[NDArray[Any]],
+             num_threads: Optional[int]) -> tuple[NDArray[Any], ...]:
+    """attention_backward's work: the checks of the forward's call, of
+    grad_out, out and logsumexp against it, the kernels, the weights' sums
+    checked (_sink_weights), and the gradients of broadcast inputs summed to
+    their shapes."""
+    call = check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      causal_alignment, window_size, alibi_slopes, softcap, sinks, num_threads)
+    dtype, compute, L, S, E, Ev = call[:6]
+    batch, variants = call.batch, call.variants
+    grad_out, out, logsumexp = _grad_arrays(
+        ("grad_out", "out", "logsumexp"), (grad_out, out, logsumexp),
+        (batch + (L, Ev), batch + (L, Ev), batch + (L,)), (dtype, dtype, compute))
+    q = C.broadcast_view(_computed(query, compute), batch + (L, E))
+    k = C.broadcast_view(_computed(key, compute), call.kv_batch + (S, E))
+    v = C.broadcast_view(_computed(value, compute), call.kv_batch + (S, Ev))
+    dout, lse = _computed(grad_out, compute), C.kernel_view(logsumexp)
+    delta = _delta(dout, _computed(out, compute))
+    dk = np.empty(call.kv_batch + (S, E), compute)
+    dv = np.empty(call.kv_batch + (S, Ev), compute)
+    Hq = batch[-1] if batch else 1
+    nseq = math.prod(batch[:-1]) if batch else 1
+    plan = _grad_plan(np.full(nseq, L, np.int64), np.full(nseq, S, np.int64), Hq, call.group,
+                      E, compute)
+    slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
+    _core.attention_backward(
+        _runtime.isa(), q, k, v, call.mask, call.kind, dout, lse, delta, dk, dv, plan.parts,
+        plan.sums, plan.tasks, call.group, call.causal, call.offset, call.scale, call.nthreads,
+        window_left=variants.window_left, window_right=variants.window_right,
+        softcap=variants.softcap, slopes=slopes)
+    dq, psum = _grad_query(plan, 0, nseq, Hq, E, L, call.scale)
+    dq, psum = dq.reshape(batch + (L, E)), psum.reshape(batch + (L,))
+    sink = _sink_weights(psum, lse, variants.sinks, compute)
     grads = [_sum_to(g, np.shape(x)) for g, x in ((dq, query), (dk, key), (dv, value))]
     if compute != dtype:
         grads = [narrow(np.ascontiguousarray(g), dtype, call.nthreads) for g in grads]
     if sinks is not None:
-        # d/d sink = -sum over rows of the sink's weight times D (it has no value)
-        g_sink = -(sink * delta).sum(axis=-1)
-        sinks_arr = np.asarray(sinks)
-        want = sinks_arr.dtype if np.issubdtype(sinks_arr.dtype, np.floating) else \
-            np.dtype(np.float64)
-        grads.append(_sum_to(g_sink, sinks_arr.shape).astype(want))
+        grads.append(_sink_grad(sink, delta, sinks, (-1,)))
+    return tuple(grads)
+
+
+def varlen_backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
+                    value: NDArray[Any], out: NDArray[Any], lse: NDArray[Any],
+                    dtype: np.dtype[Any], Ev: int, cu_q: NDArray[np.int64],
+                    cu_k: NDArray[np.int64], causal: bool, causal_alignment: Union[str, int],
+                    scale: Optional[float], window_size: Optional[tuple[int, int]],
+                    alibi_slopes: Optional[NDArray[Any]], softcap: Optional[float],
+                    sinks: Optional[NDArray[Any]],
+                    num_threads: Optional[int]) -> tuple[NDArray[Any], ...]:
+    """varlen_attention_backward's work once the packed sequences are
+    checked (varlen.packed): as backward, each sequence's chunks its own."""
+    compute = C.compute_dtype(dtype)
+    total_q, Hq, E = query.shape
+    total_k, Hkv = key.shape[:2]
+    grad_out, out, lse = _grad_arrays(
+        ("grad_out", "out", "lse"), (grad_out, out, lse),
+        ((total_q, Hq, Ev), (total_q, Hq, Ev), (Hq, total_q)), (dtype, dtype, compute))
+    scale = C.check_scale(scale, E, compute)
+    nthreads = _runtime.resolve_threads(num_threads)
+    offset = C.alignment_offset(causal_alignment, 0, 0)  # per sequence: S - L too
+    lower_right = isinstance(causal_alignment, str) and causal_alignment == "lower_right"
+    L, S = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    B = L.shape[0]
+    lengths = int(max(L.max(initial=0), 1)), int(max(S.max(initial=0), 1))
+    variants = _variants.check(window_size, alibi_slopes, softcap, None, (B, Hq), *lengths,
+                               compute, offset)
+    sink_logits = None if sinks is None else _variants.per_head(sinks, "sinks", (Hq,),
+                                                                finite=False)
+    dout, lse = _computed(grad_out, compute), C.kernel_view(lse)
+    delta = np.ascontiguousarray(_delta(dout, _computed(out, compute)).T)  # (Hq, total_q)
+    dk, dv = np.empty((total_k, Hkv, E), compute), np.empty((total_k, Hkv, Ev), compute)
+    plan = _grad_plan(L, S, Hq, Hq // Hkv, E, compute)
+    _core.varlen_backward(
+        _runtime.isa(), _computed(query, compute),
+        _computed(key, compute).transpose(1, 0, 2)[None],
+        _computed(value, compute).transpose(1, 0, 2)[None], dout, lse, delta, dk, dv,
+        plan.parts, plan.sums,
+        plan.tasks, cu_q, cu_k, np.ascontiguousarray(S), Hq // Hkv, causal, lower_right, offset, scale, nthreads,
+        variants.window_left, variants.window_right, variants.softcap,
+        None if variants.slopes is None else C.contiguous(variants.slopes))
+    dq = np.empty((total_q, Hq, E), compute)
+    psum = np.empty((Hq, total_q), compute)
+    for b in range(B):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        g, p = _grad_query(plan, b, 1, Hq, E, int(L[b]), scale)
+        dq[rows], psum[:, rows] = g[0].swapaxes(0, 1), p[0]
+    sink = _sink_weights(psum, lse, sink_logits, compute)
+    grads = [dq, dk, dv]
+    if compute != dtype:
+        grads = [narrow(g, dtype, nthreads) for g in grads]
+    if sinks is not None:
+        grads.append(_sink_grad(sink, delta, sinks, (-1,)))
     return tuple(grads)
 
 

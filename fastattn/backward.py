@@ -1,10 +1,15 @@
-"""The backward pass of scaled dot-product attention: the gradients of its
-inputs from the gradient of its output, for training."""
+"""The backward pass of scaled dot-product attention and of varlen
+attention: the gradients of their inputs from the gradient of their
+output, for training."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+import numpy as np
+
+from . import _checks as C
 from . import _dispatch
+from .varlen import packed
 from ._typing import Alignment, Float, MaskArray, NDArray
 
 
@@ -81,3 +86,54 @@ def attention_backward(
     return _dispatch.backward(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p,
                               is_causal, scale, enable_gqa, causal_alignment, window_size,
                               alibi_slopes, softcap, sinks, num_threads)
+
+
+def varlen_attention_backward(
+        grad_out: NDArray[Float], query: NDArray[Float], key: NDArray[Float],
+        value: NDArray[Float], out: NDArray[Float], lse: NDArray[Any],
+        cu_seqlens_q: NDArray[np.integer[Any]], cu_seqlens_k: NDArray[np.integer[Any]], *,
+        is_causal: bool = False, causal_alignment: Union[str, int] = "lower_right",
+        scale: Optional[float] = None, window_size: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[NDArray[Any]] = None, softcap: Optional[float] = None,
+        sinks: Optional[NDArray[Any]] = None,
+        num_threads: Optional[int] = None) -> tuple[NDArray[Any], ...]:
+    """Gradients of ``varlen_attention`` with respect to its query, key and
+    value (and sinks): ``attention_backward`` for packed sequences, as
+    FlashAttention's ``_flash_attn_varlen_backward`` (whose dout, q, k, v,
+    out, softmax_lse and cu_seqlens these are, under PyTorch's names).
+
+    Parameters
+    ----------
+    grad_out, out : ndarray, shape (total_q, Hq, Ev)
+        The gradient of the loss with respect to the forward's output, and
+        that output; query's dtype.
+    query, key, value, cu_seqlens_q, cu_seqlens_k :
+        The forward's, as ``varlen_attention`` takes them.
+    lse : ndarray, shape (Hq, total_q)
+        The forward's ``return_lse=True`` log-sum-exp (float32 for 16-bit
+        inputs); checked as ``attention_backward`` checks its logsumexp.
+    is_causal, causal_alignment, scale, window_size, alibi_slopes, softcap, sinks :
+        The forward's options, as ``varlen_attention`` takes them (no tree
+        masks: they serve decoding).
+    num_threads : int or None
+
+    Returns
+    -------
+    grad_query, grad_key, grad_value : ndarrays of query's, key's and
+    value's shapes and dtypes; grad_sinks (Hq,) only with sinks.  Each
+    sequence's gradients are bitwise those of ``attention_backward`` on its
+    own rows with ``enable_gqa=True``, whatever the other sequences and the
+    thread count.
+
+    Raises
+    ------
+    TypeError, ValueError
+        What ``varlen_attention`` raises for these inputs and options;
+        grad_out, out or lse of another shape or dtype, an lse that does not
+        match the inputs.
+    """
+    dtype, Ev, cu_q, cu_k = packed(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    return _dispatch.varlen_backward(
+        grad_out, query, key, value, out, lse, dtype, Ev, cu_q, cu_k,
+        C.check_bool(is_causal, "is_causal"), causal_alignment, scale, window_size,
+        alibi_slopes, softcap, sinks, num_threads)

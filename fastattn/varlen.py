@@ -89,6 +89,29 @@ def varlen_attention(
         sequences' masks are not L_b x L_b, of a sequence with fewer keys
         than queries, or with a window or ALiBi.
     """
+    dtype, Ev, cu_q, cu_k = packed(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    causal = C.check_bool(is_causal, "is_causal")
+    lse_wanted = C.check_bool(return_lse, "return_lse")
+    offset = C.alignment_offset(causal_alignment, 0, 0)  # per sequence: S - L too
+    lower_right = isinstance(causal_alignment, str) and causal_alignment == "lower_right"
+    store = _storage.query_store(dtype)
+    # the packed rows as the one block of the caches, (1, Hkv, total_k, E)
+    key_cache, value_cache = (x.transpose(1, 0, 2)[None] for x in (key, value))
+    q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, k_lens)
+    return ragged(query, key_cache, value_cache, None, cu_k[:-1], k_lens,
+                  cu_q, q_lens, (None, None), store, store, Ev, causal,
+                  lower_right, offset, scale, window_size, alibi_slopes, softcap, sinks,
+                  lse_wanted, out, num_threads,
+                  {"query": query, "key": key, "value": value, "cu_seqlens_q": cu_seqlens_q,
+                   "cu_seqlens_k": cu_seqlens_k, "tree_mask": tree_mask}, trees=trees)
+
+
+def packed(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
+           cu_seqlens_q: object, cu_seqlens_k: object
+           ) -> tuple[np.dtype[Any], int, NDArray[np.int64], NDArray[np.int64]]:
+    """The checks of packed sequences (varlen_attention's and its
+    backward's): their dtype, Ev and cumulative lengths as int64."""
     for name, a in (("query", query), ("key", key), ("value", value)):
         C.require_array(a, name)
         if a.ndim != 3:
@@ -108,18 +131,4 @@ def varlen_attention(
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold B + 1 values for the same "
                          f"B, got {cu_q.shape[0]} and {cu_k.shape[0]}")
-    causal = C.check_bool(is_causal, "is_causal")
-    lse_wanted = C.check_bool(return_lse, "return_lse")
-    offset = C.alignment_offset(causal_alignment, 0, 0)  # per sequence: S - L too
-    lower_right = isinstance(causal_alignment, str) and causal_alignment == "lower_right"
-    store = _storage.query_store(dtype)
-    # the packed rows as the one block of the caches, (1, Hkv, total_k, E)
-    key_cache, value_cache = (x.transpose(1, 0, 2)[None] for x in (key, value))
-    q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, k_lens)
-    return ragged(query, key_cache, value_cache, None, cu_k[:-1], k_lens,
-                  cu_q, q_lens, (None, None), store, store, Ev, causal,
-                  lower_right, offset, scale, window_size, alibi_slopes, softcap, sinks,
-                  lse_wanted, out, num_threads,
-                  {"query": query, "key": key, "value": value, "cu_seqlens_q": cu_seqlens_q,
-                   "cu_seqlens_k": cu_seqlens_k, "tree_mask": tree_mask}, trees=trees)
+    return dtype, Ev, cu_q, cu_k

@@ -230,3 +230,62 @@ def test_the_portable_path_gives_the_same_gradients_within_rounding(rng):
     with simd_path("portable"):
         portable = forward_backward(do, q, k, v, **kw)
     check_gradients(portable, expected(do, q, k, v, **kw), np.float32, 150 + 40 + 24)
+
+
+@pytest.mark.parametrize("variant", ["plain", "everything"])
+def test_varlen_gradients_are_each_sequences_own(variant, rng):
+    """varlen_attention_backward over packed sequences of different lengths
+    (one empty, one of more queries than keys): each sequence's gradients
+    bitwise those of attention_backward on its rows alone (enable_gqa), the
+    same bits for any thread count."""
+    kw = {"plain": {}, "everything": {"is_causal": True, "window_size": (40, 2),
+                                      "alibi_slopes": np.linspace(0.1, 0.4, 4),
+                                      "softcap": 3.0, "sinks": np.linspace(-1, 1, 4),
+                                      "scale": 0.2}}[variant]
+    q_lens, k_lens = [70, 0, 5, 130, 9], [150, 3, 300, 130, 4]
+    cu_q, cu_k = np.cumsum([0] + q_lens), np.cumsum([0] + k_lens)
+    q = rng.standard_normal((cu_q[-1], 4, 40)).astype(np.float32)
+    k = rng.standard_normal((cu_k[-1], 2, 40)).astype(np.float32)
+    v = rng.standard_normal((cu_k[-1], 2, 24)).astype(np.float32)
+    do = rng.standard_normal((cu_q[-1], 4, 24)).astype(np.float32)
+    out, lse = fastattn.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    got = fastattn.varlen_attention_backward(do, q, k, v, out, lse, cu_q, cu_k,
+                                             num_threads=1, **kw)
+    again = fastattn.varlen_attention_backward(do, q, k, v, out, lse, cu_q, cu_k,
+                                               num_threads=3, **kw)
+    for a, b in zip(got, again):
+        assert np.array_equal(a, b)
+    sinks_grad = 0
+    for b in range(len(q_lens)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        heads = [x[rows].transpose(1, 0, 2) for x in (do, q)]
+        kv = [x[keys].transpose(1, 0, 2) for x in (k, v)]
+        o, l = fastattn.scaled_dot_product_attention(
+            heads[1], *kv, return_lse=True, enable_gqa=True, causal_alignment="lower_right",
+            **kw)
+        alone = fastattn.attention_backward(heads[0], heads[1], *kv, o, l, enable_gqa=True,
+                                            causal_alignment="lower_right", **kw)
+        assert np.array_equal(got[0][rows], alone[0].transpose(1, 0, 2))
+        assert np.array_equal(got[1][keys], alone[1].transpose(1, 0, 2))
+        assert np.array_equal(got[2][keys], alone[2].transpose(1, 0, 2))
+        if "sinks" in kw:
+            sinks_grad = sinks_grad + alone[3]
+    if "sinks" in kw:
+        np.testing.assert_allclose(got[3], sinks_grad, rtol=1e-5)
+        want = reference.attention_backward(
+            *f64(do[:70].transpose(1, 0, 2), q[:70].transpose(1, 0, 2),
+                 k[:150].transpose(1, 0, 2), v[:150].transpose(1, 0, 2)),
+            enable_gqa=True, causal_alignment="lower_right", **kw)
+        check_gradients([got[0][:70].transpose(1, 0, 2)], want[:1], np.float32, 214)
+
+
+def test_varlen_errors(rng):
+    q = rng.standard_normal((10, 2, 8)).astype(np.float32)
+    cu = np.array([0, 4, 10])
+    out, lse = fastattn.varlen_attention(q, q, q, cu, cu, return_lse=True)
+    with pytest.raises(ValueError, match="lse has shape"):
+        fastattn.varlen_attention_backward(q, q, q, q, out, lse.T, cu, cu)
+    with pytest.raises(ValueError, match="logsumexp does not match"):
+        fastattn.varlen_attention_backward(q, q, q, q, out, lse, cu, cu, is_causal=True)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        fastattn.varlen_attention_backward(q, q, q, q, out, lse, cu[:-1], cu)
