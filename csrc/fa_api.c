@@ -271,19 +271,38 @@ fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a)
 
 int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
                  const void *q, const void *k, const void *v, const void *mask,
-                 const void *dout, const void *lse, const void *delta, void *dk, void *dv,
+                 const void *dout, const void *out, const void *lse, void *dk, void *dv,
                  void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work)
 {
     if (!grad_ok(a, elsize) || s0 < 0 || s1 < s0 || s1 > a->S) return -1;
     if (elsize == 4)
         FA_DISPATCH(isa, attn_grad, f32, (a, g, q, k, v, mask, (const float *)dout,
-                                          (const float *)lse, (const float *)delta, (float *)dk,
+                                          (const float *)out, (const float *)lse, (float *)dk,
                                           (float *)dv, (float *)dqt, (float *)psum, s0, s1, work));
     else
         FA_DISPATCH(isa, attn_grad, f64, (a, g, q, k, v, mask, (const double *)dout,
-                                          (const double *)lse, (const double *)delta,
+                                          (const double *)out, (const double *)lse,
                                           (double *)dk, (double *)dv, (double *)dqt,
                                           (double *)psum, s0, s1, work));
+    return 0;
+}
+
+int fa_attn_grad_merge(fa_isa isa, int elsize, fa_idx nchunks, fa_idx E, fa_idx nq,
+                       double scale, const void *parts, fa_idx part_s, const void *sums,
+                       fa_idx sum_s, void *dq, fa_idx dq_ls, fa_idx dq_es, void *psum,
+                       fa_idx psum_s)
+{
+    if (!elsize_ok(elsize) || nchunks < 1 || E < 0 || nq < 0 ||
+        nq > fa_attn_query_block(elsize))
+        return -1;
+    if (elsize == 4)
+        FA_DISPATCH(isa, attn_grad_merge, f32,
+                    (nchunks, E, nq, (float)scale, (const float *)parts, part_s,
+                     (const float *)sums, sum_s, (float *)dq, dq_ls, dq_es, (float *)psum, psum_s));
+    else
+        FA_DISPATCH(isa, attn_grad_merge, f64,
+                    (nchunks, E, nq, scale, (const double *)parts, part_s, (const double *)sums,
+                     sum_s, (double *)dq, dq_ls, dq_es, (double *)psum, psum_s));
     return 0;
 }
 

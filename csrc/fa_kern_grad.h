@@ -60,9 +60,9 @@ static FA_NAME(grad_scratch) FA_NAME(grad_scratch_of)(const fa_attn_args *a, voi
 }
 
 /* Rows i0..i0+nq-1 of one head: its queries and dO, both transposed and as
- * rows (zero padded), its lse and D. */
+ * rows (zero padded), its lse, and D = rowsum(dO o O) of its output out. */
 static void FA_NAME(grad_rows)(const fa_attn_args *a, const fa_grad_args *g, const T *q,
-                               const T *dout, const T *lse, const T *delta, fa_idx i0, fa_idx nq,
+                               const T *dout, const T *out, const T *lse, fa_idx i0, fa_idx nq,
                                const FA_NAME(grad_scratch) *w)
 {
     const fa_idx qb = FA_QB, eg = FA_GP(a->E), evg = FA_GP(a->Ev);
@@ -72,14 +72,21 @@ static void FA_NAME(grad_rows)(const fa_attn_args *a, const fa_grad_args *g, con
         for (fa_idx j = nq; j < qb; ++j) w->qp[e * qb + j] = 0;
     for (fa_idx c = 0; c < a->Ev; ++c)
         for (fa_idx j = nq; j < qb; ++j) w->dop[c * qb + j] = 0;
-    for (fa_idx j = 0; j < nq; ++j) {
-        for (fa_idx e = 0; e < eg; ++e) w->qr[j * eg + e] = e < a->E ? w->qp[e * qb + j] : 0;
-        for (fa_idx c = 0; c < evg; ++c) w->dor[j * evg + c] = c < a->Ev ? w->dop[c * qb + j] : 0;
+    for (fa_idx j = 0; j < nq; ++j) { /* rows read in place: unit strides copy as vectors */
+        const T *qj = q + (i0 + j) * a->q_ls, *dj = dout + (i0 + j) * g->do_ls;
+        T *qrj = w->qr + j * eg, *drj = w->dor + j * evg;
+        for (fa_idx e = 0; e < a->E; ++e) qrj[e] = qj[e * a->q_es];
+        for (fa_idx e = a->E; e < eg; ++e) qrj[e] = 0;
+        for (fa_idx c = 0; c < a->Ev; ++c) drj[c] = dj[c * g->do_es];
+        for (fa_idx c = a->Ev; c < evg; ++c) drj[c] = 0;
     }
     for (fa_idx j = 0; j < qb; ++j) {
         const T l = j < nq ? lse[(i0 + j) * a->lse_s] : 0;
         w->ms[j] = l == -(T)INFINITY ? 0 : l; /* a row with nothing visible: P = exp(-inf) */
-        w->dl[j] = j < nq ? delta[(i0 + j) * g->d_s] : 0;
+        T d = 0;
+        for (fa_idx c = 0; j < nq && c < a->Ev; ++c)
+            d += w->dop[c * qb + j] * out[(i0 + j) * a->o_ls + c * a->o_es];
+        w->dl[j] = d;
     }
 }
 
@@ -97,25 +104,29 @@ static int FA_NAME(grad_block)(const fa_attn_args *a, const void *k, const void 
         return 0;
     FA_NAME(exp_block)(0, nk, qb, qb, w->st, w->ms, w->bl, 1);
     const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, w->panel + FA_KB * FA_EP(a));
-    for (fa_idx r = 0, mr; r < nk; r += mr) {
-        mr = FA_NAME(tile_rows)(nk, r);
-        for (fa_idx p = 0; p < qb; p += FA_NR)
+    /* panels of B outer: one stays in L1 while the tiles of A stream past
+     * (their broadcasts read a third of its bytes) */
+    for (fa_idx p = 0; p < qb; p += FA_NR)
+        for (fa_idx r = 0, mr; r < nk; r += mr) {
+            mr = FA_NAME(tile_rows)(nk, r);
             FA_NAME(ukr)((int)mr, a->Ev, vt.p + r * vt.ss, vt.ss, vt.es, w->dop + p, qb,
                          w->dp + r * qb + p, qb, 1, 0, NULL);
-    }
-    for (fa_idx r = 0; r < nk; ++r)
-        for (fa_idx j = 0; j < qb; ++j) {
-            const fa_idx t = r * qb + j;
-            const T p = w->st[t];
-            /* weight 0: no gradient, whatever dP (a non-finite value row)
-             * or the capped score (hidden tiles hold NaN there) */
-            T ds = 0;
-            if (p != 0) {
-                const T h = c > 0 ? w->cap[t] / c : 0;
-                ds = p * (w->dp[t] - w->dl[j]) * (1 - h * h);
-            }
-            w->dp[t] = ds;
         }
+    /* weight 0: no gradient, whatever dP (a non-finite value row) or the
+     * capped score (hidden tiles hold NaN there); selects, not branches,
+     * so that the loops run in vectors */
+    for (fa_idx r = 0; r < nk; ++r) {
+        const T *p = w->st + r * qb, *h = w->cap + r * qb;
+        T *ds = w->dp + r * qb;
+        for (fa_idx j = 0; j < qb; ++j) {
+            const T d = p[j] * (ds[j] - w->dl[j]);
+            ds[j] = p[j] == 0 ? 0 : d;
+        }
+        for (fa_idx j = 0; c > 0 && j < qb; ++j) {
+            const T t = h[j] / c, d = ds[j] * (1 - t * t);
+            ds[j] = p[j] == 0 ? 0 : d;
+        }
+    }
     return 1;
 }
 
@@ -140,7 +151,7 @@ static FA_NAME(tile) FA_NAME(unused_keys)(const fa_attn_args *a, FA_NAME(tile) k
 
 void FA_NAME(attn_grad)(const fa_attn_args *a, const fa_grad_args *g, const void *q,
                         const void *k, const void *v, const void *mask, const T *dout,
-                        const T *lse, const T *delta, T *dk, T *dv, T *dqt, T *psum, fa_idx s0,
+                        const T *out, const T *lse, T *dk, T *dv, T *dqt, T *psum, fa_idx s0,
                         fa_idx s1, void *work)
 {
     const FA_NAME(grad_scratch) w = FA_NAME(grad_scratch_of)(a, work);
@@ -163,29 +174,32 @@ void FA_NAME(attn_grad)(const fa_attn_args *a, const fa_grad_args *g, const void
             FA_NAME(key_rows)(&ah, b0 + nk - 1, 0, ah.L, &lo_last, &hi_last);
             for (fa_idx i0 = lo / qb * qb; i0 < hi_last; i0 += qb) {
                 const fa_idx nq = ah.L - i0 < qb ? ah.L - i0 : qb;
-                FA_NAME(grad_rows)(&ah, g, qh, dout + h * g->do_hs, lse + h * a->lse_hs,
-                                   delta + h * g->d_hs, i0, nq, &w);
+                FA_NAME(grad_rows)(&ah, g, qh, dout + h * g->do_hs, out + h * a->o_hs,
+                                   lse + h * a->lse_hs, i0, nq, &w);
                 if (!FA_NAME(grad_block)(&ah, k, v, mh, i0, nq, b0, nk, &w)) continue;
                 for (fa_idx j = 0; j < nq; ++j) psum[h * a->L + i0 + j] += w.bl[j];
-                for (fa_idx r = 0, mr; r < nk; r += mr) { /* dV += P^T dO, dK += dS^T Q */
-                    mr = FA_NAME(tile_rows)(nk, r);
-                    for (fa_idx c = 0; c < evg; c += FA_NR)
+                for (fa_idx c = 0; c < evg; c += FA_NR) /* dV += P^T dO */
+                    for (fa_idx r = 0, mr; r < nk; r += mr) {
+                        mr = FA_NAME(tile_rows)(nk, r);
                         FA_NAME(ukr)((int)mr, nq, w.st + r * qb, qb, 1, w.dor + c, evg,
                                      av + r * evg + c, evg, 1, 1, NULL);
-                    for (fa_idx e = 0; e < eg; e += FA_NR)
+                    }
+                for (fa_idx e = 0; e < eg; e += FA_NR) /* dK += dS^T Q */
+                    for (fa_idx r = 0, mr; r < nk; r += mr) {
+                        mr = FA_NAME(tile_rows)(nk, r);
                         FA_NAME(ukr)((int)mr, nq, w.dp + r * qb, qb, 1, w.qr + e, eg,
                                      ak + r * eg + e, eg, 1, 1, NULL);
-                }
+                    }
                 /* dQ^T[e, j] += sum_r K[r, e] dS[r, j] */
                 FA_NAME(tile) kt = FA_NAME(key_tile)(&ah, k, b0, nk, w.kpanel);
                 kt = FA_NAME(unused_keys)(&ah, kt, w.dp, nq, nk, w.kpanel);
                 T *dqb = dqt + (h * nqb + i0 / qb) * E * qb;
-                for (fa_idx e = 0, mr; e < E; e += mr) {
-                    mr = FA_NAME(tile_rows)(E, e);
-                    for (fa_idx p = 0; p < qb; p += FA_NR)
+                for (fa_idx p = 0; p < qb; p += FA_NR)
+                    for (fa_idx e = 0, mr; e < E; e += mr) {
+                        mr = FA_NAME(tile_rows)(E, e);
                         FA_NAME(ukr)((int)mr, nk, kt.p + e * kt.es, kt.es, kt.ss, w.dp + p, qb,
                                      dqb + e * qb + p, qb, 1, 1, NULL);
-                }
+                    }
             }
         }
         for (fa_idx r = 0; r < nk; ++r) {
@@ -194,6 +208,28 @@ void FA_NAME(attn_grad)(const fa_attn_args *a, const fa_grad_args *g, const void
             for (fa_idx c = 0; c < a->Ev; ++c)
                 dv[(b0 + r) * g->dv_ss + c * g->dv_es] = av[r * evg + c];
         }
+    }
+}
+
+/* dQ of nq rows (a query block) of one head: scale times the sum of the
+ * chunks' parts in their order (chunk c's E x qb, transposed, at parts +
+ * c * part_s), and the rows' sums likewise (at sums + c * sum_s). */
+void FA_NAME(attn_grad_merge)(fa_idx nchunks, fa_idx E, fa_idx nq, T scale, const T *parts,
+                              fa_idx part_s, const T *sums, fa_idx sum_s, T *dq, fa_idx dq_ls,
+                              fa_idx dq_es, T *psum, fa_idx psum_s)
+{
+    const fa_idx qb = FA_QB;
+    T row[FA_QB];
+    for (fa_idx e = 0; e < E; ++e) {
+        for (fa_idx j = 0; j < nq; ++j) row[j] = parts[e * qb + j];
+        for (fa_idx c = 1; c < nchunks; ++c)
+            for (fa_idx j = 0; j < nq; ++j) row[j] += parts[c * part_s + e * qb + j];
+        for (fa_idx j = 0; j < nq; ++j) dq[j * dq_ls + e * dq_es] = scale * row[j];
+    }
+    for (fa_idx j = 0; j < nq; ++j) {
+        T t = sums[j];
+        for (fa_idx c = 1; c < nchunks; ++c) t += sums[c * sum_s + j];
+        psum[j * psum_s] = t;
     }
 }
 

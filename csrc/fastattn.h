@@ -256,16 +256,15 @@ int fa_attn_repair(fa_isa isa, int elsize, const fa_attn_args *a, const void *q,
 
 /* What the backward pass reads and writes besides the forward's
  * fa_attn_args (FlashAttention-2's backward, Dao 2023, Algorithm 2), in
- * element strides: dO (grad_out) is (L, Ev), D = rowsum(dO o O) (L), dK
- * (S, E), dV (S, Ev); between
- * the query heads of a grouped call (fa_attn_args' heads, whose q_hs and
- * lse_hs serve here too), do_hs, d_hs and m_hs (the mask's). */
+ * element strides: dO (grad_out) is (L, Ev), dK (S, E), dV (S, Ev); the
+ * forward's output is read through fa_attn_args' o_ls, o_es (and o_hs);
+ * between the query heads of a grouped call (fa_attn_args' heads, whose
+ * q_hs, o_hs and lse_hs serve here too), do_hs and m_hs (the mask's). */
 typedef struct {
     fa_idx do_ls, do_es;
-    fa_idx d_s;
     fa_idx dk_ss, dk_es;
     fa_idx dv_ss, dv_es;
-    fa_idx do_hs, d_hs, m_hs;
+    fa_idx do_hs, m_hs;
 } fa_grad_args;
 
 /* Keys per chunk of fa_attn_grad: whole key blocks of the block kernel,
@@ -278,24 +277,33 @@ fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a);
 size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize);
 /* The gradients of the keys s0..s1-1 (a chunk: s0 a multiple of
  * fa_attn_grad_chunk_keys, s1 the next one or S) from the queries, keys,
- * values and mask of the forward call a describes, dO, the forward's lse
- * and D, for the query heads of the call (heads; head h's queries, dO,
- * lse, D and mask at h times their head strides, its ALiBi slope
+ * values and mask of the forward call a describes, its output out and
+ * lse, and dO, for the query heads of the call (heads; head h's queries,
+ * output, lse, dO and mask at h times their head strides, its ALiBi slope
  * head_slopes[h]): dK and dV of those keys, summed over the heads in their
  * order, then over the query blocks (multiples of the query block from row
  * 0); and what those keys add to dQ / scale, transposed per query block,
  * into dqt (heads x ceil(L / qb) x E x qb, qb the query block), and to each
- * row's sum of exp(logit - lse), into psum (heads x L).  dQ is the sum of
- * the chunks' dqt in their order, times the scale: no result depends on
- * the threads.  The logits are computed again through the per-score stage
- * (sinks aside: they are in lse); psum summed over the chunks is 1 less the
- * sink's weight when lse is the forward's, which lets the caller check it.
- * Dense keys and values stored as T, exact precision, no k_mean; returns
- * 0, or -1 (nothing done) otherwise. */
+ * row's sum of exp(logit - lse), into psum (heads x L).  The logits are
+ * computed again through the per-score stage (sinks aside: they are in
+ * lse), D = rowsum(dO o O) once per query block.  Dense keys and values
+ * stored as T, exact precision, no k_mean; returns 0, or -1 (nothing done)
+ * otherwise. */
 int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
                  const void *q, const void *k, const void *v, const void *mask,
-                 const void *dout, const void *lse, const void *delta, void *dk, void *dv,
+                 const void *dout, const void *out, const void *lse, void *dk, void *dv,
                  void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work);
+/* dQ of nq rows (at most a query block) of one head, scale times the sum of
+ * nchunks chunks' dqt parts of those rows in the chunks' order (chunk c's E
+ * x qb at parts + c * part_s elements), into dq (rows dq_ls apart,
+ * features dq_es); and the rows' psum likewise, from sums + c * sum_s into
+ * psum (psum_s apart): summed over the chunks, 1 less the sink's weight
+ * when lse is the forward's, which lets the caller check it.  No result
+ * depends on the threads.  Returns 0, or -1 when nq is out of range. */
+int fa_attn_grad_merge(fa_isa isa, int elsize, fa_idx nchunks, fa_idx E, fa_idx nq,
+                       double scale, const void *parts, fa_idx part_s, const void *sums,
+                       fa_idx sum_s, void *dq, fa_idx dq_ls, fa_idx dq_es, void *psum,
+                       fa_idx psum_s);
 
 /* ---- Rotary position embedding (fa_rotary.c) --------------------------- */
 

@@ -141,13 +141,17 @@ cdef extern from "fastattn.h" nogil:
                        const void *states, void *out, void *lse, fa_idx i0, fa_idx i1,
                        void *work)
     ctypedef struct fa_grad_args:
-        fa_idx do_ls, do_es, d_s, dk_ss, dk_es, dv_ss, dv_es, do_hs, d_hs, m_hs
+        fa_idx do_ls, do_es, dk_ss, dk_es, dv_ss, dv_es, do_hs, m_hs
     fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a)
     size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize)
     int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
                      const void *q, const void *k, const void *v, const void *mask,
-                     const void *dout, const void *lse, const void *delta, void *dk, void *dv,
+                     const void *dout, const void *out, const void *lse, void *dk, void *dv,
                      void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work)
+    int fa_attn_grad_merge(fa_isa isa, int elsize, fa_idx nchunks, fa_idx E, fa_idx nq,
+                           double scale, const void *parts, fa_idx part_s, const void *sums,
+                           fa_idx sum_s, void *dq, fa_idx dq_ls, fa_idx dq_es, void *psum,
+                           fa_idx psum_s)
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x,
                   fa_idx xs, const void *c, const void *s, void *y, fa_idx ys)
@@ -1101,17 +1105,22 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
 
 
 cdef struct Grad:
-    # A backward call: the forward's operands (p: q, k, v, its mask m, dO
-    # as o, lse, slopes) and the backward's own, with its tasks: rows of
-    # five int64 (sequence, key/value head, chunk of keys, and where in
+    # A backward call: the forward's operands (p: q, k, v, its mask m, its
+    # output o, lse, slopes) and the backward's own, with its tasks: rows
+    # of five int64 (sequence, key/value head, chunk of keys, and where in
     # parts and in sums the task writes its part of dQ / scale and of the
-    # rows' sums: fa_attn_grad's dqt and psum).
+    # rows' sums: fa_attn_grad's dqt and psum), then the merges' rows of
+    # eight (sequence, query head, first row of a query block, where its
+    # chunk 0 starts in parts and the chunks' stride there, the same in
+    # sums, and the chunks: fa_attn_grad_merge's).
     Ragged p
     fa_grad_args g
-    Operand delta, dk, dv
+    Operand dout, dq, dk, dv, psum
+    fa_idx dq_ls, dq_es, psum_s
     char *parts
     char *sums
     const cnp.int64_t *tasks
+    const cnp.int64_t *merges
     int isa
 
 
@@ -1127,12 +1136,25 @@ cdef int grad_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
     n = fa_attn_grad_chunk_keys(&ai)
     return fa_attn_grad(<fa_isa>x.isa, p.es, &ai, &x.g, start(&p.q, p, b, hq, qr, ai.q_ls),
                         start(&p.k, p, b, h, kr, ai.k_ss), start(&p.v, p, b, h, kr, ai.v_ss),
-                        mask_of(p, b, hq), start(&p.o, p, b, hq, qr, ai.o_ls),
-                        start(&p.lse, p, b, hq, qr, ai.lse_s),
-                        start(&x.delta, p, b, hq, qr, x.g.d_s),
+                        mask_of(p, b, hq), start(&x.dout, p, b, hq, qr, x.g.do_ls),
+                        start(&p.o, p, b, hq, qr, ai.o_ls), start(&p.lse, p, b, hq, qr, ai.lse_s),
                         start(&x.dk, p, b, h, kr, x.g.dk_ss), start(&x.dv, p, b, h, kr, x.g.dv_ss),
                         x.parts + p.es * task[3], x.sums + p.es * task[4], c * n,
                         min((c + 1) * n, ai.S), work)
+
+
+cdef int merge_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
+    """Merge t of a backward call (a Grad): dQ and the rows' sums of a query block."""
+    cdef const Grad *x = <const Grad *>ctx
+    cdef const Ragged *p = &x.p
+    cdef const cnp.int64_t *m = x.merges + 8 * t
+    cdef fa_idx b = m[0], h = m[1], i0 = m[2], qr = q_row(p, b)
+    cdef fa_idx L = p.cu_q[b + 1] - p.cu_q[b] if p.cu_q != NULL else p.a.L
+    return fa_attn_grad_merge(<fa_isa>x.isa, p.es, m[7], p.a.E,
+                              min(fa_attn_query_block(p.es), L - i0), p.a.scale,
+                              x.parts + p.es * m[3], m[4], x.sums + p.es * m[5], m[6],
+                              start(&x.dq, p, b, h, qr + i0, x.dq_ls), x.dq_ls, x.dq_es,
+                              start(&x.psum, p, b, h, qr + i0, x.psum_s), x.psum_s)
 
 
 def grad_chunk_keys(fa_idx S):
@@ -1143,85 +1165,99 @@ def grad_chunk_keys(fa_idx S):
     return fa_attn_grad_chunk_keys(&a)
 
 
-cdef int grad_call(Grad *x, cnp.ndarray dout, cnp.ndarray delta, cnp.ndarray dk,
-                   cnp.ndarray dv, cnp.ndarray parts, cnp.ndarray sums,
-                   const cnp.int64_t[:, ::1] tasks, int ns, int ha, int rows, int lse_ha,
-                   int lse_rows, int nthreads) except -1:
+cdef int grad_call(Grad *x, cnp.ndarray dout, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv,
+                   cnp.ndarray psum, cnp.ndarray parts, cnp.ndarray sums,
+                   const cnp.int64_t[:, ::1] tasks, const cnp.int64_t[:, ::1] merges, int ns,
+                   int ha, int rows, int lse_ha, int lse_rows, int nthreads) except -1:
     """The backward's own operands into x, whose p holds the forward's, then
-    its tasks: the axes before ns are the sequences', ha the heads', rows
-    the positions' (lse_ha and lse_rows: delta's), the features' last."""
+    its tasks, then its merges: the axes before ns are the sequences', ha
+    the heads', rows the positions' (of psum, as of lse: lse_ha and
+    lse_rows), the features' last."""
     cdef fa_stop stop
     cdef int err
-    operand(&x.delta, delta, ns, lse_ha)
+    operand(&x.dout, dout, ns, ha)
+    operand(&x.dq, dq, ns, ha)
     operand(&x.dk, dk, ns, ha)
     operand(&x.dv, dv, ns, ha)
-    x.g.do_ls, x.g.do_es, x.g.do_hs = estride(dout, rows), estride(dout, dout.ndim - 1), x.p.o.head
-    x.g.d_s, x.g.d_hs, x.g.m_hs = estride(delta, lse_rows), x.delta.head, x.p.m.head
+    operand(&x.psum, psum, ns, lse_ha)
+    x.g.do_ls, x.g.do_es, x.g.do_hs = estride(dout, rows), estride(dout, dout.ndim - 1), x.dout.head
+    x.g.m_hs = x.p.m.head
     x.g.dk_ss, x.g.dk_es = estride(dk, rows), estride(dk, dk.ndim - 1)
     x.g.dv_ss, x.g.dv_es = estride(dv, rows), estride(dv, dv.ndim - 1)
-    if tasks.shape[1] != 5 or not parts.flags.c_contiguous or not sums.flags.c_contiguous:
-        raise ValueError("tasks must be (n, 5), parts and sums C-contiguous")
+    x.dq_ls, x.dq_es, x.psum_s = estride(dq, rows), estride(dq, dq.ndim - 1), estride(psum, lse_rows)
+    if (tasks.shape[1] != 5 or merges.shape[1] != 8 or not parts.flags.c_contiguous or
+            not sums.flags.c_contiguous):
+        raise ValueError("tasks must be (n, 5), merges (m, 8), parts and sums C-contiguous")
     x.parts, x.sums = <char *>cnp.PyArray_DATA(parts), <char *>cnp.PyArray_DATA(sums)
     x.tasks = &tasks[0, 0] if tasks.shape[0] > 0 else NULL
+    x.merges = &merges[0, 0] if merges.shape[0] > 0 else NULL
     stop_init(&stop)
     err = run_parallel(grad_run, x, tasks.shape[0], fa_attn_grad_work_bytes(&x.p.a, x.p.es),
                        nthreads, &stop)
+    if err == 0 and stop.flag == 0:
+        err = run_parallel(merge_run, x, merges.shape[0], 1, nthreads, &stop)
     stop_raise(&stop)
     return raise_on(err, "attention backward")
 
 
 def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
-                       int mask_kind, cnp.ndarray dout, cnp.ndarray lse, cnp.ndarray delta,
-                       cnp.ndarray dk, cnp.ndarray dv, cnp.ndarray parts, cnp.ndarray sums,
-                       const cnp.int64_t[:, ::1] tasks, fa_idx group, bint causal,
+                       int mask_kind, cnp.ndarray out, cnp.ndarray lse, cnp.ndarray dout,
+                       cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, cnp.ndarray psum,
+                       cnp.ndarray parts, cnp.ndarray sums, const cnp.int64_t[:, ::1] tasks,
+                       const cnp.int64_t[:, ::1] merges, fa_idx group, bint causal,
                        fa_idx causal_offset, double scale, int nthreads,
                        fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
                        object slopes=None):
-    """dk and dv of the attention that attention() computes with the same
-    arguments (FlashAttention-2's backward, fa_attn_grad), with the tasks'
-    parts of dq / scale and of each row's sum of exp(logit - lse) in parts
-    and sums, C-contiguous, where tasks (n, 5: sequence, key/value head,
-    chunk of grad_chunk_keys(S) keys, offset in parts, offset in sums) say.
-    The sequences: the batch axes before the heads, flattened.  q, dout:
-    (..., Hq, L, E | Ev); k, v, dk, dv: (..., Hkv, S, E | Ev), Hkv = Hq /
-    group; lse and delta = rowsum(dout * out): (..., Hq, L); mask a view of
-    (..., Hq, L, S); slopes (..., Hq) float64, its last axis contiguous.  All
-    of one dtype, float32 or float64.  Every gradient and part is written
-    once by one task, its sums in an order fixed by positions: the same bits
-    for any thread count."""
+    """dq, dk and dv of the attention that attention() computes with the
+    same arguments and gave out and lse (FlashAttention-2's backward,
+    fa_attn_grad), from dout, and psum, each row's sum of exp(logit - lse)
+    over its keys.  The tasks (n, 5: sequence, key/value head, chunk of
+    grad_chunk_keys(S) keys, offsets in parts and sums) write their parts of
+    dq / scale and of psum in parts and sums (C-contiguous scratch); the
+    merges (m, 8: sequence, query head, first row of a query block, its
+    chunk 0's offset and the chunks' stride in parts, the same in sums, the
+    chunks) sum them into dq and psum.  The sequences: the batch axes
+    before the heads, flattened.  q, dout, dq: (..., Hq, L, E | Ev); k, v,
+    dk, dv: (..., Hkv, S, E | Ev), Hkv = Hq / group; lse and psum: (..., Hq,
+    L); mask a view of (..., Hq, L, S); slopes (..., Hq) float64, its last
+    axis contiguous.  All of one dtype, float32 or float64.  Every gradient
+    and part is written once, its sums in an order fixed by positions: the
+    same bits for any thread count."""
     cdef int nd = q.ndim - 2
     cdef Grad x
     memset(&x, 0, sizeof(x))
     x.isa = isa
-    dense_operands(&x.p, q, k, v, dout, mask, mask_kind, lse, slopes, group, causal,
+    dense_operands(&x.p, q, k, v, out, mask, mask_kind, lse, slopes, group, causal,
                    causal_offset, scale, window_left, window_right, softcap)
-    grad_call(&x, dout, delta, dk, dv, parts, sums, tasks, nd - 1 if nd > 0 else 0, nd - 1,
-              nd, nd - 1, nd, nthreads)
+    grad_call(&x, dout, dq, dk, dv, psum, parts, sums, tasks, merges,
+              nd - 1 if nd > 0 else 0, nd - 1, nd, nd - 1, nd, nthreads)
 
 
-def varlen_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray dout,
-                    cnp.ndarray lse, cnp.ndarray delta, cnp.ndarray dk, cnp.ndarray dv,
-                    cnp.ndarray parts, cnp.ndarray sums, const cnp.int64_t[:, ::1] tasks,
+def varlen_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+                    cnp.ndarray lse, cnp.ndarray dout, cnp.ndarray dq, cnp.ndarray dk,
+                    cnp.ndarray dv, cnp.ndarray psum, cnp.ndarray parts, cnp.ndarray sums,
+                    const cnp.int64_t[:, ::1] tasks, const cnp.int64_t[:, ::1] merges,
                     const cnp.int64_t[::1] cu_q, const cnp.int64_t[::1] cu_k,
                     const cnp.int64_t[::1] seq_lens, fa_idx group,
                     bint causal, bint lower_right, fa_idx align_offset, double scale,
                     int nthreads, fa_idx window_left, fa_idx window_right, double softcap,
                     object slopes):
-    """attention_backward of packed sequences (varlen_attention's): q, dout
-    (total_q, Hq, E | Ev), k and v as the one block of caches (1, Hkv,
-    total_k, E | Ev), dk, dv (total_k, Hkv, E | Ev), lse and delta (Hq,
+    """attention_backward of packed sequences (varlen_attention's): q, out,
+    dout, dq (total_q, Hq, E | Ev), k and v as the one block of caches (1,
+    Hkv, total_k, E | Ev), dk, dv (total_k, Hkv, E | Ev), lse and psum (Hq,
     total_q), sequence b's rows cu_q[b]..cu_q[b + 1] - 1 and keys
-    cu_k[b]..cu_k[b + 1] - 1 (seq_lens[b] keys); slopes (B, Hq) float64 or None."""
+    cu_k[b]..cu_k[b + 1] - 1 (seq_lens[b] keys); slopes (B, Hq) float64 or
+    None."""
     cdef Grad x
     cdef Ragged *p = &x.p
     cdef fa_idx nseq = cu_q.shape[0] - 1
     memset(&x, 0, sizeof(x))
     x.isa = isa
-    packed_operands(p, q, k, v, dout, lse, slopes, nseq, group, causal, lower_right,
+    packed_operands(p, q, k, v, out, lse, slopes, nseq, group, causal, lower_right,
                     align_offset, scale, window_left, window_right, softcap)
     if nseq > 0:
         p.cu_q, p.kv_start, p.seq_lens = &cu_q[0], &cu_k[0], &seq_lens[0]
-    grad_call(&x, dout, delta, dk, dv, parts, sums, tasks, 0, 1, 0, 0, 1, nthreads)
+    grad_call(&x, dout, dq, dk, dv, psum, parts, sums, tasks, merges, 0, 1, 0, 0, 1, nthreads)
 
 
 cdef int packed_operands(Ragged *p, cnp.ndarray q, cnp.ndarray key_cache,

@@ -417,19 +417,17 @@ def _sum_to(x: NDArray[Any], shape: C.Shape) -> NDArray[Any]:
 
 
 class GradPlan(NamedTuple):
-    """The tasks of a backward call over sequences of L[b] queries and S[b]
-    keys (_core's tasks: sequence, key/value head, chunk of keys, offsets in
-    parts and sums), costlier first, and the buffers their parts of dQ /
-    scale and of the rows' sums go to: sequence b's from parts_at[b] and
-    sums_at[b], as (chunks[b], Hq, nqb[b], E, qb) and (chunks[b], Hq, L[b])."""
+    """The work of a backward call over sequences of L[b] queries and S[b]
+    keys, as _core's backward takes it: the tasks (sequence, key/value head,
+    chunk of keys, offsets in parts and sums), costlier first, the merges
+    (sequence, query head, first row of a query block, its chunk 0's offset
+    and the chunks' stride in parts, the same in sums, the chunks), and the
+    scratch the tasks write: sequence b's parts as (chunks, Hq, query
+    blocks, E, query block), its sums as (chunks, Hq, L[b])."""
     tasks: NDArray[np.int64]
+    merges: NDArray[np.int64]
     parts: NDArray[Any]
     sums: NDArray[Any]
-    parts_at: NDArray[np.int64]
-    sums_at: NDArray[np.int64]
-    chunks: NDArray[np.int64]
-    nqb: NDArray[np.int64]
-    qb: int
 
 
 def _grad_plan(L: NDArray[np.int64], S: NDArray[np.int64], Hq: int, group: int, E: int,
@@ -439,34 +437,30 @@ def _grad_plan(L: NDArray[np.int64], S: NDArray[np.int64], Hq: int, group: int, 
     sizes, inverse = np.unique(S, return_inverse=True)
     keys = np.array([_core.grad_chunk_keys(int(n)) for n in sizes], np.int64)[inverse]
     chunks = np.maximum(-(-S // keys), 1)
-    part_len, sum_len = chunks * Hq * nqb * E * qb, chunks * Hq * L
-    parts_at = np.cumsum(part_len) - part_len
-    sums_at = np.cumsum(sum_len) - sum_len
-    per_seq = chunks * (Hq // group if group else 0)
-    seq = np.repeat(np.arange(L.shape[0]), per_seq)
-    local = np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    part_s, sum_s = Hq * nqb * E * qb, Hq * L  # a chunk's
+    parts_at = np.cumsum(chunks * part_s) - chunks * part_s
+    sums_at = np.cumsum(chunks * sum_s) - chunks * sum_s
+
+    def each(per_seq: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """(sequence, its index 0..per_seq[b]-1) of every item of every sequence"""
+        seq = np.repeat(np.arange(L.shape[0]), per_seq)
+        return seq, np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq,
+                                                              per_seq)
+    seq, local = each(chunks * (Hq // group if group else 0))
     head, chunk = local // chunks[seq], local % chunks[seq]
     first = chunk * Hq + head * group  # the task's first query head in its chunk
     tasks = np.stack([seq, head, chunk, parts_at[seq] + first * nqb[seq] * E * qb,
-                      sums_at[seq] + first * L[seq]], axis=1).astype(np.int64)
+                      sums_at[seq] + first * L[seq]], axis=1)
     tasks = tasks[np.argsort(-(L * S)[seq], kind="stable")]
-    return GradPlan(np.ascontiguousarray(tasks), np.empty(int(part_len.sum()), compute),
-                    np.empty(int(sum_len.sum()), compute), parts_at, sums_at, chunks, nqb, qb)
-
-
-def _grad_query(plan: GradPlan, b: int, n: int, Hq: int, E: int, L: int,
-                scale: float) -> tuple[NDArray[Any], NDArray[Any]]:
-    """dQ (n, Hq, L, E) and the rows' sums (n, Hq, L) of the n sequences from
-    b on, all of L queries and the same chunks: their parts summed in the
-    chunks' order."""
-    if n == 0:
-        return np.zeros((0, Hq, L, E), plan.parts.dtype), np.zeros((0, Hq, L), plan.sums.dtype)
-    c, nqb, qb = int(plan.chunks[b]), int(plan.nqb[b]), plan.qb
-    at, sat = int(plan.parts_at[b]), int(plan.sums_at[b])
-    parts = plan.parts[at:at + n * c * Hq * nqb * E * qb].reshape(n, c, Hq, nqb, E, qb)
-    dq = parts.sum(axis=1).swapaxes(-1, -2).reshape(n, Hq, nqb * qb, E)[:, :, :L]
-    psum = plan.sums[sat:sat + n * c * Hq * L].reshape(n, c, Hq, L).sum(axis=1)
-    return dq * np.asarray(scale, dq.dtype), psum
+    seq, local = each(Hq * nqb)
+    head, block = local // nqb[seq], local % nqb[seq]
+    merges = np.stack([seq, head, block * qb,
+                       parts_at[seq] + (head * nqb[seq] + block) * E * qb, part_s[seq],
+                       sums_at[seq] + head * L[seq] + block * qb, sum_s[seq], chunks[seq]],
+                      axis=1)
+    return GradPlan(np.ascontiguousarray(tasks, np.int64), np.ascontiguousarray(merges, np.int64),
+                    np.empty(int((chunks * part_s).sum()), compute),
+                    np.empty(int((chunks * sum_s).sum()), compute))
 
 
 def _sink_weights(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[Any]],
@@ -525,7 +519,9 @@ def _computed(x: NDArray[Any], compute: np.dtype[Any]) -> NDArray[Any]:
 
 
 def _delta(dout: NDArray[Any], out: NDArray[Any]) -> NDArray[Any]:
-    """D = rowsum(dO o O), C-ordered so that its sums do not depend on the layout."""
+    """D = rowsum(dO o O) (the kernels compute their own: this one serves
+    the sinks' gradient), C-ordered so that its sums do not depend on the
+    layout."""
     with np.errstate(all="ignore"):
         delta: NDArray[Any] = np.multiply(dout, out, order="C").sum(axis=-1)
     return delta
@@ -552,28 +548,28 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
     q = C.broadcast_view(_computed(query, compute), batch + (L, E))
     k = C.broadcast_view(_computed(key, compute), call.kv_batch + (S, E))
     v = C.broadcast_view(_computed(value, compute), call.kv_batch + (S, Ev))
-    dout, lse = _computed(grad_out, compute), C.kernel_view(logsumexp)
-    delta = _delta(dout, _computed(out, compute))
+    dout, out_c, lse = _computed(grad_out, compute), _computed(out, compute), \
+        C.kernel_view(logsumexp)
+    dq = np.empty(batch + (L, E), compute)
     dk = np.empty(call.kv_batch + (S, E), compute)
     dv = np.empty(call.kv_batch + (S, Ev), compute)
+    psum = np.empty(batch + (L,), compute)
     Hq = batch[-1] if batch else 1
     nseq = math.prod(batch[:-1]) if batch else 1
     plan = _grad_plan(np.full(nseq, L, np.int64), np.full(nseq, S, np.int64), Hq, call.group,
                       E, compute)
     slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
     _core.attention_backward(
-        _runtime.isa(), q, k, v, call.mask, call.kind, dout, lse, delta, dk, dv, plan.parts,
-        plan.sums, plan.tasks, call.group, call.causal, call.offset, call.scale, call.nthreads,
-        window_left=variants.window_left, window_right=variants.window_right,
-        softcap=variants.softcap, slopes=slopes)
-    dq, psum = _grad_query(plan, 0, nseq, Hq, E, L, call.scale)
-    dq, psum = dq.reshape(batch + (L, E)), psum.reshape(batch + (L,))
+        _runtime.isa(), q, k, v, call.mask, call.kind, out_c, lse, dout, dq, dk, dv, psum,
+        plan.parts, plan.sums, plan.tasks, plan.merges, call.group, call.causal, call.offset,
+        call.scale, call.nthreads, window_left=variants.window_left,
+        window_right=variants.window_right, softcap=variants.softcap, slopes=slopes)
     sink = _sink_weights(psum, lse, variants.sinks, compute)
     grads = [_sum_to(g, np.shape(x)) for g, x in ((dq, query), (dk, key), (dv, value))]
     if compute != dtype:
         grads = [narrow(np.ascontiguousarray(g), dtype, call.nthreads) for g in grads]
     if sinks is not None:
-        grads.append(_sink_grad(sink, delta, sinks, (-1,)))
+        grads.append(_sink_grad(sink, _delta(dout, out_c), sinks, (-1,)))
     return tuple(grads)
 
 
@@ -604,30 +600,24 @@ def varlen_backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[An
                                compute, offset)
     sink_logits = None if sinks is None else _variants.per_head(sinks, "sinks", (Hq,),
                                                                 finite=False)
-    dout, lse = _computed(grad_out, compute), C.kernel_view(lse)
-    delta = np.ascontiguousarray(_delta(dout, _computed(out, compute)).T)  # (Hq, total_q)
-    dk, dv = np.empty((total_k, Hkv, E), compute), np.empty((total_k, Hkv, Ev), compute)
+    dout, out_c, lse = _computed(grad_out, compute), _computed(out, compute), C.kernel_view(lse)
+    dq, dk = np.empty((total_q, Hq, E), compute), np.empty((total_k, Hkv, E), compute)
+    dv, psum = np.empty((total_k, Hkv, Ev), compute), np.empty((Hq, total_q), compute)
     plan = _grad_plan(L, S, Hq, Hq // Hkv, E, compute)
     _core.varlen_backward(
         _runtime.isa(), _computed(query, compute),
         _computed(key, compute).transpose(1, 0, 2)[None],
-        _computed(value, compute).transpose(1, 0, 2)[None], dout, lse, delta, dk, dv,
-        plan.parts, plan.sums,
-        plan.tasks, cu_q, cu_k, np.ascontiguousarray(S), Hq // Hkv, causal, lower_right, offset, scale, nthreads,
-        variants.window_left, variants.window_right, variants.softcap,
+        _computed(value, compute).transpose(1, 0, 2)[None], out_c, lse, dout, dq, dk, dv, psum,
+        plan.parts, plan.sums, plan.tasks, plan.merges, cu_q, cu_k, np.ascontiguousarray(S),
+        Hq // Hkv, causal, lower_right, offset, scale, nthreads, variants.window_left,
+        variants.window_right, variants.softcap,
         None if variants.slopes is None else C.contiguous(variants.slopes))
-    dq = np.empty((total_q, Hq, E), compute)
-    psum = np.empty((Hq, total_q), compute)
-    for b in range(B):
-        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        g, p = _grad_query(plan, b, 1, Hq, E, int(L[b]), scale)
-        dq[rows], psum[:, rows] = g[0].swapaxes(0, 1), p[0]
     sink = _sink_weights(psum, lse, sink_logits, compute)
     grads = [dq, dk, dv]
     if compute != dtype:
         grads = [narrow(g, dtype, nthreads) for g in grads]
     if sinks is not None:
-        grads.append(_sink_grad(sink, delta, sinks, (-1,)))
+        grads.append(_sink_grad(sink, _delta(dout, out_c).T, sinks, (-1,)))
     return tuple(grads)
 
 

@@ -601,3 +601,42 @@ def test_ctrl_c_keeps_the_cases_finished():
     assert "Traceback" not in err and "interrupted; 1 case(s) finished" in err
     assert data["settings"]["interrupted"] is True
     assert [c["shape"] for c in data["cases"]] == ["tiny"] and "tiny" in out
+
+
+def test_backward_bench_on_tiny_cases(monkeypatch):
+    """`fastattn bench --backward`'s rows on two tiny cases (one soft-capped,
+    PyTorch's operations one by one): every runner's gradients agree with
+    fastattn's, and the table and JSON carry what the docstring says."""
+    pytest.importorskip("torch")
+    from fastattn.bench import backward
+
+    cases = (backward.Case(Shape("tiny-causal", 1, 2, 70, 90, 16, causal=True)),
+             backward.Case(Shape("tiny-softcap", 1, 2, 33, 33, 8, causal=True), softcap=5.0))
+    monkeypatch.setattr(backward, "CASES", cases)
+    monkeypatch.setattr(backward, "peak_memory", lambda case, runner, seed: 1 << 20)
+    result = backward.run(threads=(1,), repeat=1, min_time=0.0, progress=False)
+    runners = [(x["case"], x["runner"]) for x in result["rows"]]
+    assert runners == [("tiny-causal", "fastattn"), ("tiny-causal", "torch-flash"),
+                       ("tiny-causal", "torch-math"), ("tiny-softcap", "fastattn"),
+                       ("tiny-softcap", "torch-eager")]
+    for row in result["rows"]:
+        assert row["difference"] < 1e-5 and row["seconds"] > 0 and row["pct_peak"] > 0
+    assert cases[0].flops == 14 * 2 * 70 * 90 * 16 / 2  # 4 + 10 L S E, halved: causal
+    table = backward.format_table(result)
+    assert "tiny-softcap" in table and "torch-eager" in table and "fastattn x" in table
+    json.dumps(result)
+
+
+def test_backward_bench_peak_memory_in_its_own_process():
+    pytest.importorskip("torch")
+    from fastattn.bench import backward
+
+    case = next(c for c in backward.CASES if c.name == "bert-base")
+    assert backward.peak_memory(case, "fastattn", 0) > 0
+
+
+def test_cli_backward_refuses_a_shape_it_lacks():
+    proc = subprocess.run([sys.executable, "-m", "fastattn", "bench", "--backward",
+                           "--shapes", "decode-4096", "--no-progress"],
+                          capture_output=True, text=True, cwd=tempfile.gettempdir())
+    assert proc.returncode == 2 and "no backward case decode-4096" in proc.stderr

@@ -22,6 +22,7 @@ DEFAULT_SHAPES = tuple(s.name for s in SHAPES) + (TINY.name,)
 # minutes, where fewer calls per case left the process each case starts
 QUICK_SHAPES = ("bert-base", "encoder-512", "causal-2048", "head-128", "decode-4096",
                 "decode-8192", "tiny")
+SOFTCAP_4096 = "softcap-4096"  # --backward's own shape (fastattn/bench/backward.py)
 
 
 def _names(text, known, what):
@@ -103,11 +104,13 @@ def output_file(suffix=None):
 
 def add_arguments(p):
     shape_names = list(DEFAULT_SHAPES)
-    p.add_argument("--shapes", type=lambda t: _names(t, shape_names + [LONG_16384.name], "shape"),
+    p.add_argument("--shapes", type=lambda t: _names(t, shape_names + [LONG_16384.name,
+                                                         SOFTCAP_4096], "shape"),
                    metavar="LIST",
                    help=f"comma-separated, from: {', '.join(shape_names)}, "
-                        f"{LONG_16384.name} (default: all but {LONG_16384.name}, the shape "
-                        f"of --memory; with --quick: {', '.join(QUICK_SHAPES)})")
+                        f"{LONG_16384.name}, {SOFTCAP_4096} (default: all but "
+                        f"{LONG_16384.name}, the shape of --memory, and {SOFTCAP_4096}, "
+                        f"--backward's; with --quick: {', '.join(QUICK_SHAPES)})")
     p.add_argument("--runners", type=lambda t: _names(t, list(RUNNERS), "runner"),
                    default=list(RUNNERS), metavar="LIST",
                    help=f"comma-separated, from: {', '.join(RUNNERS)} (default: all; "
@@ -141,6 +144,13 @@ def add_arguments(p):
                         "serving.py); --threads, --repeat, --seed and --json apply.  About 7 minutes "
                         "on 2 cores at 1,2 threads, and 12 GB of memory (its padded rows of the "
                         "mixed step take most of the time)")
+    p.add_argument("--backward", action="store_true",
+                   help="instead of the shapes: forward + backward (a training step's "
+                        "attention) on fastattn against PyTorch's SDPA, flash and math "
+                        "kernels, on the dense shapes of E = 64 and 128, window-8192 and "
+                        f"{SOFTCAP_4096} (fastattn/bench/backward.py; needs torch); --shapes, "
+                        "--threads, --repeat, --min-time, --quick, --seed and --json apply.  "
+                        "About 10 minutes on 2 cores at 1,2 threads, and 6 GB of memory")
     p.add_argument("--sharded", action="store_true",
                    help="instead of the shapes: decoding over a cache of --context positions "
                         "(8 key/value heads of 128, float16) sharded over 2 Ray actors, per "
@@ -175,6 +185,8 @@ def main(args):
         return 2
     if args.serving:
         return _serving(args)
+    if args.backward:
+        return _backward(args)
     from . import report as rep
     from .suite import run_suite
 
@@ -226,6 +238,23 @@ def _serving(args):
     result = serving.run(args.threads, rounds=args.repeat or DEFAULT["repeat"], seed=args.seed,
                          progress=not args.no_progress)
     return _report(args, result, serving.format_table)
+
+
+def _backward(args):
+    from . import backward
+
+    known = [c.name for c in backward.CASES]
+    names = args.shapes or list(backward.QUICK if args.quick else known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"fastattn bench --backward: no backward case {', '.join(unknown)}; its shapes: "
+              f"{', '.join(known)}", file=sys.stderr)
+        return 2
+    settings = QUICK if args.quick else DEFAULT
+    result = backward.run(args.threads, names, repeat=args.repeat or 3,
+                          min_time=settings["min_time"] if args.min_time is None
+                          else args.min_time, seed=args.seed, progress=not args.no_progress)
+    return _report(args, result, backward.format_table)
 
 
 def _sharded(args):
