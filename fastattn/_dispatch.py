@@ -272,7 +272,7 @@ def check_call(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if dropout_p != 0:
-        raise ValueError(f"dropout_p must be 0 (fastattn computes inference-time attention), "
+        raise ValueError(f"dropout_p must be 0 (fastattn has no dropout), "
                          f"got {dropout_p}")
     causal = C.check_bool(is_causal, "is_causal")
     gqa = C.check_bool(enable_gqa, "enable_gqa")

@@ -130,7 +130,7 @@ def scaled_dot_product_attention(
         its score is.  Converted to query's dtype (float32 for the 16-bit
         dtypes); read through strides, never expanded to full size.
     dropout_p : float
-        Must be 0: fastattn computes inference-time attention.
+        Must be 0: fastattn has no dropout.
     is_causal : bool
         Hide later keys: with ``causal_alignment="upper_left"`` (PyTorch's
         ``is_causal``) query i sees keys 0..i; with ``"lower_right"`` query
