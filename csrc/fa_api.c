@@ -254,10 +254,13 @@ size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize)
 }
 
 /* The backward pass reads the forward's operands as they are: dense, as T,
- * exact. */
+ * exact; any number of query heads per key/value head, taken one after the
+ * other (not folded into a query block's columns as the forward's are). */
 static int grad_ok(const fa_attn_args *a, int elsize)
 {
-    return elsize_ok(elsize) && attn_shape_ok(a, 0, 0, NULL, elsize) &&
+    fa_attn_args one = *a;
+    one.heads = 1;
+    return elsize_ok(elsize) && attn_shape_ok(&one, 0, 0, NULL, elsize) &&
            a->q_store == FA_STORE_NATIVE && a->kv_store == FA_STORE_NATIVE &&
            a->block_table == NULL && a->precision == FA_PRECISION_EXACT && a->k_mean == NULL;
 }
@@ -271,19 +274,20 @@ fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a)
 
 int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
                  const void *q, const void *k, const void *v, const void *mask,
-                 const void *dout, const void *out, const void *lse, void *dk, void *dv,
-                 void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work)
+                 const void *dout, const void *out, const void *lse, const void *rnorm,
+                 void *dk, void *dv, void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work)
 {
     if (!grad_ok(a, elsize) || s0 < 0 || s1 < s0 || s1 > a->S) return -1;
     if (elsize == 4)
         FA_DISPATCH(isa, attn_grad, f32, (a, g, q, k, v, mask, (const float *)dout,
-                                          (const float *)out, (const float *)lse, (float *)dk,
-                                          (float *)dv, (float *)dqt, (float *)psum, s0, s1, work));
+                                          (const float *)out, (const float *)lse,
+                                          (const float *)rnorm, (float *)dk, (float *)dv,
+                                          (float *)dqt, (float *)psum, s0, s1, work));
     else
         FA_DISPATCH(isa, attn_grad, f64, (a, g, q, k, v, mask, (const double *)dout,
                                           (const double *)out, (const double *)lse,
-                                          (double *)dk, (double *)dv, (double *)dqt,
-                                          (double *)psum, s0, s1, work));
+                                          (const double *)rnorm, (double *)dk, (double *)dv,
+                                          (double *)dqt, (double *)psum, s0, s1, work));
     return 0;
 }
 

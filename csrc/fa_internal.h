@@ -85,8 +85,9 @@
     void FA_CAT4(fa, attn_grad, SFX, ISA)(const fa_attn_args *a, const fa_grad_args *g,   \
                                           const void *q, const void *k, const void *v,    \
                                           const void *mask, const T *dout, const T *out,   \
-                                          const T *lse, T *dk, T *dv, T *dqt, T *psum,     \
-                                          fa_idx s0, fa_idx s1, void *work);               \
+                                          const T *lse, const T *rnorm, T *dk, T *dv,      \
+                                          T *dqt, T *psum, fa_idx s0, fa_idx s1,           \
+                                          void *work);                                     \
     void FA_CAT4(fa, attn_grad_merge, SFX, ISA)(fa_idx nchunks, fa_idx E, fa_idx nq, T scale, \
                                                 const T *parts, fa_idx part_s, const T *sums, \
                                                 fa_idx sum_s, T *dq, fa_idx dq_ls,            \

@@ -25,6 +25,7 @@ typedef struct {
     T *qr, *dor;             /* QB x GP(E) and QB x GP(Ev): the same as rows */
     T *st, *bias, *cap, *dp; /* KB x QB: logits then P, the mask, capped scores, dP then dS */
     T *ms, *dl, *bm, *bl;    /* QB each: lse (0 for -inf), D, block maxima, P's column sums */
+    T *rn;                   /* QB: the rows' factors of P (rnorm), or NULL */
     T *panel, *kpanel;       /* converted tiles (block_logits'), key rows zeroed */
     T *acc;                  /* dK and dV of a key block */
 } FA_NAME(grad_scratch);
@@ -33,7 +34,7 @@ size_t FA_NAME(grad_work)(const fa_attn_args *a)
 {
     const size_t qb = FA_QB, kb = FA_KB, E = (size_t)a->E, Ev = (size_t)a->Ev;
     return sizeof(T) * ((E + Ev) * qb + (qb + kb) * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)) +
-                        4 * kb * qb + 4 * qb + kb * (size_t)(2 * FA_EP(a) + FA_EVP(a))) +
+                        4 * kb * qb + 5 * qb + kb * (size_t)(2 * FA_EP(a) + FA_EVP(a))) +
            FA_ALIGN;
 }
 
@@ -53,7 +54,8 @@ static FA_NAME(grad_scratch) FA_NAME(grad_scratch_of)(const fa_attn_args *a, voi
     w.dl = w.ms + qb;
     w.bm = w.dl + qb;
     w.bl = w.bm + qb;
-    w.panel = w.bl + qb;
+    w.rn = w.bl + qb;
+    w.panel = w.rn + qb;
     w.kpanel = w.panel + kb * (FA_EP(a) + FA_EVP(a));
     w.acc = w.kpanel + kb * FA_EP(a);
     return w;
@@ -62,8 +64,8 @@ static FA_NAME(grad_scratch) FA_NAME(grad_scratch_of)(const fa_attn_args *a, voi
 /* Rows i0..i0+nq-1 of one head: its queries and dO, both transposed and as
  * rows (zero padded), its lse, and D = rowsum(dO o O) of its output out. */
 static void FA_NAME(grad_rows)(const fa_attn_args *a, const fa_grad_args *g, const T *q,
-                               const T *dout, const T *out, const T *lse, fa_idx i0, fa_idx nq,
-                               const FA_NAME(grad_scratch) *w)
+                               const T *dout, const T *out, const T *lse, const T *rnorm,
+                               fa_idx i0, fa_idx nq, const FA_NAME(grad_scratch) *w)
 {
     const fa_idx qb = FA_QB, eg = FA_GP(a->E), evg = FA_GP(a->Ev);
     FA_NAME(pack_t)(nq, a->E, q + i0 * a->q_ls, a->q_ls, a->q_es, 1, w->qp, qb, 1);
@@ -87,14 +89,16 @@ static void FA_NAME(grad_rows)(const fa_attn_args *a, const fa_grad_args *g, con
         for (fa_idx c = 0; j < nq && c < a->Ev; ++c)
             d += w->dop[c * qb + j] * out[(i0 + j) * a->o_ls + c * a->o_es];
         w->dl[j] = d;
+        w->rn[j] = rnorm != NULL && j < nq ? rnorm[(i0 + j) * a->lse_s] : 1;
     }
 }
 
-/* P (in st) and dS (in dp) of the key block s0..s0+nk-1 and the query
- * block grad_rows loaded; 0 when the mask hides the whole block. */
+/* P (in st; times the rows' factors with rnorm) and dS (in dp) of the key
+ * block s0..s0+nk-1 and the query block grad_rows loaded; 0 when the mask
+ * hides the whole block. */
 static int FA_NAME(grad_block)(const fa_attn_args *a, const void *k, const void *v,
                                const void *mask, fa_idx i0, fa_idx nq, fa_idx s0, fa_idx nk,
-                               const FA_NAME(grad_scratch) *w)
+                               int rnorm, const FA_NAME(grad_scratch) *w)
 {
     const fa_idx qb = FA_QB;
     const T c = (T)a->softcap;
@@ -103,6 +107,8 @@ static int FA_NAME(grad_block)(const fa_attn_args *a, const void *k, const void 
                                c > 0 ? w->cap : NULL))
         return 0;
     FA_NAME(exp_block)(0, nk, qb, qb, w->st, w->ms, w->bl, 1);
+    for (fa_idx r = 0; rnorm && r < nk; ++r)
+        for (fa_idx j = 0; j < qb; ++j) w->st[r * qb + j] *= w->rn[j];
     const FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, w->panel + FA_KB * FA_EP(a));
     /* panels of B outer: one stays in L1 while the tiles of A stream past
      * (their broadcasts read a third of its bytes) */
@@ -151,7 +157,8 @@ static FA_NAME(tile) FA_NAME(unused_keys)(const fa_attn_args *a, FA_NAME(tile) k
 
 void FA_NAME(attn_grad)(const fa_attn_args *a, const fa_grad_args *g, const void *q,
                         const void *k, const void *v, const void *mask, const T *dout,
-                        const T *out, const T *lse, T *dk, T *dv, T *dqt, T *psum, fa_idx s0,
+                        const T *out, const T *lse, const T *rnorm, T *dk, T *dv, T *dqt,
+                        T *psum, fa_idx s0,
                         fa_idx s1, void *work)
 {
     const FA_NAME(grad_scratch) w = FA_NAME(grad_scratch_of)(a, work);
@@ -175,8 +182,10 @@ void FA_NAME(attn_grad)(const fa_attn_args *a, const fa_grad_args *g, const void
             for (fa_idx i0 = lo / qb * qb; i0 < hi_last; i0 += qb) {
                 const fa_idx nq = ah.L - i0 < qb ? ah.L - i0 : qb;
                 FA_NAME(grad_rows)(&ah, g, qh, dout + h * g->do_hs, out + h * a->o_hs,
-                                   lse + h * a->lse_hs, i0, nq, &w);
-                if (!FA_NAME(grad_block)(&ah, k, v, mh, i0, nq, b0, nk, &w)) continue;
+                                   lse + h * a->lse_hs,
+                                   rnorm == NULL ? NULL : rnorm + h * a->lse_hs, i0, nq, &w);
+                if (!FA_NAME(grad_block)(&ah, k, v, mh, i0, nq, b0, nk, rnorm != NULL, &w))
+                    continue;
                 for (fa_idx j = 0; j < nq; ++j) psum[h * a->L + i0 + j] += w.bl[j];
                 for (fa_idx c = 0; c < evg; c += FA_NR) /* dV += P^T dO */
                     for (fa_idx r = 0, mr; r < nk; r += mr) {

@@ -286,13 +286,16 @@ size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize);
  * into dqt (heads x ceil(L / qb) x E x qb, qb the query block), and to each
  * row's sum of exp(logit - lse), into psum (heads x L).  The logits are
  * computed again through the per-score stage (sinks aside: they are in
- * lse), D = rowsum(dO o O) once per query block.  Dense keys and values
+ * lse), D = rowsum(dO o O) once per query block.  rnorm (NULL: none),
+ * laid out as lse: a factor per row of the weights exp(logit - lse), for
+ * an lse whose rounding left the row's weights summing to other than 1
+ * (an lse of 1e5 in float32 is good to 0.008).  Dense keys and values
  * stored as T, exact precision, no k_mean; returns 0, or -1 (nothing done)
  * otherwise. */
 int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
                  const void *q, const void *k, const void *v, const void *mask,
-                 const void *dout, const void *out, const void *lse, void *dk, void *dv,
-                 void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work);
+                 const void *dout, const void *out, const void *lse, const void *rnorm,
+                 void *dk, void *dv, void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work);
 /* dQ of nq rows (at most a query block) of one head, scale times the sum of
  * nchunks chunks' dqt parts of those rows in the chunks' order (chunk c's E
  * x qb at parts + c * part_s elements), into dq (rows dq_ls apart,

@@ -77,7 +77,8 @@ def attention_backward(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[An
                        merges: NDArray[np.int64], group: int, causal: bool,
                        causal_offset: int, scale: float, nthreads: int,
                        window_left: int = ..., window_right: int = ..., softcap: float = ...,
-                       slopes: Optional[NDArray[Any]] = ...) -> None: ...
+                       slopes: Optional[NDArray[Any]] = ...,
+                       rnorm: Optional[NDArray[Any]] = ...) -> None: ...
 def varlen_backward(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
                     out: NDArray[Any], lse: NDArray[Any], dout: NDArray[Any],
                     dq: NDArray[Any], dk: NDArray[Any], dv: NDArray[Any], psum: NDArray[Any],
@@ -86,4 +87,5 @@ def varlen_backward(isa: int, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
                     cu_k: NDArray[np.int64], seq_lens: NDArray[np.int64], group: int,
                     causal: bool, lower_right: bool, align_offset: int, scale: float,
                     nthreads: int, window_left: int, window_right: int, softcap: float,
-                    slopes: Optional[NDArray[Any]]) -> None: ...
+                    slopes: Optional[NDArray[Any]],
+                    rnorm: Optional[NDArray[Any]] = ...) -> None: ...

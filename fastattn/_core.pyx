@@ -146,8 +146,9 @@ cdef extern from "fastattn.h" nogil:
     size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize)
     int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
                      const void *q, const void *k, const void *v, const void *mask,
-                     const void *dout, const void *out, const void *lse, void *dk, void *dv,
-                     void *dqt, void *psum, fa_idx s0, fa_idx s1, void *work)
+                     const void *dout, const void *out, const void *lse, const void *rnorm,
+                     void *dk, void *dv, void *dqt, void *psum, fa_idx s0, fa_idx s1,
+                     void *work)
     int fa_attn_grad_merge(fa_isa isa, int elsize, fa_idx nchunks, fa_idx E, fa_idx nq,
                            double scale, const void *parts, fa_idx part_s, const void *sums,
                            fa_idx sum_s, void *dq, fa_idx dq_ls, fa_idx dq_es, void *psum,
@@ -1115,7 +1116,7 @@ cdef struct Grad:
     # sums, and the chunks: fa_attn_grad_merge's).
     Ragged p
     fa_grad_args g
-    Operand dout, dq, dk, dv, psum
+    Operand dout, dq, dk, dv, psum, rnorm
     fa_idx dq_ls, dq_es, psum_s
     char *parts
     char *sums
@@ -1138,7 +1139,7 @@ cdef int grad_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
                         start(&p.k, p, b, h, kr, ai.k_ss), start(&p.v, p, b, h, kr, ai.v_ss),
                         mask_of(p, b, hq), start(&x.dout, p, b, hq, qr, x.g.do_ls),
                         start(&p.o, p, b, hq, qr, ai.o_ls), start(&p.lse, p, b, hq, qr, ai.lse_s),
-                        start(&x.dk, p, b, h, kr, x.g.dk_ss), start(&x.dv, p, b, h, kr, x.g.dv_ss),
+                        start(&x.rnorm, p, b, hq, qr, ai.lse_s), start(&x.dk, p, b, h, kr, x.g.dk_ss), start(&x.dv, p, b, h, kr, x.g.dv_ss),
                         x.parts + p.es * task[3], x.sums + p.es * task[4], c * n,
                         min((c + 1) * n, ai.S), work)
 
@@ -1167,14 +1168,16 @@ def grad_chunk_keys(fa_idx S):
 
 cdef int grad_call(Grad *x, cnp.ndarray dout, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv,
                    cnp.ndarray psum, cnp.ndarray parts, cnp.ndarray sums,
-                   const cnp.int64_t[:, ::1] tasks, const cnp.int64_t[:, ::1] merges, int ns,
-                   int ha, int rows, int lse_ha, int lse_rows, int nthreads) except -1:
+                   const cnp.int64_t[:, ::1] tasks, const cnp.int64_t[:, ::1] merges,
+                   object rnorm, int ns, int ha, int rows, int lse_ha, int lse_rows,
+                   int nthreads) except -1:
     """The backward's own operands into x, whose p holds the forward's, then
     its tasks, then its merges: the axes before ns are the sequences', ha
     the heads', rows the positions' (of psum, as of lse: lse_ha and
-    lse_rows), the features' last."""
+    lse_rows; rnorm too, with lse's strides), the features' last."""
     cdef fa_stop stop
     cdef int err
+    operand(&x.rnorm, rnorm, ns, lse_ha)
     operand(&x.dout, dout, ns, ha)
     operand(&x.dq, dq, ns, ha)
     operand(&x.dk, dk, ns, ha)
@@ -1207,7 +1210,7 @@ def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, obj
                        const cnp.int64_t[:, ::1] merges, fa_idx group, bint causal,
                        fa_idx causal_offset, double scale, int nthreads,
                        fa_idx window_left=-1, fa_idx window_right=-1, double softcap=0,
-                       object slopes=None):
+                       object slopes=None, object rnorm=None):
     """dq, dk and dv of the attention that attention() computes with the
     same arguments and gave out and lse (FlashAttention-2's backward,
     fa_attn_grad), from dout, and psum, each row's sum of exp(logit - lse)
@@ -1216,7 +1219,8 @@ def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, obj
     dq / scale and of psum in parts and sums (C-contiguous scratch); the
     merges (m, 8: sequence, query head, first row of a query block, its
     chunk 0's offset and the chunks' stride in parts, the same in sums, the
-    chunks) sum them into dq and psum.  The sequences: the batch axes
+    chunks) sum them into dq and psum.  rnorm: None, or a factor per row of
+    the weights exp(logit - lse), as lse (fa_attn_grad's).  The sequences: the batch axes
     before the heads, flattened.  q, dout, dq: (..., Hq, L, E | Ev); k, v,
     dk, dv: (..., Hkv, S, E | Ev), Hkv = Hq / group; lse and psum: (..., Hq,
     L); mask a view of (..., Hq, L, S); slopes (..., Hq) float64, its last
@@ -1229,7 +1233,7 @@ def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, obj
     x.isa = isa
     dense_operands(&x.p, q, k, v, out, mask, mask_kind, lse, slopes, group, causal,
                    causal_offset, scale, window_left, window_right, softcap)
-    grad_call(&x, dout, dq, dk, dv, psum, parts, sums, tasks, merges,
+    grad_call(&x, dout, dq, dk, dv, psum, parts, sums, tasks, merges, rnorm,
               nd - 1 if nd > 0 else 0, nd - 1, nd, nd - 1, nd, nthreads)
 
 
@@ -1241,7 +1245,7 @@ def varlen_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.nd
                     const cnp.int64_t[::1] seq_lens, fa_idx group,
                     bint causal, bint lower_right, fa_idx align_offset, double scale,
                     int nthreads, fa_idx window_left, fa_idx window_right, double softcap,
-                    object slopes):
+                    object slopes, object rnorm=None):
     """attention_backward of packed sequences (varlen_attention's): q, out,
     dout, dq (total_q, Hq, E | Ev), k and v as the one block of caches (1,
     Hkv, total_k, E | Ev), dk, dv (total_k, Hkv, E | Ev), lse and psum (Hq,
@@ -1257,7 +1261,8 @@ def varlen_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.nd
                     align_offset, scale, window_left, window_right, softcap)
     if nseq > 0:
         p.cu_q, p.kv_start, p.seq_lens = &cu_q[0], &cu_k[0], &seq_lens[0]
-    grad_call(&x, dout, dq, dk, dv, psum, parts, sums, tasks, merges, 0, 1, 0, 0, 1, nthreads)
+    grad_call(&x, dout, dq, dk, dv, psum, parts, sums, tasks, merges, rnorm, 0, 1, 0, 0, 1,
+              nthreads)
 
 
 cdef int packed_operands(Ragged *p, cnp.ndarray q, cnp.ndarray key_cache,

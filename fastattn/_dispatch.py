@@ -401,9 +401,13 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
 
 
 # How far each row's recomputed weights, the sink's included, may sum from 1
-# before the logsumexp is taken for another call's: the forward's sums and
-# the recomputed exps differ by roundings, of about S eps at worst
+# before the log-sum-exp is taken for another call's, beyond what its own
+# rounding explains (_weight_sums): the forward's sums and the recomputed
+# exps differ by roundings of about S eps at worst
 _LSE_SLACK = {np.dtype(np.float32): 1e-3, np.dtype(np.float64): 1e-9}
+# ulps of a log-sum-exp (and of the largest logit beside it) that its
+# rounding and the logits' recomputation may move it by
+_LSE_ULPS = 8
 
 
 def _sum_to(x: NDArray[Any], shape: C.Shape) -> NDArray[Any]:
@@ -463,36 +467,73 @@ def _grad_plan(L: NDArray[np.int64], S: NDArray[np.int64], Hq: int, group: int, 
                     np.empty(int((chunks * sum_s).sum()), compute))
 
 
-def _sink_weights(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[Any]],
-                  compute: np.dtype[Any]) -> NDArray[Any]:
-    """Each row's sink weight exp(sink - lse) (0 without sinks), once every
-    row's weights, the sink's with them, are checked to sum to 1: a
-    logsumexp of other inputs or options is refused."""
+def _weight_sums(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[Any]],
+                 compute: np.dtype[Any], finite_inputs: bool, name: str = "logsumexp"
+                 ) -> tuple[NDArray[Any], Optional[NDArray[Any]]]:
+    """Each row's sink weight exp(sink - lse) (0 without sinks), and None or
+    the factors by which the rows' weights are to be computed again, once
+    every row's weights, the sink's with them, are checked to sum to 1.
+    A sum off by more than the slack and by more than the rounding of a
+    large lse explains is refused (an lse of other inputs or options), as
+    is a NaN lse where the inputs are finite (finite_inputs: no score could
+    be NaN).  Any sum off by more than a row's own roundings (an additive
+    mask of -3e38 hiding a row, a bias of 1e5 in float32, an lse of 1000)
+    gets the factor 1 / sum, as the forward normalised the row."""
     with np.errstate(all="ignore"):
         sink = (np.exp(sinks[..., None] - lse.astype(np.float64)) if sinks is not None
                 else np.zeros(lse.shape))
         total = psum + sink
+        off = np.abs(total - 1) > _LSE_SLACK[compute]
+        explained = (np.abs(np.log(total)) <=
+                     _LSE_ULPS * np.spacing(np.abs(lse)).astype(np.float64) + _LSE_SLACK[compute])
         # rows with nothing visible (lse -inf, no sink) sum to 0; NaN rows are NaN's
-        bad = np.where(lse == -np.inf, psum != 0,
-                       np.abs(total - 1) > _LSE_SLACK[compute]) & ~np.isnan(total)
+        bad = np.where(lse == -np.inf, psum != 0, off & ~explained) & ~np.isnan(total)
+        if finite_inputs:
+            bad |= np.isnan(lse)
     if bad.any():
         at = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"logsumexp does not match these inputs: at row {at} the weights "
-                         f"exp(logit - logsumexp) over the keys (the sink included) sum to "
-                         f"{float(total[at]):.6g}, not 1; pass the lse that the forward call "
-                         f"with return_lse=True returned for the same inputs and options")
-    return sink
+        raise ValueError(f"{name} does not match these inputs: at row {at} it is "
+                         f"{float(lse[at]):.6g} and the weights exp(logit - {name}) over the "
+                         f"keys (the sink included) sum to {float(total[at]):.6g}, not 1; pass "
+                         f"the lse that the forward call with return_lse=True returned for the "
+                         f"same inputs and options")
+    # rows further from 1 than a row's own roundings take (a large lse's
+    # rounding, below the slack or explained) are normalised again
+    redo = ((np.abs(total - 1) > 64 * float(np.finfo(compute).eps)) & (lse != -np.inf) &
+            np.isfinite(total) & (total > 0))
+    if not redo.any():
+        return sink, None
+    rnorm = np.where(redo, 1 / np.where(redo, total, 1), 1).astype(compute)
+    return sink * rnorm, rnorm
 
 
-def _sink_grad(sink: NDArray[Any], delta: NDArray[Any], sinks: Any,
-               rows_of_head: tuple[int, ...]) -> NDArray[Any]:
+def _finite_scores(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
+                   mask: Optional[NDArray[Any]], scale: float, compute: np.dtype[Any]) -> bool:
+    """Whether no score can be NaN: finite inputs whose products stay below
+    the dtype's largest, a mask with neither NaN nor +inf (a NaN lse then
+    belongs to another call).  The arrays as given, not broadcast."""
+    with np.errstate(all="ignore"):
+        bound = (float(np.abs(q).max(initial=0)) * float(np.abs(k).max(initial=0)) *
+                 q.shape[-1] * abs(scale))
+        masked = mask is None or mask.dtype == np.bool_ or not bool(
+            np.isnan(mask).any() or (mask == np.inf).any())
+        return (bool(np.isfinite(q).all() and np.isfinite(k).all() and np.isfinite(v).all())
+                and masked and bound < float(np.finfo(compute).max) / 4)
+
+
+def _sink_grad(sink: NDArray[Any], delta: NDArray[Any], sinks: Any) -> NDArray[Any]:
     """d/d sink = -sum over a head's rows of the sink's weight times D (the
-    sink has no value), summed to sinks' shape, in its dtype (float64 for
-    integer sinks)."""
-    g = -(sink * delta).sum(axis=rows_of_head)
+    sink has no value), summed to sinks' shape ((Hq,), or (B, Hq) with B the
+    first batch axis), in its dtype (float64 for integer sinks)."""
+    g = -(sink * delta).sum(axis=-1)                       # the batch shape (..., Hq)
     s = np.asarray(sinks)
+    if s.ndim == 2 and g.ndim >= 2:
+        g = g.reshape(g.shape[0], -1, g.shape[-1]).sum(axis=1)
+    else:
+        g = g.reshape(-1, g.shape[-1]).sum(axis=0)
     want = s.dtype if np.issubdtype(s.dtype, np.floating) else np.dtype(np.float64)
-    return _sum_to(g, s.shape).astype(want)
+    grad: NDArray[Any] = g.reshape(s.shape).astype(want)
+    return grad
 
 
 def _grad_arrays(names: tuple[str, ...], arrays: tuple[Any, ...], shapes: tuple[C.Shape, ...],
@@ -504,10 +545,11 @@ def _grad_arrays(names: tuple[str, ...], arrays: tuple[Any, ...], shapes: tuple[
         if a.shape != shape:
             raise ValueError(f"{name} has shape {C.shape_str(a.shape)}; expected "
                              f"{C.shape_str(shape)}, the forward's "
-                             f"{'lse' if name == 'logsumexp' else 'output'} of these inputs")
+                             f"{'lse' if name in ('logsumexp', 'lse') else 'output'} of these "
+                             "inputs")
         if a.dtype != want:
             raise TypeError(f"{name} has dtype {a.dtype}; expected {want}" +
-                            (" (the forward's return_lse dtype)" if name == "logsumexp"
+                            (" (the forward's return_lse dtype)" if name in ("logsumexp", "lse")
                              else " (query's)"))
         checked.append(a)
     return checked
@@ -536,7 +578,7 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
              num_threads: Optional[int]) -> tuple[NDArray[Any], ...]:
     """attention_backward's work: the checks of the forward's call, of
     grad_out, out and logsumexp against it, the kernels, the weights' sums
-    checked (_sink_weights), and the gradients of broadcast inputs summed to
+    checked (_weight_sums), and the gradients of broadcast inputs summed to
     their shapes."""
     call = check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       causal_alignment, window_size, alibi_slopes, softcap, sinks, num_threads)
@@ -545,9 +587,10 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
     grad_out, out, logsumexp = _grad_arrays(
         ("grad_out", "out", "logsumexp"), (grad_out, out, logsumexp),
         (batch + (L, Ev), batch + (L, Ev), batch + (L,)), (dtype, dtype, compute))
-    q = C.broadcast_view(_computed(query, compute), batch + (L, E))
-    k = C.broadcast_view(_computed(key, compute), call.kv_batch + (S, E))
-    v = C.broadcast_view(_computed(value, compute), call.kv_batch + (S, Ev))
+    given = [_computed(x, compute) for x in (query, key, value)]
+    q = C.broadcast_view(given[0], batch + (L, E))
+    k = C.broadcast_view(given[1], call.kv_batch + (S, E))
+    v = C.broadcast_view(given[2], call.kv_batch + (S, Ev))
     dout, out_c, lse = _computed(grad_out, compute), _computed(out, compute), \
         C.kernel_view(logsumexp)
     dq = np.empty(batch + (L, E), compute)
@@ -559,17 +602,25 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
     plan = _grad_plan(np.full(nseq, L, np.int64), np.full(nseq, S, np.int64), Hq, call.group,
                       E, compute)
     slopes = None if variants.slopes is None else np.ascontiguousarray(variants.slopes)
-    _core.attention_backward(
-        _runtime.isa(), q, k, v, call.mask, call.kind, out_c, lse, dout, dq, dk, dv, psum,
-        plan.parts, plan.sums, plan.tasks, plan.merges, call.group, call.causal, call.offset,
-        call.scale, call.nthreads, window_left=variants.window_left,
-        window_right=variants.window_right, softcap=variants.softcap, slopes=slopes)
-    sink = _sink_weights(psum, lse, variants.sinks, compute)
+
+    def kernels(rnorm: Optional[NDArray[Any]]) -> None:
+        _core.attention_backward(
+            _runtime.isa(), q, k, v, call.mask, call.kind, out_c, lse, dout, dq, dk, dv, psum,
+            plan.parts, plan.sums, plan.tasks, plan.merges, call.group, call.causal,
+            call.offset, call.scale, call.nthreads, window_left=variants.window_left,
+            window_right=variants.window_right, softcap=variants.softcap, slopes=slopes,
+            rnorm=rnorm)
+    kernels(None)
+    sink, rnorm = _weight_sums(psum, lse, variants.sinks, compute,
+                               _finite_scores(given[0], given[1], given[2], attn_mask,
+                                              call.scale, compute))
+    if rnorm is not None:  # rows of an lse rounded off: again, each row normalised
+        kernels(rnorm)
     grads = [_sum_to(g, np.shape(x)) for g, x in ((dq, query), (dk, key), (dv, value))]
     if compute != dtype:
         grads = [narrow(np.ascontiguousarray(g), dtype, call.nthreads) for g in grads]
     if sinks is not None:
-        grads.append(_sink_grad(sink, _delta(dout, out_c), sinks, (-1,)))
+        grads.append(_sink_grad(sink, _delta(dout, out_c), sinks))
     return tuple(grads)
 
 
@@ -604,20 +655,25 @@ def varlen_backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[An
     dq, dk = np.empty((total_q, Hq, E), compute), np.empty((total_k, Hkv, E), compute)
     dv, psum = np.empty((total_k, Hkv, Ev), compute), np.empty((Hq, total_q), compute)
     plan = _grad_plan(L, S, Hq, Hq // Hkv, E, compute)
-    _core.varlen_backward(
-        _runtime.isa(), _computed(query, compute),
-        _computed(key, compute).transpose(1, 0, 2)[None],
-        _computed(value, compute).transpose(1, 0, 2)[None], out_c, lse, dout, dq, dk, dv, psum,
-        plan.parts, plan.sums, plan.tasks, plan.merges, cu_q, cu_k, np.ascontiguousarray(S),
-        Hq // Hkv, causal, lower_right, offset, scale, nthreads, variants.window_left,
-        variants.window_right, variants.softcap,
-        None if variants.slopes is None else C.contiguous(variants.slopes))
-    sink = _sink_weights(psum, lse, sink_logits, compute)
+    q, k, v = (_computed(x, compute) for x in (query, key, value))
+
+    def kernels(rnorm: Optional[NDArray[Any]]) -> None:
+        _core.varlen_backward(
+            _runtime.isa(), q, k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None], out_c,
+            lse, dout, dq, dk, dv, psum, plan.parts, plan.sums, plan.tasks, plan.merges, cu_q,
+            cu_k, np.ascontiguousarray(S), Hq // Hkv, causal, lower_right, offset, scale,
+            nthreads, variants.window_left, variants.window_right, variants.softcap,
+            None if variants.slopes is None else C.contiguous(variants.slopes), rnorm)
+    kernels(None)
+    sink, rnorm = _weight_sums(psum, lse, sink_logits, compute,
+                               _finite_scores(q, k, v, None, scale, compute), "lse")
+    if rnorm is not None:  # rows of an lse rounded off: again, each row normalised
+        kernels(rnorm)
     grads = [dq, dk, dv]
     if compute != dtype:
         grads = [narrow(g, dtype, nthreads) for g in grads]
     if sinks is not None:
-        grads.append(_sink_grad(sink, _delta(dout, out_c).T, sinks, (-1,)))
+        grads.append(_sink_grad(sink, _delta(dout, out_c).T, sinks))
     return tuple(grads)
 
 

@@ -285,7 +285,66 @@ def test_varlen_errors(rng):
     out, lse = fastattn.varlen_attention(q, q, q, cu, cu, return_lse=True)
     with pytest.raises(ValueError, match="lse has shape"):
         fastattn.varlen_attention_backward(q, q, q, q, out, lse.T, cu, cu)
-    with pytest.raises(ValueError, match="logsumexp does not match"):
+    with pytest.raises(ValueError, match="lse does not match"):
         fastattn.varlen_attention_backward(q, q, q, q, out, lse, cu, cu, is_causal=True)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         fastattn.varlen_attention_backward(q, q, q, q, out, lse, cu[:-1], cu)
+
+
+def test_sinks_of_each_batch_item_over_several_batch_axes(rng):
+    """(B, Hq) sinks belong to the first batch axis, whatever axes follow."""
+    q = rng.standard_normal((2, 5, 3, 4, 8))
+    sinks = rng.standard_normal((2, 3))
+    do = rng.standard_normal(q.shape)
+    got = forward_backward(do, q, q, q, sinks=sinks)
+    want = reference.attention_backward(do, q, q, q, sinks=sinks)
+    assert got[3].shape == (2, 3)
+    check_gradients(got, want, np.float64, 4 + 8 + 8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_groups_larger_than_a_query_block(dtype, rng):
+    """65 query heads over one key/value head (float32's query block is 64
+    rows, float64's 32), as Falcon-7B's 71 over 1."""
+    q = rng.standard_normal((1, 65, 5, 8)).astype(dtype)
+    k = rng.standard_normal((1, 1, 300, 8)).astype(dtype)
+    do = rng.standard_normal(q.shape).astype(dtype)
+    got = forward_backward(do, q, k, k, enable_gqa=True)
+    check_gradients(got, expected(do, q, k, k, enable_gqa=True), dtype, 300 + 16)
+
+
+@pytest.mark.parametrize("case", ["mask-min", "alibi-far", "bias-1e8-f64"])
+def test_a_large_lse_rounded_by_the_forward_is_taken(case, rng):
+    """Rows whose log-sum-exp is too large for its dtype to carry the sum
+    exactly (a row hidden by finfo.min, as transformers' eager masks hide
+    padding; ALiBi far from the keys; a constant bias of 1e8 in float64):
+    the forward's own lse is taken and the gradients are the reference's."""
+    dtype = np.float64 if case == "bias-1e8-f64" else np.float32
+    q, k, v, do = (rng.standard_normal((1, 2, 8, 16)).astype(dtype) for _ in range(4))
+    kw = {}
+    if case == "mask-min":
+        mask = np.zeros((8, 8), dtype)
+        mask[:3] = np.finfo(dtype).min
+        kw["attn_mask"] = mask
+    elif case == "alibi-far":
+        kw.update(alibi_slopes=np.array([0.5, 0.25]), causal_alignment=200000)
+    else:
+        kw["attn_mask"] = np.full((8, 8), 1e8, dtype)
+    got = forward_backward(do, q, k, v, **kw)
+    want = expected(do, q, k, v, **kw)
+    # such scores keep fewer bits than the dtype's: the forward's own error
+    # (ALiBi's 1e5 in float32: 2.7e-3) bounds the gradients' too
+    out = fastattn.scaled_dot_product_attention(q, k, v, **kw)
+    ref_kw = {n: x.astype(np.float64) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    ref = reference.scaled_dot_product_attention(*f64(q, k, v), **ref_kw)
+    lost = float(np.abs(out - ref).max() / np.abs(ref).max())
+    for g, w in zip(got, want):
+        bound = max(3 * tolerance(dtype, 8 + 16 + 16), 4 * lost) * float(np.abs(w).max())
+        np.testing.assert_allclose(g, w, rtol=0, atol=bound)
+
+
+def test_a_nan_lse_is_refused_where_no_score_can_be_nan(rng):
+    do, q, k, v, _ = inputs(rng, np.float32, B=1, H=1)
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="logsumexp does not match"):
+        fastattn.attention_backward(do, q, k, v, out, np.full_like(lse, np.nan))

@@ -179,3 +179,24 @@ def test_transformers_model_trains_on_fastattn(kind, reference, monkeypatch):
     assert len(sinks) == (2 if kind == "gpt_oss" else 0)
     for name in sinks:  # the sinks' own gradients, the first step's parameters aside
         torch.testing.assert_close(grads[name], their_grads[name], rtol=1e-3, atol=1e-5)
+
+
+def test_a_window_of_any_negative_side_is_the_numpy_apis():
+    leaves, _ = operands("plain")
+    ours = fa.scaled_dot_product_attention(*leaves, window_size=(-100, 0))
+    theirs = fastattn.scaled_dot_product_attention(
+        *(x.detach().numpy() for x in leaves), window_size=(-100, 0))
+    np.testing.assert_array_equal(ours.detach().numpy(), theirs)
+
+
+def test_operator_argument_errors():
+    leaves, _ = operands("plain")
+    mask = torch.zeros(6, 9, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask requires a gradient"):
+        fa.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    with pytest.raises(ValueError, match="causal_alignment"):
+        fa.scaled_dot_product_attention(*leaves, is_causal=True, causal_alignment="lower-right")
+    with pytest.raises(ValueError, match="causal_alignment"):
+        fa.scaled_dot_product_attention(*leaves, is_causal=True, causal_alignment="3")
+    with pytest.raises(TypeError, match="window_size"):
+        fa.scaled_dot_product_attention(*leaves, window_size=(1,))

@@ -46,7 +46,7 @@ def _options(attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float
     return dict(attn_mask=None if attn_mask is None else real_of(attn_mask),
                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                 causal_alignment=_alignment(causal_alignment),
-                window_size=None if window_left < -1 else (window_left, window_right),
+                window_size=(window_left, window_right),
                 alibi_slopes=None if alibi_slopes is None else real_of(alibi_slopes),
                 softcap=softcap, sinks=None if sinks is None else real_of(sinks),
                 num_threads=num_threads or torch.get_num_threads())
@@ -58,7 +58,7 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]
           window_left: int, window_right: int, alibi_slopes: Optional[Tensor],
           softcap: Optional[float], sinks: Optional[Tensor],
           num_threads: int) -> tuple[Tensor, Tensor]:
-    """(out, lse) of fastattn.scaled_dot_product_attention; window_left < -1: no window;
+    """(out, lse) of fastattn.scaled_dot_product_attention; a window of (-1, -1) is none;
     num_threads 0: torch.get_num_threads() when it runs (a call inside torch.compile's
     graph would break it)."""
     out, lse = fastattn.scaled_dot_product_attention(
@@ -148,9 +148,11 @@ def scaled_dot_product_attention(
     keyword-only ones are ``fastattn.scaled_dot_product_attention``'s, which
     documents the shapes, dtypes (float32, float64, float16, bfloat16) and
     errors; all CPU tensors.  ``dropout_p`` must be 0.  ``num_threads``
-    None: ``torch.get_num_threads()``.  The mask and the ALiBi slopes get no
-    gradient.  The backward is ``fastattn.attention_backward``
-    (FlashAttention-2's, Dao 2023): bitwise the same for any thread count.
+    None: ``torch.get_num_threads()``.  The backward is
+    ``fastattn.attention_backward`` (FlashAttention-2's, Dao 2023): bitwise
+    the same for any thread count.  The mask and the ALiBi slopes get no
+    gradient: one that requires a gradient is refused rather than left
+    untrained.  Once differentiable: no double backward.
 
     Returns
     -------
@@ -158,17 +160,32 @@ def scaled_dot_product_attention(
 
     Raises
     ------
-    ValueError
-        dropout_p != 0, and what fastattn raises for these inputs.
+    TypeError, ValueError
+        dropout_p != 0, num_threads < 1, a window_size that is not a pair
+        of ints, a causal_alignment that is not "upper_left",
+        "lower_right" or an int, an attn_mask or alibi_slopes that requires
+        a gradient, and what fastattn raises for these inputs.
     """
     if dropout_p != 0:
         raise ValueError(f"dropout_p must be 0 (fastattn has no dropout), got {dropout_p}")
     if num_threads is not None and int(num_threads) < 1:
         raise ValueError(f"num_threads must be at least 1 (or None), got {num_threads}")
-    left, right = (-2, -2) if window_size is None else (int(window_size[0]),
-                                                        int(window_size[1]))
+    if window_size is None:
+        window_size = (-1, -1)  # unbounded on both sides: no window
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or
+            not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if not (causal_alignment in ("upper_left", "lower_right") or
+            (isinstance(causal_alignment, int) and not isinstance(causal_alignment, bool))):
+        raise ValueError(f'causal_alignment must be "upper_left", "lower_right" or an int, '
+                         f"got {causal_alignment!r}")
+    for name, t in (("attn_mask", attn_mask), ("alibi_slopes", alibi_slopes)):
+        if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires a gradient, which fastattn does not compute "
+                             "(only query, key, value and sinks get one); detach it, or use "
+                             "torch.nn.functional.scaled_dot_product_attention")
     out, _ = torch.ops.fastattn.sdpa(
         query, key, value, attn_mask, bool(is_causal), scale, bool(enable_gqa),
-        str(causal_alignment), left, right, alibi_slopes, softcap, sinks,
-        0 if num_threads is None else int(num_threads))
+        str(causal_alignment), int(window_size[0]), int(window_size[1]), alibi_slopes,
+        softcap, sinks, 0 if num_threads is None else int(num_threads))
     return out

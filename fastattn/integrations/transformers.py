@@ -172,7 +172,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if _trains(query, key, value, *(() if sinks is None else (sinks,))):
         if _weights_requested(kwargs):
             return _sdpa("attention weights with gradients: fastattn's backward has no "
-                         "weights", module, query, key, value, attention_mask, dropout,
+                         "weights (and SDPA returns none)", module, query, key, value, attention_mask, dropout,
                          scaling, is_causal, position_bias, **kwargs)
         # the autograd operator, on the same keys, mask and options
         out = sdpa_trained(
@@ -265,7 +265,7 @@ def _fallback_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return ("position_bias needs a gradient, and fastattn's backward gives none to an "
                 "additive bias")
     if dropout > 0:
-        return f"dropout {dropout} (training): fastattn computes inference-time attention"
+        return f"dropout {dropout} (training): fastattn has no dropout"
     return None
 
 
