@@ -148,8 +148,9 @@ def add_arguments(p):
                    help="instead of the shapes: forward + backward (a training step's "
                         "attention) on fastattn against PyTorch's SDPA, flash and math "
                         "kernels, on the dense shapes of E = 64 and 128, window-8192 and "
-                        f"{SOFTCAP_4096} (fastattn/bench/backward.py; needs torch); --shapes, "
-                        "--threads, --repeat, --min-time, --quick, --seed and --json apply.  "
+                        f"{SOFTCAP_4096} (fastattn/bench/backward.py; fastattn alone where "
+                        "torch is not installed); --shapes, --threads, --repeat, --min-time, "
+                        "--quick, --seed and --json apply.  "
                         "About 10 minutes on 2 cores at 1,2 threads, and 6 GB of memory")
     p.add_argument("--sharded", action="store_true",
                    help="instead of the shapes: decoding over a cache of --context positions "
@@ -179,14 +180,14 @@ def main(args):
         if not require_extra("ray", "fastattn bench --sharded"):
             return 2
         return _sharded(args)
+    if args.backward:  # fastattn alone, or beside torch where it is installed
+        return _backward(args)
     if not require_extra("bench", "fastattn bench"):
         return 2
     if args.plot and not require_extra("plot", "fastattn bench --plot"):
         return 2
     if args.serving:
         return _serving(args)
-    if args.backward:
-        return _backward(args)
     from . import report as rep
     from .suite import run_suite
 
