@@ -9,6 +9,7 @@ decoding with the keys split in pieces (and pieces that sequences share,
 read together), strided, reversed and broadcast
 operands, masks, GQA (query heads grouped), paged caches in every storage,
 the int8 mode's integer products, a smoothed and rotated cache, rotary,
+the backward (dense and packed),
 every SIMD path valgrind runs (it hides AVX-512 from the program:
 AddressSanitizer covers that one)."""
 import numpy as np
@@ -115,6 +116,28 @@ def main():
                       ref.scaled_dot_product_attention(sq, k, v, is_causal=True, enable_gqa=True,
                                                        causal_alignment="lower_right",
                                                        softcap=3.0), tol * 10)
+            # the backward: chunks of keys over partial key and query blocks,
+            # GQA, a mask, softcap and sinks; packed sequences
+            q, k, v, do = arr(1, 4, 67, 9), arr(1, 2, 300, 9), arr(1, 2, 300, 7), arr(1, 4, 67, 7)
+            opts = dict(enable_gqa=True, attn_mask=rng.random((67, 300)) > 0.3, is_causal=True,
+                        causal_alignment="lower_right", softcap=3.0, sinks=rng.standard_normal(4))
+            out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, **opts)
+            for g, r in zip(fastattn.attention_backward(do, q, k, v, out, lse, num_threads=2,
+                                                        **opts),
+                            ref.attention_backward(do, q, k, v, **opts)):
+                close(g, r, tol * 10)
+            cu_q, cu_k = np.array([0, 5, 72]), np.array([0, 140, 300])
+            vq, vk, vv, vdo = arr(72, 4, 9), arr(300, 2, 9), arr(300, 2, 7), arr(72, 4, 7)
+            out, lse = fastattn.varlen_attention(vq, vk, vv, cu_q, cu_k, is_causal=True,
+                                                 return_lse=True)
+            grads = fastattn.varlen_attention_backward(vdo, vq, vk, vv, out, lse, cu_q, cu_k,
+                                                       is_causal=True, num_threads=2)
+            want = ref.attention_backward(*(x[5:].transpose(1, 0, 2) for x in (vdo, vq)),
+                                          *(x[140:].transpose(1, 0, 2) for x in (vk, vv)),
+                                          is_causal=True, enable_gqa=True,
+                                          causal_alignment="lower_right")
+            close(grads[0][5:].transpose(1, 0, 2), want[0], tol * 10)
+            close(grads[1][140:].transpose(1, 0, 2), want[1], tol * 10)
             if dtype == np.float32:  # int8 and 16-bit caches, read by the float32 kernels
                 sc = (rng.random(kc.shape[:3]) + 0.5).astype(np.float32)
                 codes = rng.integers(-127, 128, kc.shape).astype(np.int8)
