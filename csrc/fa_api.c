@@ -265,10 +265,13 @@ static int grad_ok(const fa_attn_args *a, int elsize)
            a->block_table == NULL && a->precision == FA_PRECISION_EXACT && a->k_mean == NULL;
 }
 
-fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a)
+fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a, fa_idx kv_heads)
 {
     const fa_idx blocks = (a->S + FA_KEY_BLOCK - 1) / FA_KEY_BLOCK;
-    const fa_idx per = (blocks + FA_ATTN_GRAD_CHUNKS - 1) / FA_ATTN_GRAD_CHUNKS;
+    const fa_idx heads = kv_heads > 1 ? kv_heads : 1;
+    fa_idx chunks = (FA_ATTN_GRAD_TASKS + heads - 1) / heads;
+    chunks = chunks < FA_ATTN_GRAD_CHUNKS ? chunks : FA_ATTN_GRAD_CHUNKS;
+    const fa_idx per = (blocks + chunks - 1) / chunks;
     return FA_KEY_BLOCK * (per > 1 ? per : 1);
 }
 

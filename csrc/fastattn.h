@@ -267,11 +267,15 @@ typedef struct {
     fa_idx do_hs, m_hs;
 } fa_grad_args;
 
-/* Keys per chunk of fa_attn_grad: whole key blocks of the block kernel,
- * as many as make at most FA_ATTN_GRAD_CHUNKS chunks of a->S keys; by the
- * shape of one (batch, head) alone. */
+/* Keys per chunk of fa_attn_grad for a sequence of a->S keys and kv_heads
+ * key/value heads: whole key blocks of the block kernel, as many chunks as
+ * give the sequence FA_ATTN_GRAD_TASKS tasks (a task per chunk and
+ * key/value head), at most FA_ATTN_GRAD_CHUNKS; by the sequence's own shape
+ * alone, never the batch or the threads.  Each chunk holds a part of dQ
+ * until they are summed: fewer chunks, less memory. */
 #define FA_ATTN_GRAD_CHUNKS 8
-fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a);
+#define FA_ATTN_GRAD_TASKS 32
+fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a, fa_idx kv_heads);
 /* Bytes of scratch one call of fa_attn_grad needs (0 when E or Ev is out
  * of range). */
 size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize);

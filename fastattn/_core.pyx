@@ -142,7 +142,7 @@ cdef extern from "fastattn.h" nogil:
                        void *work)
     ctypedef struct fa_grad_args:
         fa_idx do_ls, do_es, dk_ss, dk_es, dv_ss, dv_es, do_hs, m_hs
-    fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a)
+    fa_idx fa_attn_grad_chunk_keys(const fa_attn_args *a, fa_idx kv_heads)
     size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize)
     int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,
                      const void *q, const void *k, const void *v, const void *mask,
@@ -1134,7 +1134,7 @@ cdef int grad_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
     cdef fa_idx qr = q_row(p, b), kr = kv_row(p, b), n
     cdef fa_attn_args ai
     ragged_args(p, b, hq, p.group, &ai)
-    n = fa_attn_grad_chunk_keys(&ai)
+    n = fa_attn_grad_chunk_keys(&ai, p.Hq // p.group)
     return fa_attn_grad(<fa_isa>x.isa, p.es, &ai, &x.g, start(&p.q, p, b, hq, qr, ai.q_ls),
                         start(&p.k, p, b, h, kr, ai.k_ss), start(&p.v, p, b, h, kr, ai.v_ss),
                         mask_of(p, b, hq), start(&x.dout, p, b, hq, qr, x.g.do_ls),
@@ -1158,12 +1158,13 @@ cdef int merge_run(const void *ctx, fa_idx t, void *work) noexcept nogil:
                               start(&x.psum, p, b, h, qr + i0, x.psum_s), x.psum_s)
 
 
-def grad_chunk_keys(fa_idx S):
-    """Keys per chunk of the backward's tasks for S keys (fa_attn_grad_chunk_keys)."""
+def grad_chunk_keys(fa_idx S, fa_idx kv_heads):
+    """Keys per chunk of the backward's tasks for S keys and kv_heads
+    key/value heads (fa_attn_grad_chunk_keys)."""
     cdef fa_attn_args a
     memset(&a, 0, sizeof(a))
     a.S = S
-    return fa_attn_grad_chunk_keys(&a)
+    return fa_attn_grad_chunk_keys(&a, kv_heads)
 
 
 cdef int grad_call(Grad *x, cnp.ndarray dout, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv,
@@ -1215,7 +1216,7 @@ def attention_backward(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, obj
     same arguments and gave out and lse (FlashAttention-2's backward,
     fa_attn_grad), from dout, and psum, each row's sum of exp(logit - lse)
     over its keys.  The tasks (n, 5: sequence, key/value head, chunk of
-    grad_chunk_keys(S) keys, offsets in parts and sums) write their parts of
+    grad_chunk_keys(S, Hkv) keys, offsets in parts and sums) write their parts of
     dq / scale and of psum in parts and sums (C-contiguous scratch); the
     merges (m, 8: sequence, query head, first row of a query block, its
     chunk 0's offset and the chunks' stride in parts, the same in sums, the

@@ -439,7 +439,8 @@ def _grad_plan(L: NDArray[np.int64], S: NDArray[np.int64], Hq: int, group: int, 
     qb = _core.attn_query_block(compute.itemsize)
     nqb = -(-L // qb)
     sizes, inverse = np.unique(S, return_inverse=True)
-    keys = np.array([_core.grad_chunk_keys(int(n)) for n in sizes], np.int64)[inverse]
+    kv_heads = Hq // group if group else 0
+    keys = np.array([_core.grad_chunk_keys(int(n), kv_heads) for n in sizes], np.int64)[inverse]
     chunks = np.maximum(-(-S // keys), 1)
     part_s, sum_s = Hq * nqb * E * qb, Hq * L  # a chunk's
     parts_at = np.cumsum(chunks * part_s) - chunks * part_s
@@ -450,7 +451,7 @@ def _grad_plan(L: NDArray[np.int64], S: NDArray[np.int64], Hq: int, group: int, 
         seq = np.repeat(np.arange(L.shape[0]), per_seq)
         return seq, np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq,
                                                               per_seq)
-    seq, local = each(chunks * (Hq // group if group else 0))
+    seq, local = each(chunks * kv_heads)
     head, chunk = local // chunks[seq], local % chunks[seq]
     first = chunk * Hq + head * group  # the task's first query head in its chunk
     tasks = np.stack([seq, head, chunk, parts_at[seq] + first * nqb[seq] * E * qb,
