@@ -158,8 +158,7 @@ static FA_NAME(tile) FA_NAME(unused_keys)(const fa_attn_args *a, FA_NAME(tile) k
 void FA_NAME(attn_grad)(const fa_attn_args *a, const fa_grad_args *g, const void *q,
                         const void *k, const void *v, const void *mask, const T *dout,
                         const T *out, const T *lse, const T *rnorm, T *dk, T *dv, T *dqt,
-                        T *psum, fa_idx s0,
-                        fa_idx s1, void *work)
+                        T *psum, fa_idx s0, fa_idx s1, void *work)
 {
     const FA_NAME(grad_scratch) w = FA_NAME(grad_scratch_of)(a, work);
     const fa_idx qb = FA_QB, E = a->E, eg = FA_GP(a->E), evg = FA_GP(a->Ev);

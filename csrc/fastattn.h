@@ -292,8 +292,8 @@ size_t fa_attn_grad_work_bytes(const fa_attn_args *a, int elsize);
  * computed again through the per-score stage (sinks aside: they are in
  * lse), D = rowsum(dO o O) once per query block.  rnorm (NULL: none),
  * laid out as lse: a factor per row of the weights exp(logit - lse), for
- * an lse whose rounding left the row's weights summing to other than 1
- * (an lse of 1e5 in float32 is good to 0.008).  Dense keys and values
+ * an lse too large for its dtype to carry the row's sum, whose rounding
+ * left the row's weights summing to other than 1.  Dense keys and values
  * stored as T, exact precision, no k_mean; returns 0, or -1 (nothing done)
  * otherwise. */
 int fa_attn_grad(fa_isa isa, int elsize, const fa_attn_args *a, const fa_grad_args *g,

@@ -477,8 +477,8 @@ def _weight_sums(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[
     A sum off by more than the slack and by more than the rounding of a
     large lse explains is refused (an lse of other inputs or options), as
     is a NaN lse where the inputs are finite (finite_inputs: no score could
-    be NaN).  Any sum off by more than a row's own roundings (an additive
-    mask of -3e38 hiding a row, a bias of 1e5 in float32, an lse of 1000)
+    be NaN).  Any sum off by more than a row's own roundings (a large lse:
+    an additive mask of the dtype's lowest hiding a row, a large bias)
     gets the factor 1 / sum, as the forward normalised the row."""
     with np.errstate(all="ignore"):
         sink = (np.exp(sinks[..., None] - lse.astype(np.float64)) if sinks is not None

@@ -150,8 +150,8 @@ def add_arguments(p):
                         "kernels, on the dense shapes of E = 64 and 128, window-8192 and "
                         f"{SOFTCAP_4096} (fastattn/bench/backward.py; fastattn alone where "
                         "torch is not installed); --shapes, --threads, --repeat, --min-time, "
-                        "--quick, --seed and --json apply.  "
-                        "About 10 minutes on 2 cores at 1,2 threads, and 6 GB of memory")
+                        "--quick, --seed and --json apply (docs/guide/training.md gives "
+                        "the time and memory a run takes)")
     p.add_argument("--sharded", action="store_true",
                    help="instead of the shapes: decoding over a cache of --context positions "
                         "(8 key/value heads of 128, float16) sharded over 2 Ray actors, per "
