@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from contextvars import ContextVar
-from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterator, List, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -469,15 +469,16 @@ def _grad_plan(L: NDArray[np.int64], S: NDArray[np.int64], Hq: int, group: int, 
 
 
 def _weight_sums(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[Any]],
-                 compute: np.dtype[Any], finite_inputs: bool, name: str = "logsumexp"
+                 compute: np.dtype[Any], finite_inputs: Callable[[], bool],
+                 name: str = "logsumexp"
                  ) -> tuple[NDArray[Any], Optional[NDArray[Any]]]:
     """Each row's sink weight exp(sink - lse) (0 without sinks), and None or
     the factors by which the rows' weights are to be computed again, once
     every row's weights, the sink's with them, are checked to sum to 1.
     A sum off by more than the slack and by more than the rounding of a
     large lse explains is refused (an lse of other inputs or options), as
-    is a NaN lse where the inputs are finite (finite_inputs: no score could
-    be NaN).  Any sum off by more than a row's own roundings (a large lse:
+    is a NaN lse where the inputs are finite (finite_inputs(): no score
+    could be NaN; asked only of an lse with a NaN, as it reads every input).  Any sum off by more than a row's own roundings (a large lse:
     an additive mask of the dtype's lowest hiding a row, a large bias)
     gets the factor 1 / sum, as the forward normalised the row."""
     with np.errstate(all="ignore"):
@@ -489,8 +490,9 @@ def _weight_sums(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[
                      _LSE_ULPS * np.spacing(np.abs(lse)).astype(np.float64) + _LSE_SLACK[compute])
         # rows with nothing visible (lse -inf, no sink) sum to 0; NaN rows are NaN's
         bad = np.where(lse == -np.inf, psum != 0, off & ~explained) & ~np.isnan(total)
-        if finite_inputs:
-            bad |= np.isnan(lse)
+        nan = np.isnan(lse)
+        if nan.any() and finite_inputs():
+            bad |= nan
     if bad.any():
         at = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{name} does not match these inputs: at row {at} it is "
@@ -613,8 +615,8 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
             rnorm=rnorm)
     kernels(None)
     sink, rnorm = _weight_sums(psum, lse, variants.sinks, compute,
-                               _finite_scores(given[0], given[1], given[2], attn_mask,
-                                              call.scale, compute))
+                               lambda: _finite_scores(given[0], given[1], given[2], attn_mask,
+                                                      call.scale, compute))
     if rnorm is not None:  # rows of an lse rounded off: again, each row normalised
         kernels(rnorm)
     grads = [_sum_to(g, np.shape(x)) for g, x in ((dq, query), (dk, key), (dv, value))]
@@ -667,7 +669,7 @@ def varlen_backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[An
             None if variants.slopes is None else C.contiguous(variants.slopes), rnorm)
     kernels(None)
     sink, rnorm = _weight_sums(psum, lse, sink_logits, compute,
-                               _finite_scores(q, k, v, None, scale, compute), "lse")
+                               lambda: _finite_scores(q, k, v, None, scale, compute), "lse")
     if rnorm is not None:  # rows of an lse rounded off: again, each row normalised
         kernels(rnorm)
     grads = [dq, dk, dv]
