@@ -23,6 +23,7 @@
 typedef struct {
     T *qp, *dop;             /* E x QB and Ev x QB: a query block and its dO, transposed */
     T *qr, *dor;             /* QB x GP(E) and QB x GP(Ev): the same as rows */
+    T *ot;                   /* Ev x QB: the block's output, transposed */
     T *st, *bias, *cap, *dp; /* KB x QB: logits then P, the mask, capped scores, dP then dS */
     T *ms, *dl, *bm, *bl;    /* QB each: lse (0 for -inf), D, block maxima, P's column sums */
     T *rn;                   /* QB: the rows' factors of P (rnorm), or NULL */
@@ -33,7 +34,7 @@ typedef struct {
 size_t FA_NAME(grad_work)(const fa_attn_args *a)
 {
     const size_t qb = FA_QB, kb = FA_KB, E = (size_t)a->E, Ev = (size_t)a->Ev;
-    return sizeof(T) * ((E + Ev) * qb + (qb + kb) * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)) +
+    return sizeof(T) * ((E + 2 * Ev) * qb + (qb + kb) * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)) +
                         4 * kb * qb + 5 * qb + kb * (size_t)(2 * FA_EP(a) + FA_EVP(a))) +
            FA_ALIGN;
 }
@@ -46,7 +47,8 @@ static FA_NAME(grad_scratch) FA_NAME(grad_scratch_of)(const fa_attn_args *a, voi
     w.dop = w.qp + a->E * qb;
     w.qr = w.dop + a->Ev * qb;
     w.dor = w.qr + qb * FA_GP(a->E);
-    w.st = w.dor + qb * FA_GP(a->Ev);
+    w.ot = w.dor + qb * FA_GP(a->Ev);
+    w.st = w.ot + a->Ev * qb;
     w.bias = w.st + kb * qb;
     w.cap = w.bias + kb * qb;
     w.dp = w.cap + kb * qb;
@@ -82,13 +84,14 @@ static void FA_NAME(grad_rows)(const fa_attn_args *a, const fa_grad_args *g, con
         for (fa_idx c = 0; c < a->Ev; ++c) drj[c] = dj[c * g->do_es];
         for (fa_idx c = a->Ev; c < evg; ++c) drj[c] = 0;
     }
+    /* D over the features in order, the rows side by side (in vectors) */
+    FA_NAME(pack_t)(nq, a->Ev, out + i0 * a->o_ls, a->o_ls, a->o_es, 1, w->ot, qb, 1);
+    for (fa_idx j = 0; j < qb; ++j) w->dl[j] = 0;
+    for (fa_idx c = 0; c < a->Ev; ++c)
+        for (fa_idx j = 0; j < nq; ++j) w->dl[j] += w->dop[c * qb + j] * w->ot[c * qb + j];
     for (fa_idx j = 0; j < qb; ++j) {
         const T l = j < nq ? lse[(i0 + j) * a->lse_s] : 0;
         w->ms[j] = l == -(T)INFINITY ? 0 : l; /* a row with nothing visible: P = exp(-inf) */
-        T d = 0;
-        for (fa_idx c = 0; j < nq && c < a->Ev; ++c)
-            d += w->dop[c * qb + j] * out[(i0 + j) * a->o_ls + c * a->o_es];
-        w->dl[j] = d;
         w->rn[j] = rnorm != NULL && j < nq ? rnorm[(i0 + j) * a->lse_s] : 1;
     }
 }
