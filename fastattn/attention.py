@@ -300,9 +300,16 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
         factor = np.exp(np.where((lse == m) & (m != -np.inf), 0,
                                  lse - np.where(m == -np.inf, 0, m)))
         total = factor.sum(axis=0)
-        values = np.stack([o.astype(compute, copy=False) for o in outs])
-        parts = np.where(factor[..., None] == 0, 0, factor[..., None] * values)
-        out = parts.sum(axis=0) / np.where(total == 0, 1, total)[..., None]
+
+        # part by part in the outputs' own layout (no stacked copy), summed
+        # from 0 in order, as NumPy sums over a stack's first axis
+        out = np.zeros_like(outs[0], dtype=compute)
+        for f, o in zip(factor, outs):
+            term = np.multiply(f[..., None], o, dtype=compute)
+            if not f.all():  # an empty part: 0, even where its output is not finite
+                np.copyto(term, 0, where=(f == 0)[..., None])
+            out += term
+        out /= np.where(total == 0, 1, total)[..., None]
         merged = np.where(total == 0, -np.inf, m + np.log(np.where(total == 0, 1, total)))
     merged = merged.astype(compute, copy=False)
     if compute != dtype:  # rounded once, as the attention's own 16-bit outputs
