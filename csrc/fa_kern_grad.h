@@ -19,6 +19,10 @@
 /* Columns of the B operands of the products (rows of Q, dO, and the dK
  * and dV accumulators): whole micro-kernel panels. */
 #define FA_GP(n) (((n) + FA_NR - 1) / FA_NR * FA_NR)
+/* FA_GP for the widest path's panels: the scratch's size is the same on
+ * every path (fa_attn_grad_work_bytes gives the portable path's) */
+#define FA_NR_WIDEST (FA_NR_BYTES_MAX / (fa_idx)sizeof(T))
+#define FA_GP_MAX(n) (((n) + FA_NR_WIDEST - 1) / FA_NR_WIDEST * FA_NR_WIDEST)
 
 typedef struct {
     T *qp, *dop;             /* E x QB and Ev x QB: a query block and its dO, transposed */
@@ -34,7 +38,8 @@ typedef struct {
 size_t FA_NAME(grad_work)(const fa_attn_args *a)
 {
     const size_t qb = FA_QB, kb = FA_KB, E = (size_t)a->E, Ev = (size_t)a->Ev;
-    return sizeof(T) * ((E + 2 * Ev) * qb + (qb + kb) * (size_t)(FA_GP(a->E) + FA_GP(a->Ev)) +
+    return sizeof(T) * ((E + 2 * Ev) * qb +
+                        (qb + kb) * (size_t)(FA_GP_MAX(a->E) + FA_GP_MAX(a->Ev)) +
                         4 * kb * qb + 5 * qb + kb * (size_t)(2 * FA_EP(a) + FA_EVP(a))) +
            FA_ALIGN;
 }
@@ -245,3 +250,5 @@ void FA_NAME(attn_grad_merge)(fa_idx nchunks, fa_idx E, fa_idx nq, T scale, cons
 }
 
 #undef FA_GP
+#undef FA_GP_MAX
+#undef FA_NR_WIDEST
