@@ -303,7 +303,7 @@ def merge_attention(outputs: Sequence[NDArray[Float]], lses: Sequence[NDArray[Fl
 
         # part by part in the outputs' own layout (no stacked copy), summed
         # from 0 in order, as NumPy sums over a stack's first axis
-        out = np.zeros_like(outs[0], dtype=compute)
+        out = np.zeros_like(outs[0], dtype=compute, subok=False)
         for f, o in zip(factor, outs):
             term = np.multiply(f[..., None], o, dtype=compute)
             if not f.all():  # an empty part: 0, even where its output is not finite

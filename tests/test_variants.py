@@ -122,6 +122,25 @@ def test_merge_attention_of_key_shards(data):
     check_lse(lse, r_lse, dtype, E + S)
 
 
+def test_merge_attention_returns_plain_arrays_in_the_outputs_layout(tmp_path):
+    # a memmap (an ndarray subclass) in, a plain array out; parts given
+    # transposed come back in their layout, the merge's sums those of
+    # the contiguous parts
+    rng = np.random.default_rng(0)
+    outs = [rng.standard_normal((3, 4, 8)).astype(np.float32) for _ in range(2)]
+    lses = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(2)]
+    held = np.lib.format.open_memmap(tmp_path / "part.npy", "w+", np.float32, (3, 4, 8))
+    held[...] = outs[0]
+    out, lse = fastattn.merge_attention([held, outs[1]], lses)
+    assert type(out) is np.ndarray and type(lse) is np.ndarray
+    want, _ = fastattn.merge_attention(outs, lses)
+    np.testing.assert_array_equal(out, want)
+    swapped = [np.ascontiguousarray(o.transpose(1, 0, 2)).transpose(1, 0, 2) for o in outs]
+    got, _ = fastattn.merge_attention(swapped, lses)
+    np.testing.assert_array_equal(got, want)
+    assert got.transpose(1, 0, 2).flags.c_contiguous
+
+
 @given(st.data())
 def test_varlen(data):
     """Packed sequences: each the reference's attention over its own keys,
