@@ -478,7 +478,8 @@ def _weight_sums(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[
     A sum off by more than the slack and by more than the rounding of a
     large lse explains is refused (an lse of other inputs or options), as
     is a NaN lse where the inputs are finite (finite_inputs(): no score
-    could be NaN; asked only of an lse with a NaN, as it reads every input).  Any sum off by more than a row's own roundings (a large lse:
+    could be NaN; asked only of an lse with a NaN, as it reads every
+    input).  Any sum off by more than a row's own roundings (a large lse:
     an additive mask of the dtype's lowest hiding a row, a large bias)
     gets the factor 1 / sum, as the forward normalised the row."""
     with np.errstate(all="ignore"):
@@ -511,15 +512,22 @@ def _weight_sums(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[
 
 
 def _finite_scores(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
-                   mask: Optional[NDArray[Any]], scale: float, compute: np.dtype[Any]) -> bool:
-    """Whether no score can be NaN: finite inputs whose products stay below
-    the dtype's largest, a mask with neither NaN nor +inf (a NaN lse then
-    belongs to another call).  The arrays as given, not broadcast."""
+                   mask: Optional[NDArray[Any]], scale: float, compute: np.dtype[Any],
+                   slopes: Optional[NDArray[Any]], distance: int) -> bool:
+    """Whether no score can be NaN: finite inputs whose scores, with the
+    mask's largest finite term and ALiBi's (slopes times at most `distance`
+    positions), stay below the dtype's largest, a mask with neither NaN nor
+    +inf (a NaN lse then belongs to another call).  The arrays as given,
+    not broadcast."""
     with np.errstate(all="ignore"):
         bound = (float(np.abs(q).max(initial=0)) * float(np.abs(k).max(initial=0)) *
                  q.shape[-1] * abs(scale))
+        if slopes is not None:
+            bound += float(np.abs(slopes).max(initial=0)) * distance
         masked = mask is None or mask.dtype == np.bool_ or not bool(
             np.isnan(mask).any() or (mask == np.inf).any())
+        if mask is not None and mask.dtype != np.bool_:
+            bound += float(np.abs(mask[np.isfinite(mask)]).max(initial=0))
         return (bool(np.isfinite(q).all() and np.isfinite(k).all() and np.isfinite(v).all())
                 and masked and bound < float(np.finfo(compute).max) / 4)
 
@@ -616,7 +624,8 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
     kernels(None)
     sink, rnorm = _weight_sums(psum, lse, variants.sinks, compute,
                                lambda: _finite_scores(given[0], given[1], given[2], attn_mask,
-                                                      call.scale, compute))
+                                                      call.scale, compute, variants.slopes,
+                                                      L + S + abs(call.offset)))
     if rnorm is not None:  # rows of an lse rounded off: again, each row normalised
         kernels(rnorm)
     grads = [_sum_to(g, np.shape(x)) for g, x in ((dq, query), (dk, key), (dv, value))]
@@ -669,7 +678,9 @@ def varlen_backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[An
             None if variants.slopes is None else C.contiguous(variants.slopes), rnorm)
     kernels(None)
     sink, rnorm = _weight_sums(psum, lse, sink_logits, compute,
-                               lambda: _finite_scores(q, k, v, None, scale, compute), "lse")
+                               lambda: _finite_scores(q, k, v, None, scale, compute,
+                                                      variants.slopes,
+                                                      2 * sum(lengths) + abs(offset)), "lse")
     if rnorm is not None:  # rows of an lse rounded off: again, each row normalised
         kernels(rnorm)
     grads = [dq, dk, dv]

@@ -348,3 +348,23 @@ def test_a_nan_lse_is_refused_where_no_score_can_be_nan(rng):
     out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match="logsumexp does not match"):
         fastattn.attention_backward(do, q, k, v, out, np.full_like(lse, np.nan))
+
+
+@pytest.mark.parametrize("bias", ["mask", "alibi"])
+def test_a_forward_nan_lse_from_a_bias_that_overflows_the_scores_is_taken(bias):
+    # finite inputs whose scores a finite mask or ALiBi term pushes past
+    # float32's largest: the forward's lse is NaN, and so are the gradients
+    q = np.full((1, 1, 3, 1), 1e19, np.float32)
+    k = np.full((1, 1, 4, 1), 8e18, np.float32)
+    v = np.arange(4, dtype=np.float32).reshape(1, 1, 4, 1)
+    do = np.ones((1, 1, 3, 1), np.float32)
+    if bias == "mask":
+        mask = np.zeros((3, 4), np.float32)
+        mask[:, 1:3] = 3e38
+        kw = dict(attn_mask=mask, scale=1.0)
+    else:
+        kw = dict(alibi_slopes=np.array([-3e36], np.float32), causal_alignment=-100, scale=1.0)
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    assert np.isnan(lse).all()
+    grads = fastattn.attention_backward(do, q, k, v, out, lse, **kw)
+    assert all(np.isnan(g).any() for g in grads)
