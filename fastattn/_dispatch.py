@@ -470,7 +470,7 @@ def _grad_plan(L: NDArray[np.int64], S: NDArray[np.int64], Hq: int, group: int, 
 
 def _weight_sums(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[Any]],
                  compute: np.dtype[Any], finite_inputs: Callable[[], bool],
-                 name: str = "logsumexp"
+                 score_rounding: Callable[[], float], name: str = "logsumexp"
                  ) -> tuple[NDArray[Any], Optional[NDArray[Any]]]:
     """Each row's sink weight exp(sink - lse) (0 without sinks), and None or
     the factors by which the rows' weights are to be computed again, once
@@ -479,16 +479,23 @@ def _weight_sums(psum: NDArray[Any], lse: NDArray[Any], sinks: Optional[NDArray[
     large lse explains is refused (an lse of other inputs or options), as
     is a NaN lse where the inputs are finite (finite_inputs(): no score
     could be NaN; asked only of an lse with a NaN, as it reads every
-    input).  Any sum off by more than a row's own roundings (a large lse:
-    an additive mask of the dtype's lowest hiding a row, a large bias)
-    gets the factor 1 / sum, as the forward normalised the row."""
+    input).  Rows off by more than the slack are given score_rounding()
+    more (asked only then: it reads q and k): what the forward's and the
+    backward's sums of E products may differ by, which outgrows the
+    slack for heads of about 2^19 features.  Any sum off by more than a
+    row's own roundings (a large lse: an additive mask of the dtype's
+    lowest hiding a row, a large bias) gets the factor 1 / sum, as the
+    forward normalised the row."""
     with np.errstate(all="ignore"):
         sink = (np.exp(sinks[..., None] - lse.astype(np.float64)) if sinks is not None
                 else np.zeros(lse.shape))
         total = psum + sink
         off = np.abs(total - 1) > _LSE_SLACK[compute]
-        explained = (np.abs(np.log(total)) <=
-                     _LSE_ULPS * np.spacing(np.abs(lse)).astype(np.float64) + _LSE_SLACK[compute])
+        allowed = _LSE_ULPS * np.spacing(np.abs(lse)).astype(np.float64) + _LSE_SLACK[compute]
+        log_total = np.abs(np.log(total))
+        explained = log_total <= allowed
+        if (off & ~explained).any():
+            explained = log_total <= allowed + score_rounding()
         # rows with nothing visible (lse -inf, no sink) sum to 0; NaN rows are NaN's
         bad = np.where(lse == -np.inf, psum != 0, off & ~explained) & ~np.isnan(total)
         nan = np.isnan(lse)
@@ -530,6 +537,22 @@ def _finite_scores(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any],
             bound += float(np.abs(mask[np.isfinite(mask)]).max(initial=0))
         return (bool(np.isfinite(q).all() and np.isfinite(k).all() and np.isfinite(v).all())
                 and masked and bound < float(np.finfo(compute).max) / 4)
+
+
+def _score_rounding(q: NDArray[Any], k: NDArray[Any], scale: float,
+                    compute: np.dtype[Any]) -> float:
+    """How far two sums of a score's E products, in different orders, may
+    typically differ (a random walk of roundings, 4 standard deviations),
+    for the largest |q||k| scale of any query and key row: 2 x 4 sqrt(E)
+    eps x max |q_i| max |k_j| |scale|, twice for the forward's scores and
+    the backward's.  The arrays as given, not broadcast."""
+    E = q.shape[-1]
+    if E == 0 or q.size == 0 or k.size == 0:
+        return 0.0
+    with np.errstate(all="ignore"):
+        norms = [float(np.sqrt(np.square(x, dtype=np.float64).sum(axis=-1).max()))
+                 for x in (q, k)]
+    return 8 * math.sqrt(E) * float(np.finfo(compute).eps) * norms[0] * norms[1] * abs(scale)
 
 
 def _sink_grad(sink: NDArray[Any], delta: NDArray[Any], sinks: Any) -> NDArray[Any]:
@@ -625,7 +648,8 @@ def backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[Any],
     sink, rnorm = _weight_sums(psum, lse, variants.sinks, compute,
                                lambda: _finite_scores(given[0], given[1], given[2], attn_mask,
                                                       call.scale, compute, variants.slopes,
-                                                      L + S + abs(call.offset)))
+                                                      L + S + abs(call.offset)),
+                               lambda: _score_rounding(given[0], given[1], call.scale, compute))
     if rnorm is not None:  # rows of an lse rounded off: again, each row normalised
         kernels(rnorm)
     grads = [_sum_to(g, np.shape(x)) for g, x in ((dq, query), (dk, key), (dv, value))]
@@ -680,7 +704,8 @@ def varlen_backward(grad_out: NDArray[Any], query: NDArray[Any], key: NDArray[An
     sink, rnorm = _weight_sums(psum, lse, sink_logits, compute,
                                lambda: _finite_scores(q, k, v, None, scale, compute,
                                                       variants.slopes,
-                                                      2 * sum(lengths) + abs(offset)), "lse")
+                                                      2 * sum(lengths) + abs(offset)),
+                               lambda: _score_rounding(q, k, scale, compute), "lse")
     if rnorm is not None:  # rows of an lse rounded off: again, each row normalised
         kernels(rnorm)
     grads = [dq, dk, dv]

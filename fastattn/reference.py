@@ -183,8 +183,8 @@ def attention_backward(grad_out: Array, query: Array, key: Array, value: Array,
         grad_s = np.where(weights != 0, weights * (
             grad_p - np.sum(np.where(weights != 0, weights * grad_p, 0), axis=-1, keepdims=True)),
             0)                                                          # through the softmax
-    grad_sink = grad_s[..., -1]
-    grad_s = grad_s[..., :scores.shape[-1]]
+    S = scores.shape[-1]
+    grad_sink, grad_s = grad_s[..., S:], grad_s[..., :S]               # the sink's column, if any
     if softcap is not None:
         grad_s = grad_s * (1 - np.tanh(scaled / softcap) ** 2)
     with np.errstate(invalid="ignore"):
@@ -198,7 +198,7 @@ def attention_backward(grad_out: Array, query: Array, key: Array, value: Array,
              sum_to(grad_v, value.shape))
     if sinks is None:
         return grads
-    g = grad_sink.sum(axis=-1)                                       # over the rows
+    g = grad_sink.sum(axis=(-2, -1))                                 # over the rows
     s = np.asarray(sinks)
     if s.ndim == 2:  # (B, Hq): B is the first batch axis
         g = g.reshape(g.shape[0], -1, g.shape[-1]).sum(axis=1)

@@ -216,6 +216,38 @@ def test_a_logsumexp_of_other_inputs_is_refused(rng):
         fastattn.attention_backward(do, q, k, v, out, lse, dropout_p=0.1)
 
 
+def test_the_forwards_lse_is_taken_for_heads_of_2_to_the_19_features(rng):
+    """Four query rows or fewer take the forward's row kernel, whose sums of
+    E products differ from the backward's by about 1e-2 at E = 2^19 (the
+    weights summed to 0.9975): within the scores' own rounding, which the
+    check allows; an lse 0.5 off is still refused."""
+    E = 2 ** 19
+    q = rng.random((1, 1, 3, E), np.float32)
+    k = rng.random((1, 1, 5, E), np.float32)
+    v = rng.random((1, 1, 5, 4), np.float32)
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    do = np.ones_like(out)
+    got = fastattn.attention_backward(do, q, k, v, out, lse)
+    want = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)))
+    for g, w in zip(got, want):  # the scores' rounding, E^0.5 eps |q| |k| scale, bounds these
+        assert np.max(np.abs(g - w)) <= 0.05 * max(np.max(np.abs(w)), 1)
+    with pytest.raises(ValueError, match="logsumexp does not match"):
+        fastattn.attention_backward(do, q, k, v, out, lse + 0.5)
+
+
+def test_no_keys_give_zero_gradients(rng):
+    do, q, k, v, _ = inputs(rng, np.float64, S=0)
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    for got, want in zip(fastattn.attention_backward(do, q, k, v, out, lse),
+                         reference.attention_backward(do, q, k, v)):
+        assert got.shape == want.shape and not got.any() and not want.any()
+    sinks = np.linspace(-1, 1, 4)
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, sinks=sinks)
+    got = fastattn.attention_backward(do, q, k, v, out, lse, sinks=sinks)
+    want = reference.attention_backward(do, q, k, v, sinks=sinks)
+    assert np.allclose(got[3], want[3], rtol=1e-12, atol=0)
+
+
 def test_the_callers_arrays_are_left_alone(rng):
     do, q, k, v, kw = inputs(rng, np.float32, variant="everything")
     out, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
