@@ -53,6 +53,19 @@ int fa_cpu_has_avx512(void)
 #endif
 }
 
+/* Without CPUID, which a VM may trap at a cost of microseconds: the kernels
+ * ask per call.  Every CPU with AVX-512 has AVX2, FMA and F16C. */
+int fa_cpu_has_avx512_vnni(void)
+{
+#if FA_HAVE_X86_SIMD && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
+
 /* Linux reports the CPU's features in the auxiliary vector; elsewhere
  * (macOS on Apple silicon) every aarch64 CPU has Advanced SIMD, and the
  * half-precision features are left unreported. */

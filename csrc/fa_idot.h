@@ -1,12 +1,15 @@
 /* Integer dot products of the opt-in int8 mode (fa_attn_args.precision,
  * FA_PRECISION_INT8): a query row quantised to int8 against int8 or q4_0
- * key codes.  The sums are int32 and exact, so every path gives the same
- * sums; the few float steps after them are spelled out below, in order,
- * and every path takes them in that order, so every path gives the same
- * scores too.  AVX2 bodies where the including file is compiled for AVX2
- * (the AVX2 and AVX-512 paths), plain C elsewhere (the compiler vectorises
- * it for NEON).  The sign trick and the nibble split follow llama.cpp's
- * q8_0 dot products (ggml-cpu's quants.c). */
+ * key codes, and the weights of a group of keys rounded to 7 bits against
+ * int8 value codes.  The sums are int32 and exact, so every path gives the
+ * same sums; the few float steps after them are spelled out in
+ * fa_idot_body.h, in order, and every path takes them in that order, so
+ * every path gives the same scores too.  AVX2 bodies where the including
+ * file is compiled for AVX2 (the AVX2 and AVX-512 paths), plain C
+ * elsewhere (the compiler vectorises it for NEON); on the AVX-512 path a
+ * second instance with AVX-512 VNNI's vpdpbusd, for the CPUs that have it.
+ * The sign trick and the nibble split follow llama.cpp's q8_0 dot products
+ * (ggml-cpu's quants.c). */
 #ifndef FA_IDOT_H
 #define FA_IDOT_H
 
@@ -21,6 +24,11 @@
 #define FA_IDOT_MAX_E ((fa_idx)1 << 16)
 /* Query elements per scale against Q4 keys: a Q4 block. */
 #define FA_IDOT_GROUP FA_Q4_BLOCK
+/* Keys whose weights share one scale (a group of key positions j with the
+ * same j / FA_IGROUP): the weights of a group rounded to 7 bits against
+ * int8 values (unsigned times signed products, whose pairs stay within
+ * int16). */
+#define FA_IGROUP 32
 
 /* q8[0..ng * g) = x[0..n) (zeros past n) in int8 with one scale per group
  * of g elements: qd[i] = max |x| / 127 over group i, code = x / qd rounded
@@ -57,15 +65,6 @@ static void fa_quantise_i8(fa_idx n, const float *x, fa_idx g, fa_idx ng, int8_t
 #if defined(__AVX2__)
 #include <immintrin.h>
 
-/* acc + the pairwise sums of q . k over 32 bytes: |k| times q with k's
- * sign, so that the unsigned-by-signed multiply takes a code of -128 too */
-static FA_ALWAYS_INLINE __m256i fa_idot_i8_step(__m256i acc, __m256i q, const int8_t *p)
-{
-    const __m256i k = _mm256_loadu_si256((const __m256i *)p);
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(k), _mm256_sign_epi8(q, k));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
 /* The lane sums of a[0..8), one per lane */
 static FA_ALWAYS_INLINE __m256i fa_hsum8_epi32(const __m256i *a)
 {
@@ -81,106 +80,7 @@ static FA_ALWAYS_INLINE __m256i fa_q4_codes(const uint8_t *p)
     const __m128i x = _mm_loadu_si128((const __m128i *)p);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(0x0f));
 }
-#endif
 
-/* The int8 sum of q[0..n) times row k_r (int8 codes) for nr <= 8 rows
- * k_r = k + r * rb (bytes): isum[r].  Inlined with nr = 8, the compiler
- * keeps the eight sums in registers. */
-static FA_ALWAYS_INLINE void fa_idot_i8_sums(const fa_idx nr, fa_idx n, const int8_t *q,
-                                             const int8_t *k, fa_idx rb, int32_t *isum)
-{
-    fa_idx e0 = 0;
-#if defined(__AVX2__)
-    e0 = n / 32 * 32;
-    __m256i acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_si256();
-    for (fa_idx e = 0; e < e0; e += 32) {
-        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + e));
-        for (fa_idx r = 0; r < nr; ++r) acc[r] = fa_idot_i8_step(acc[r], qv, k + r * rb + e);
-    }
-    _mm256_storeu_si256((__m256i *)isum, fa_hsum8_epi32(acc));
-#else
-    for (fa_idx r = 0; r < nr; ++r) isum[r] = 0;
-#endif
-    for (fa_idx r = 0; e0 < n && r < nr; ++r) {
-        const int8_t *kr = k + r * rb;
-        int32_t sum = 0;
-        for (fa_idx e = e0; e < n; ++e) sum += (int32_t)q[e] * kr[e];
-        isum[r] += sum;
-    }
-}
-
-/* s[r] = qd * (float)(q . k_r) for nr rows of n int8 codes, k_r = k + r * rb
- * (n <= FA_IDOT_MAX_E). */
-static void fa_idot_i8(fa_idx nr, fa_idx n, const int8_t *q, float qd, const int8_t *k, fa_idx rb,
-                       float *s)
-{
-    int32_t isum[8];
-    for (fa_idx r0 = 0; r0 < nr; r0 += 8) {
-        const fa_idx m = nr - r0 < 8 ? nr - r0 : 8;
-        if (m == 8)
-            fa_idot_i8_sums(8, n, q, k + r0 * rb, rb, isum);
-        else
-            fa_idot_i8_sums(m, n, q, k + r0 * rb, rb, isum);
-        for (fa_idx r = 0; r < m; ++r) s[r0 + r] = qd * (float)isum[r];
-    }
-}
-
-/* For nr Q4 rows k_r = k + r * rb of nb blocks each, whose block b is
- * d_rb times (codes - 8), against q (nb * 32 codes) with scales qd[b] and
- * offsets qb[b] (fa_quantise_i8):
- *   s[r] = sum over b, in order from 0, of (d_rb * qd[b]) * (float)(c_rb . q_b - qb[b])
- * with each product and sum rounded to float (the order every path keeps). */
-static void fa_idot_q4(fa_idx nr, fa_idx nb, const int8_t *q, const float *qd, const int32_t *qb,
-                       const uint8_t *k, fa_idx rb, float *s)
-{
-    fa_idx r0 = 0;
-#if defined(__AVX2__)
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (; r0 + 8 <= nr; r0 += 8) {
-        const uint8_t *k0 = k + r0 * rb;
-        __m256 acc = _mm256_setzero_ps();
-        for (fa_idx b = 0; b < nb; ++b) {
-            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + b * FA_Q4_BLOCK));
-            const uint8_t *blk = k0 + b * FA_Q4_BLOCK_BYTES;
-            __m256i lanes[8];
-            uint16_t d[8];
-            for (int r = 0; r < 8; ++r) {
-                const __m256i pairs = _mm256_maddubs_epi16(fa_q4_codes(blk + r * rb + 2), qv);
-                lanes[r] = _mm256_madd_epi16(pairs, ones);
-                memcpy(d + r, blk + r * rb, sizeof d[r]);
-            }
-            const __m256i x = _mm256_sub_epi32(fa_hsum8_epi32(lanes), _mm256_set1_epi32(qb[b]));
-            const __m256 dq = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)),
-                                            _mm256_set1_ps(qd[b]));
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(dq, _mm256_cvtepi32_ps(x)));
-        }
-        _mm256_storeu_ps(s + r0, acc);
-    }
-#endif
-    for (; r0 < nr; ++r0) {
-        float acc = 0;
-        for (fa_idx b = 0; b < nb; ++b) {
-            const uint8_t *blk = k + r0 * rb + b * FA_Q4_BLOCK_BYTES;
-            const int8_t *qv = q + b * FA_Q4_BLOCK;
-            int32_t sum = 0;
-            for (int e = 0; e < FA_Q4_BLOCK / 2; ++e)
-                sum += (int32_t)qv[e] * (blk[2 + e] & 15) + (int32_t)qv[e + 16] * (blk[2 + e] >> 4);
-            acc = acc + (fa_q4_scale(blk) * qd[b]) * (float)(sum - qb[b]);
-        }
-        s[r0] = acc;
-    }
-}
-
-/* ---- The weighted sum of value rows, in 8 bits -------------------------- */
-
-/* Keys whose weights share one scale (a group of key positions j with the
- * same j / FA_IGROUP): the weights of a group rounded to 7 bits against
- * int8 values (unsigned times signed products, whose pairs stay within
- * int16). */
-#define FA_IGROUP 32
-
-#if defined(__AVX2__)
 /* The four rows x0..x3 of 32 bytes as four vectors of their columns'
  * byte quads (row 0, 1, 2, 3 of one column per int32), columns in the
  * order fa_quads_store puts back. */
@@ -212,33 +112,83 @@ static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
 }
 #endif
 
+/* Every instance's FA_DPBUSD(acc, u, s): acc plus, in each int32 lane, the
+ * sum of its four unsigned-by-signed byte products.  AVX2 sums them in
+ * pairs to int16 first: no pair of these operands reaches int16's limit
+ * (at most 2 x 128 x 127 or 2 x 15 x 127), so no sum saturates, and the
+ * instances agree. */
+#define FA_IDOT(name) fa_idot_##name##_base
+#define FA_IDOT_TARGET
+#define FA_DPBUSD(acc, u, s) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#include "fa_idot_body.h"
+#undef FA_IDOT
+#undef FA_IDOT_TARGET
+#undef FA_DPBUSD
+
+#if defined(__AVX2__) && defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+/* For CPUs with AVX-512 VNNI (fa_cpu_has_avx512_vnni), only these
+ * functions are compiled for it: the rest of the path runs without. */
+#define FA_IDOT_VNNI 1
+#define FA_IDOT(name) fa_idot_##name##_vnni
+#define FA_IDOT_TARGET __attribute__((target("avx512vnni,avx512vl")))
+#define FA_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#include "fa_idot_body.h"
+#undef FA_IDOT
+#undef FA_IDOT_TARGET
+#undef FA_DPBUSD
+#else
+#define FA_IDOT_VNNI 0
+#endif
+
+/* The instance the kernel asks for: vnni (fa_idot_vnni) on the AVX-512
+ * path of a CPU with AVX-512 VNNI, the base one otherwise. */
+#if FA_IDOT_VNNI
+#define FA_IDOT_PICK(vnni, name, args)                  \
+    do {                                                \
+        if (vnni) fa_idot_##name##_vnni args;           \
+        else fa_idot_##name##_base args;                \
+    } while (0)
+#else
+#define FA_IDOT_PICK(vnni, name, args) ((void)(vnni), fa_idot_##name##_base args)
+#endif
+
+/* Whether this path's kernels take the VNNI instance on this CPU. */
+static inline int fa_idot_vnni(void)
+{
+#if FA_IDOT_VNNI
+    return fa_cpu_has_avx512_vnni();
+#else
+    return 0;
+#endif
+}
+
+/* s[r] = qd * (float)(q . k_r) for nr rows of n int8 codes, k_r = k + r * rb
+ * (n <= FA_IDOT_MAX_E). */
+static inline void fa_idot_i8(int vnni, fa_idx nr, fa_idx n, const int8_t *q, float qd,
+                              const int8_t *k, fa_idx rb, float *s)
+{
+    FA_IDOT_PICK(vnni, i8, (nr, n, q, qd, k, rb, s));
+}
+
+/* For nr Q4 rows k_r = k + r * rb of nb blocks each, whose block b is
+ * d_rb times (codes - 8), against q (nb * 32 codes) with scales qd[b] and
+ * offsets qb[b] (fa_quantise_i8):
+ *   s[r] = sum over b, in order from 0, of (d_rb * qd[b]) * (float)(c_rb . q_b - qb[b])
+ * with each product and sum rounded to float (the order every path keeps). */
+static inline void fa_idot_q4(int vnni, fa_idx nr, fa_idx nb, const int8_t *q, const float *qd,
+                              const int32_t *qb, const uint8_t *k, fa_idx rb, float *s)
+{
+    FA_IDOT_PICK(vnni, q4, (nr, nb, q, qd, qb, k, rb, s));
+}
+
 /* acc[c] = sum over r < n of w[r] * rows[r][c0 + c] for c < nc <= 32: int8
  * codes, weights 0..127; n a multiple of 4 (rows past the group's have
  * weight 0 and point at one of its rows). */
-static void fa_igemv_i8(fa_idx n, const uint8_t *w, const int8_t *const *rows, fa_idx c0,
-                        fa_idx nc, int32_t *acc)
+static inline void fa_igemv_i8(int vnni, fa_idx n, const uint8_t *w, const int8_t *const *rows,
+                               fa_idx c0, fa_idx nc, int32_t *acc)
 {
-#if defined(__AVX2__)
-    if (nc == 32) {
-        const __m256i ones = _mm256_set1_epi16(1);
-        __m256i s[4], q[4];
-        for (int i = 0; i < 4; ++i) s[i] = _mm256_setzero_si256();
-        for (fa_idx r = 0; r < n; r += 4) {
-            const __m256i wq = fa_quad_weights(w, (int)r);
-            fa_quads(_mm256_loadu_si256((const __m256i *)(rows[r] + c0)),
-                     _mm256_loadu_si256((const __m256i *)(rows[r + 1] + c0)),
-                     _mm256_loadu_si256((const __m256i *)(rows[r + 2] + c0)),
-                     _mm256_loadu_si256((const __m256i *)(rows[r + 3] + c0)), q);
-            for (int i = 0; i < 4; ++i)
-                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wq, q[i]), ones));
-        }
-        fa_quads_store(s, acc);
-        return;
-    }
-#endif
-    for (fa_idx c = 0; c < nc; ++c) acc[c] = 0;
-    for (fa_idx r = 0; r < n; ++r)
-        for (fa_idx c = 0; c < nc; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
+    FA_IDOT_PICK(vnni, igemv_i8, (n, w, rows, c0, nc, acc));
 }
 
 #endif

@@ -13,6 +13,8 @@ def info():
     print(f"fastattn {fastattn.__version__}")
     print(f"SIMD path: {fastattn.simd_path()} (available: "
           f"{', '.join(fastattn.available_simd_paths())}; set FASTATTN_SIMD to choose)")
+    if _core.cpu_has_avx512_vnni():
+        print("int8 mode's integer products: AVX-512 VNNI (vpdpbusd) on the avx512 path")
     if _core.cpu_has_neon():  # what a reduced-precision path would use; no kernel does yet
         print(f"aarch64 half precision: fp16 arithmetic "
               f"{'yes' if _core.cpu_has_neon_fp16() else 'no'}, bf16 dot products "

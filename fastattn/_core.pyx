@@ -95,6 +95,7 @@ cdef extern from "fastattn.h" nogil:
 
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
+    int fa_cpu_has_avx512_vnni()
     int fa_cpu_has_neon()
     int fa_cpu_has_neon_fp16()
     int fa_cpu_has_neon_bf16()
@@ -209,6 +210,10 @@ def cpu_has_avx2_fma():
 
 def cpu_has_avx512():
     return bool(fa_cpu_has_avx512())
+
+
+def cpu_has_avx512_vnni():
+    return bool(fa_cpu_has_avx512_vnni())
 
 
 def cpu_has_neon():

@@ -16,7 +16,7 @@ import pytest
 import fastattn
 from fastattn import reference as ref
 
-from conftest import assert_close, tolerance
+from conftest import assert_close, simd_path, tolerance
 
 STORAGES = ["int8", "int4"]
 # the query's scale groups: one per row against int8, a q4_0 block against int4
@@ -119,6 +119,24 @@ def test_same_bits_for_any_threads_blocks_and_batch(rng, storage):
                             num_threads=2)
         assert np.array_equal(alone[0], dense[0, :, 0])
         assert np.array_equal(both[1], dense[0, :, 0])
+
+
+@pytest.mark.skipif(not {"avx2", "avx512"} <= set(fastattn.available_simd_paths()),
+                    reason="needs the AVX2 and AVX-512 paths")
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("E, Ev", [(64, 64), (128, 128), (48, 80), (256, 96)])
+def test_avx512_gives_the_avx2_paths_bits(rng, storage, E, Ev):
+    """The AVX-512 path sums the codes with AVX-512 VNNI's vpdpbusd where
+    the CPU has it, AVX2's vpmaddubsw + vpmaddwd otherwise, as the AVX2
+    path: exact int32 sums either way, and the same float steps after
+    them, so the same bits (E, Ev of 48, 80: the sums' tails in C)."""
+    cache, _, _ = filled(rng, storage, B=2, S=1100, E=E, Ev=Ev)
+    q = rng.standard_normal((2, 8, 2, E), dtype=np.float32)
+    with simd_path("avx2"):
+        expected = cache.attend(q, precision="int8")
+    with simd_path("avx512"):
+        out = cache.attend(q, precision="int8")
+    assert np.array_equal(out, expected)
 
 
 def test_paged_attention_over_a_callers_pool(rng):

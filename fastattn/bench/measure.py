@@ -10,7 +10,7 @@ from time import perf_counter
 import numpy as np
 
 import fastattn
-from fastattn import _peak
+from fastattn import _core, _peak
 
 from .cpu import describe
 
@@ -220,5 +220,6 @@ def machine_info():
         pass
     return {"cpu": cpu, "cpu_id": describe(), "logical_cpus": os.cpu_count(), "simd_paths": fastattn.available_simd_paths(),
             "fastattn": fastattn.__version__, "fastattn_simd": fastattn.simd_path(),
+            "avx512_vnni": _core.cpu_has_avx512_vnni(),
             "openmp": fastattn.openmp_enabled(), "numpy": np.__version__,
             "python": sys.version.split()[0]}

@@ -1,0 +1,123 @@
+/* The integer products of fa_idot.h, once per instance: FA_IDOT(name)
+ * names this instance's functions, FA_IDOT_TARGET gives them their target
+ * and FA_DPBUSD(acc, u, s) adds to each int32 lane of acc the sum of its
+ * four unsigned-by-signed byte products.  Included by fa_idot.h only. */
+
+#if defined(__AVX2__)
+/* acc + q . k over 32 bytes, four products per lane: |k| times q with k's
+ * sign, so that the unsigned-by-signed multiply takes a code of -128 too */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET __m256i FA_IDOT(i8_step)(__m256i acc, __m256i q,
+                                                                const int8_t *p)
+{
+    const __m256i k = _mm256_loadu_si256((const __m256i *)p);
+    return FA_DPBUSD(acc, _mm256_abs_epi8(k), _mm256_sign_epi8(q, k));
+}
+#endif
+
+/* The int8 sum of q[0..n) times row k_r (int8 codes) for nr <= 8 rows
+ * k_r = k + r * rb (bytes): isum[r].  Inlined with nr = 8, the compiler
+ * keeps the eight sums in registers. */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(i8_sums)(const fa_idx nr, fa_idx n,
+                                                             const int8_t *q, const int8_t *k,
+                                                             fa_idx rb, int32_t *isum)
+{
+    fa_idx e0 = 0;
+#if defined(__AVX2__)
+    e0 = n / 32 * 32;
+    __m256i acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_si256();
+    for (fa_idx e = 0; e < e0; e += 32) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + e));
+        for (fa_idx r = 0; r < nr; ++r) acc[r] = FA_IDOT(i8_step)(acc[r], qv, k + r * rb + e);
+    }
+    _mm256_storeu_si256((__m256i *)isum, fa_hsum8_epi32(acc));
+#else
+    for (fa_idx r = 0; r < nr; ++r) isum[r] = 0;
+#endif
+    for (fa_idx r = 0; e0 < n && r < nr; ++r) {
+        const int8_t *kr = k + r * rb;
+        int32_t sum = 0;
+        for (fa_idx e = e0; e < n; ++e) sum += (int32_t)q[e] * kr[e];
+        isum[r] += sum;
+    }
+}
+
+/* fa_idot_i8 */
+static FA_IDOT_TARGET void FA_IDOT(i8)(fa_idx nr, fa_idx n, const int8_t *q, float qd,
+                                       const int8_t *k, fa_idx rb, float *s)
+{
+    int32_t isum[8];
+    for (fa_idx r0 = 0; r0 < nr; r0 += 8) {
+        const fa_idx m = nr - r0 < 8 ? nr - r0 : 8;
+        if (m == 8)
+            FA_IDOT(i8_sums)(8, n, q, k + r0 * rb, rb, isum);
+        else
+            FA_IDOT(i8_sums)(m, n, q, k + r0 * rb, rb, isum);
+        for (fa_idx r = 0; r < m; ++r) s[r0 + r] = qd * (float)isum[r];
+    }
+}
+
+/* fa_idot_q4 */
+static FA_IDOT_TARGET void FA_IDOT(q4)(fa_idx nr, fa_idx nb, const int8_t *q, const float *qd,
+                                       const int32_t *qb, const uint8_t *k, fa_idx rb, float *s)
+{
+    fa_idx r0 = 0;
+#if defined(__AVX2__)
+    for (; r0 + 8 <= nr; r0 += 8) {
+        const uint8_t *k0 = k + r0 * rb;
+        __m256 acc = _mm256_setzero_ps();
+        for (fa_idx b = 0; b < nb; ++b) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + b * FA_Q4_BLOCK));
+            const uint8_t *blk = k0 + b * FA_Q4_BLOCK_BYTES;
+            __m256i lanes[8];
+            uint16_t d[8];
+            for (int r = 0; r < 8; ++r) {
+                lanes[r] = FA_DPBUSD(_mm256_setzero_si256(), fa_q4_codes(blk + r * rb + 2), qv);
+                memcpy(d + r, blk + r * rb, sizeof d[r]);
+            }
+            const __m256i x = _mm256_sub_epi32(fa_hsum8_epi32(lanes), _mm256_set1_epi32(qb[b]));
+            const __m256 dq = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)),
+                                            _mm256_set1_ps(qd[b]));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(dq, _mm256_cvtepi32_ps(x)));
+        }
+        _mm256_storeu_ps(s + r0, acc);
+    }
+#endif
+    for (; r0 < nr; ++r0) {
+        float acc = 0;
+        for (fa_idx b = 0; b < nb; ++b) {
+            const uint8_t *blk = k + r0 * rb + b * FA_Q4_BLOCK_BYTES;
+            const int8_t *qv = q + b * FA_Q4_BLOCK;
+            int32_t sum = 0;
+            for (int e = 0; e < FA_Q4_BLOCK / 2; ++e)
+                sum += (int32_t)qv[e] * (blk[2 + e] & 15) + (int32_t)qv[e + 16] * (blk[2 + e] >> 4);
+            acc = acc + (fa_q4_scale(blk) * qd[b]) * (float)(sum - qb[b]);
+        }
+        s[r0] = acc;
+    }
+}
+
+/* fa_igemv_i8 */
+static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const int8_t *const *rows,
+                                             fa_idx c0, fa_idx nc, int32_t *acc)
+{
+#if defined(__AVX2__)
+    if (nc == 32) {
+        __m256i s[4], q[4];
+        for (int i = 0; i < 4; ++i) s[i] = _mm256_setzero_si256();
+        for (fa_idx r = 0; r < n; r += 4) {
+            const __m256i wq = fa_quad_weights(w, (int)r);
+            fa_quads(_mm256_loadu_si256((const __m256i *)(rows[r] + c0)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 1] + c0)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 2] + c0)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 3] + c0)), q);
+            for (int i = 0; i < 4; ++i) s[i] = FA_DPBUSD(s[i], wq, q[i]);
+        }
+        fa_quads_store(s, acc);
+        return;
+    }
+#endif
+    for (fa_idx c = 0; c < nc; ++c) acc[c] = 0;
+    for (fa_idx r = 0; r < n; ++r)
+        for (fa_idx c = 0; c < nc; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
+}
