@@ -94,13 +94,19 @@ static FA_ALWAYS_INLINE void fa_quads(__m256i x0, __m256i x1, __m256i x2, __m256
     q[3] = _mm256_unpackhi_epi16(b, d); /* 12-15 | 28-31 */
 }
 
-/* acc[0..32) = the four sums of fa_quads' column order, in column order */
-static FA_ALWAYS_INLINE void fa_quads_store(const __m256i *s, int32_t *acc)
+/* ot[0..32) = ot + u * (float)sum, the four sums of fa_quads' column order
+ * put back in column order, each product and sum rounded to float as the
+ * scalar loop of fa_igemv_i8 rounds them */
+static FA_ALWAYS_INLINE void fa_quads_add(const __m256i *s, float u, float *ot)
 {
-    _mm256_storeu_si256((__m256i *)acc, _mm256_permute2x128_si256(s[0], s[1], 0x20));
-    _mm256_storeu_si256((__m256i *)(acc + 8), _mm256_permute2x128_si256(s[2], s[3], 0x20));
-    _mm256_storeu_si256((__m256i *)(acc + 16), _mm256_permute2x128_si256(s[0], s[1], 0x31));
-    _mm256_storeu_si256((__m256i *)(acc + 24), _mm256_permute2x128_si256(s[2], s[3], 0x31));
+    const __m256i c[4] = {_mm256_permute2x128_si256(s[0], s[1], 0x20),
+                          _mm256_permute2x128_si256(s[2], s[3], 0x20),
+                          _mm256_permute2x128_si256(s[0], s[1], 0x31),
+                          _mm256_permute2x128_si256(s[2], s[3], 0x31)};
+    const __m256 uv = _mm256_set1_ps(u);
+    for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(ot + 8 * i, _mm256_add_ps(_mm256_loadu_ps(ot + 8 * i),
+                                                   _mm256_mul_ps(uv, _mm256_cvtepi32_ps(c[i]))));
 }
 
 /* The weights of four rows as the bytes of every int32 lane. */
@@ -130,6 +136,7 @@ static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
 /* For CPUs with AVX-512 VNNI (fa_cpu_has_avx512_vnni), only these
  * functions are compiled for it: the rest of the path runs without. */
 #define FA_IDOT_VNNI 1
+#define FA_IDOT_ZMM 1
 #define FA_IDOT(name) fa_idot_##name##_vnni
 #define FA_IDOT_TARGET __attribute__((target("avx512vnni,avx512vl")))
 #define FA_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
@@ -137,6 +144,7 @@ static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
 #undef FA_IDOT
 #undef FA_IDOT_TARGET
 #undef FA_DPBUSD
+#undef FA_IDOT_ZMM
 #else
 #define FA_IDOT_VNNI 0
 #endif
@@ -182,13 +190,15 @@ static inline void fa_idot_q4(int vnni, fa_idx nr, fa_idx nb, const int8_t *q, c
     FA_IDOT_PICK(vnni, q4, (nr, nb, q, qd, qb, k, rb, s));
 }
 
-/* acc[c] = sum over r < n of w[r] * rows[r][c0 + c] for c < nc <= 32: int8
- * codes, weights 0..127; n a multiple of 4 (rows past the group's have
- * weight 0 and point at one of its rows). */
+/* ot[c] = ot[c] + u * (float)acc[c] for c < nc <= 32, acc[c] = the sum over
+ * r < n of w[r] * rows[r][c0 + c]: int8 codes, weights 0..127; n a multiple
+ * of 4 (rows past the group's have weight 0 and point at one of its rows).
+ * The sums go from registers to the output: through memory they cost a
+ * failed store forwarding each. */
 static inline void fa_igemv_i8(int vnni, fa_idx n, const uint8_t *w, const int8_t *const *rows,
-                               fa_idx c0, fa_idx nc, int32_t *acc)
+                               fa_idx c0, fa_idx nc, float u, float *ot)
 {
-    FA_IDOT_PICK(vnni, igemv_i8, (n, w, rows, c0, nc, acc));
+    FA_IDOT_PICK(vnni, igemv_i8, (n, w, rows, c0, nc, u, ot));
 }
 
 #endif

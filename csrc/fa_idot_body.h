@@ -22,7 +22,27 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(i8_sums)(const fa_idx nr, fa
                                                              fa_idx rb, int32_t *isum)
 {
     fa_idx e0 = 0;
-#if defined(__AVX2__)
+#if defined(FA_IDOT_ZMM)
+    /* 64 bytes a step: (k + 128) . q, k's sign bit flipped to make it the
+     * unsigned operand, less 128 times the sum of q's codes (one vpdpbusd
+     * against ones): a third of the sign trick's instructions */
+    e0 = n / 64 * 64;
+    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    __m512i acc[8], qsum = _mm512_setzero_si512();
+    for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_si512();
+    for (fa_idx e = 0; e < e0; e += 64) {
+        const __m512i qv = _mm512_loadu_si512((const void *)(q + e));
+        qsum = _mm512_dpbusd_epi32(qsum, ones, qv);
+        for (fa_idx r = 0; r < nr; ++r)
+            acc[r] = _mm512_dpbusd_epi32(
+                acc[r], _mm512_xor_si512(_mm512_loadu_si512((const void *)(k + r * rb + e)), flip), qv);
+    }
+    __m256i halves[8];
+    for (int r = 0; r < 8; ++r)
+        halves[r] = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
+    const __m256i offset = _mm256_set1_epi32(128 * _mm512_reduce_add_epi32(qsum));
+    _mm256_storeu_si256((__m256i *)isum, _mm256_sub_epi32(fa_hsum8_epi32(halves), offset));
+#elif defined(__AVX2__)
     e0 = n / 32 * 32;
     __m256i acc[8];
     for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_si256();
@@ -99,7 +119,7 @@ static FA_IDOT_TARGET void FA_IDOT(q4)(fa_idx nr, fa_idx nb, const int8_t *q, co
 
 /* fa_igemv_i8 */
 static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const int8_t *const *rows,
-                                             fa_idx c0, fa_idx nc, int32_t *acc)
+                                             fa_idx c0, fa_idx nc, float u, float *ot)
 {
 #if defined(__AVX2__)
     if (nc == 32) {
@@ -113,11 +133,12 @@ static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const i
                      _mm256_loadu_si256((const __m256i *)(rows[r + 3] + c0)), q);
             for (int i = 0; i < 4; ++i) s[i] = FA_DPBUSD(s[i], wq, q[i]);
         }
-        fa_quads_store(s, acc);
+        fa_quads_add(s, u, ot);
         return;
     }
 #endif
-    for (fa_idx c = 0; c < nc; ++c) acc[c] = 0;
+    int32_t acc[32] = {0};
     for (fa_idx r = 0; r < n; ++r)
         for (fa_idx c = 0; c < nc; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
+    for (fa_idx c = 0; c < nc; ++c) ot[c] = ot[c] + u * (float)acc[c];
 }

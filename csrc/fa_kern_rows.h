@@ -148,12 +148,8 @@ static void FA_NAME(values_i8_group)(const fa_attn_args *a, int vnni, fa_idx n, 
     uint8_t w8[FA_IGROUP];
     for (fa_idx r = 0; r < n; ++r) w8[r] = (uint8_t)rintf(w[r] / u);
     for (fa_idx r = n; r < n4; ++r) w8[r] = 0;
-    int32_t acc[32];
-    for (fa_idx c0 = 0; c0 < a->Ev; c0 += 32) {
-        const fa_idx nc = a->Ev - c0 < 32 ? a->Ev - c0 : 32;
-        fa_igemv_i8(vnni, n4, w8, rows, c0, nc, acc);
-        for (fa_idx c = 0; c < nc; ++c) ot[c0 + c] = ot[c0 + c] + u * (float)acc[c];
-    }
+    for (fa_idx c0 = 0; c0 < a->Ev; c0 += 32)
+        fa_igemv_i8(vnni, n4, w8, rows, c0, a->Ev - c0 < 32 ? a->Ev - c0 : 32, u, ot + c0);
 }
 
 /* rows_values in the int8 mode against int8 values, their rows' scales
@@ -182,6 +178,11 @@ static void FA_NAME(rows_values_int8)(const fa_attn_args *a, const FA_NAME(rows_
             rows[r] = (const char *)row;
         }
         for (fa_idx r = n; r < n4; ++r) rows[r] = rows[0];
+        const fa_idx ahead = s0 + nk - g1 < FA_IGROUP ? s0 + nk - g1 : FA_IGROUP;
+        for (fa_idx r = 0; a->v_es == 1 && !(a->prefetch & FA_PREFETCH_NONE) && r < ahead; ++r) {
+            const char *row = (const char *)v + fa_value_at(a, g1 + r);
+            for (fa_idx b = 0; b < a->Ev; b += 64) FA_PREFETCH(row + b);
+        }
         for (fa_idx t = 0; t < nq; ++t) {
             const T *p = s + t * FA_RB + (g0 - s0);
             T *ot = o + t * FA_EVP(a);
