@@ -777,10 +777,12 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
         C.check_out(out, out_shape, dtype,
                     {**inputs, "alibi_slopes": alibi_slopes, "sinks": sinks})
     if C.check_bool(cascade, "cascade"):
-        if window_size is not None or alibi_slopes is not None or key_mean is not None:
-            raise ValueError("cascade=True cannot go with window_size, alibi_slopes or a "
-                             "smoothed cache's key means: the prefix the sequences share is "
-                             "attended once for queries whose positions and means differ")
+        windowed = variants.window_left >= 0 or variants.window_right >= 0
+        if windowed or alibi_slopes is not None or key_mean is not None:
+            raise ValueError("cascade=True cannot go with a window_size that hides keys, "
+                             "alibi_slopes or a smoothed cache's key means: the prefix the "
+                             "sequences share is attended once for queries whose positions and "
+                             "means differ")
         if precision != _core.PRECISION_EXACT:
             raise ValueError('cascade=True cannot go with precision="int8": the shared '
                              "prefix is one matrix product of all the queries, whose int8 "

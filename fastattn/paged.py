@@ -117,8 +117,10 @@ def _block_table(block_table: object, seq_lens: object, B: int, num_blocks: int,
     wrong = used & ((table < 0) | (table >= num_blocks))
     if wrong.any():
         b, i = (int(x) for x in np.argwhere(wrong)[0])
+        held = (f"0 to num_blocks - 1 = {num_blocks - 1}" if num_blocks else
+                "they hold no block: num_blocks = 0")
         raise ValueError(f"block_table[{b}, {i}] = {table[b, i]} is not a block of the caches "
-                         f"(0 to num_blocks - 1 = {num_blocks - 1}): sequence {b} holds "
+                         f"({held}): sequence {b} holds "
                          f"{lens64[b]} keys in its first {-(-lens64[b] // block_size)} blocks")
     # the kernels read int32 ids (as vLLM's): a larger id would wrap to another block
     if num_blocks > C.INT32_MAX and (used & (table > C.INT32_MAX)).any():
@@ -316,8 +318,8 @@ def paged_attention(
         agree (key_mean's included); a key_mean that is not finite; a
         tree_mask whose sequences' masks are not L_b x L_b or hold more
         tokens than their keys, with window_size or alibi_slopes, or
-        tree_mask_indptr without tree_mask; cascade with window_size,
-        alibi_slopes, key_mean or precision="int8";
+        tree_mask_indptr without tree_mask; cascade with a window_size
+        that hides keys, alibi_slopes, key_mean or precision="int8";
         Hq not a multiple of Hkv; cu_seqlens_q
         not starting at 0, decreasing or not ending at total_q; a seq_lens
         entry below 0 or beyond max_blocks x block_size; a block-table entry

@@ -314,7 +314,8 @@ class PagedKVCache(KeyOptions):
                                 f"{C.shape_str(seq_ids.shape)}")
             ids = [int(s) for s in seq_ids]
         elif isinstance(seq_ids, (list, tuple)):
-            ids = [C.check_index(s, f"{name}[{i}]", 0) for i, s in enumerate(seq_ids)]
+            ids = [C.check_index(s, name if name == "seq_id" else f"{name}[{i}]", 0)
+                   for i, s in enumerate(seq_ids)]
         else:
             raise TypeError(f"{name} must be a list of ints or a 1-D integer array, got "
                             f"{type(seq_ids).__name__}")

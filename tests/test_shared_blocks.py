@@ -252,6 +252,17 @@ def test_cascade_without_a_common_prefix_is_the_exact_call():
                                   cache.attend(seqs, query, cu))
 
 
+def test_cascade_takes_a_window_that_hides_nothing(rng):
+    """FlashAttention's (-1, -1) and a window wider than every sequence are
+    no window: the cascade takes them, with the bits it gives without."""
+    cache, ids, _, _ = forks(rng, 3)
+    query, cu = queries(rng, 3, HKV, 1)
+    plain = cache.attend(ids, query, cu, cascade=True)
+    for window in [(-1, -1), (10 ** 6, -5)]:
+        np.testing.assert_array_equal(
+            cache.attend(ids, query, cu, cascade=True, window_size=window), plain)
+
+
 @pytest.mark.parametrize("options, words", [
     ({"window_size": (100, 0)}, "window_size"),
     ({"alibi_slopes": np.array([0.1, 0.2])}, "alibi_slopes"),
