@@ -18,6 +18,9 @@
 #ifndef HWCAP2_BF16
 #define HWCAP2_BF16 (1UL << 14)
 #endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1UL << 20)
+#endif
 #endif
 
 #if FA_HAVE_X86_SIMD && (defined(__GNUC__) || defined(__clang__))
@@ -93,6 +96,15 @@ int fa_cpu_has_neon_bf16(void)
 {
 #if FA_HAVE_NEON && defined(__linux__)
     return fa_cpu_has_neon() && (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0;
+#else
+    return 0;
+#endif
+}
+
+int fa_cpu_has_neon_dotprod(void)
+{
+#if FA_HAVE_NEON && defined(__linux__)
+    return fa_cpu_has_neon() && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
 #else
     return 0;
 #endif

@@ -6,8 +6,9 @@
  * fa_idot_body.h, in order, and every path takes them in that order, so
  * every path gives the same scores too.  AVX2 bodies where the including
  * file is compiled for AVX2 (the AVX2 and AVX-512 paths), plain C
- * elsewhere (the compiler vectorises it for NEON); on the AVX-512 path a
- * second instance with AVX-512 VNNI's vpdpbusd, for the CPUs that have it.
+ * elsewhere (the compiler vectorises it for NEON); on the AVX-512 and NEON
+ * paths a second instance with the CPU's dot-product instruction (AVX-512
+ * VNNI's vpdpbusd, ARMv8.2's sdot), for the CPUs that have it.
  * The sign trick and the nibble split follow llama.cpp's q8_0 dot products
  * (ggml-cpu's quants.c). */
 #ifndef FA_IDOT_H
@@ -132,12 +133,17 @@ static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
 #undef FA_IDOT_TARGET
 #undef FA_DPBUSD
 
+/* A second instance with the CPU's own dot-product instruction, only
+ * these functions compiled for it (the rest of the path runs without),
+ * taken where fa_idot_cpu() says the CPU has it:
+ * - the AVX-512 path: AVX-512 VNNI's vpdpbusd (fa_cpu_has_avx512_vnni);
+ * - the NEON path: ARMv8.2's sdot, signed by signed, four products a lane
+ *   (fa_cpu_has_neon_dotprod), on Linux with gcc, whose target attribute
+ *   names the extension so. */
 #if defined(__AVX2__) && defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
-/* For CPUs with AVX-512 VNNI (fa_cpu_has_avx512_vnni), only these
- * functions are compiled for it: the rest of the path runs without. */
-#define FA_IDOT_VNNI 1
+#define FA_IDOT_DOT 1
 #define FA_IDOT_ZMM 1
-#define FA_IDOT(name) fa_idot_##name##_vnni
+#define FA_IDOT(name) fa_idot_##name##_dot
 #define FA_IDOT_TARGET __attribute__((target("avx512vnni,avx512vl")))
 #define FA_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #include "fa_idot_body.h"
@@ -145,26 +151,39 @@ static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
 #undef FA_IDOT_TARGET
 #undef FA_DPBUSD
 #undef FA_IDOT_ZMM
+#elif FA_HAVE_NEON && defined(FA_SIMD) && defined(__linux__) && defined(__GNUC__) && \
+    !defined(__clang__)
+#include <arm_neon.h>
+#define FA_IDOT_DOT 1
+#define FA_IDOT_SDOT 1
+#define FA_IDOT(name) fa_idot_##name##_dot
+#define FA_IDOT_TARGET __attribute__((target("arch=armv8.2-a+dotprod")))
+#include "fa_idot_body.h"
+#undef FA_IDOT
+#undef FA_IDOT_TARGET
+#undef FA_IDOT_SDOT
 #else
-#define FA_IDOT_VNNI 0
+#define FA_IDOT_DOT 0
 #endif
 
-/* The instance the kernel asks for: vnni (fa_idot_vnni) on the AVX-512
- * path of a CPU with AVX-512 VNNI, the base one otherwise. */
-#if FA_IDOT_VNNI
-#define FA_IDOT_PICK(vnni, name, args)                  \
+/* The instance the kernel asks for: dot (fa_idot_cpu) for the CPU's own
+ * instruction, the base one otherwise. */
+#if FA_IDOT_DOT
+#define FA_IDOT_PICK(dot, name, args)                   \
     do {                                                \
-        if (vnni) fa_idot_##name##_vnni args;           \
+        if (dot) fa_idot_##name##_dot args;             \
         else fa_idot_##name##_base args;                \
     } while (0)
 #else
-#define FA_IDOT_PICK(vnni, name, args) ((void)(vnni), fa_idot_##name##_base args)
+#define FA_IDOT_PICK(dot, name, args) ((void)(dot), fa_idot_##name##_base args)
 #endif
 
-/* Whether this path's kernels take the VNNI instance on this CPU. */
-static inline int fa_idot_vnni(void)
+/* Whether this path's kernels take the dot-product instance on this CPU. */
+static inline int fa_idot_cpu(void)
 {
-#if FA_IDOT_VNNI
+#if FA_IDOT_DOT && FA_HAVE_NEON
+    return fa_cpu_has_neon_dotprod();
+#elif FA_IDOT_DOT
     return fa_cpu_has_avx512_vnni();
 #else
     return 0;
@@ -173,10 +192,10 @@ static inline int fa_idot_vnni(void)
 
 /* s[r] = qd * (float)(q . k_r) for nr rows of n int8 codes, k_r = k + r * rb
  * (n <= FA_IDOT_MAX_E). */
-static inline void fa_idot_i8(int vnni, fa_idx nr, fa_idx n, const int8_t *q, float qd,
+static inline void fa_idot_i8(int dot, fa_idx nr, fa_idx n, const int8_t *q, float qd,
                               const int8_t *k, fa_idx rb, float *s)
 {
-    FA_IDOT_PICK(vnni, i8, (nr, n, q, qd, k, rb, s));
+    FA_IDOT_PICK(dot, i8, (nr, n, q, qd, k, rb, s));
 }
 
 /* For nr Q4 rows k_r = k + r * rb of nb blocks each, whose block b is
@@ -184,10 +203,10 @@ static inline void fa_idot_i8(int vnni, fa_idx nr, fa_idx n, const int8_t *q, fl
  * offsets qb[b] (fa_quantise_i8):
  *   s[r] = sum over b, in order from 0, of (d_rb * qd[b]) * (float)(c_rb . q_b - qb[b])
  * with each product and sum rounded to float (the order every path keeps). */
-static inline void fa_idot_q4(int vnni, fa_idx nr, fa_idx nb, const int8_t *q, const float *qd,
+static inline void fa_idot_q4(int dot, fa_idx nr, fa_idx nb, const int8_t *q, const float *qd,
                               const int32_t *qb, const uint8_t *k, fa_idx rb, float *s)
 {
-    FA_IDOT_PICK(vnni, q4, (nr, nb, q, qd, qb, k, rb, s));
+    FA_IDOT_PICK(dot, q4, (nr, nb, q, qd, qb, k, rb, s));
 }
 
 /* ot[c] = ot[c] + u * (float)acc[c] for c < nc <= 32, acc[c] = the sum over
@@ -195,10 +214,10 @@ static inline void fa_idot_q4(int vnni, fa_idx nr, fa_idx nb, const int8_t *q, c
  * of 4 (rows past the group's have weight 0 and point at one of its rows).
  * The sums go from registers to the output: through memory they cost a
  * failed store forwarding each. */
-static inline void fa_igemv_i8(int vnni, fa_idx n, const uint8_t *w, const int8_t *const *rows,
+static inline void fa_igemv_i8(int dot, fa_idx n, const uint8_t *w, const int8_t *const *rows,
                                fa_idx c0, fa_idx nc, float u, float *ot)
 {
-    FA_IDOT_PICK(vnni, igemv_i8, (n, w, rows, c0, nc, u, ot));
+    FA_IDOT_PICK(dot, igemv_i8, (n, w, rows, c0, nc, u, ot));
 }
 
 #endif

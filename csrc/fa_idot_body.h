@@ -42,6 +42,15 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(i8_sums)(const fa_idx nr, fa
         halves[r] = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
     const __m256i offset = _mm256_set1_epi32(128 * _mm512_reduce_add_epi32(qsum));
     _mm256_storeu_si256((__m256i *)isum, _mm256_sub_epi32(fa_hsum8_epi32(halves), offset));
+#elif defined(FA_IDOT_SDOT)
+    e0 = n / 16 * 16;
+    int32x4_t acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = vdupq_n_s32(0);
+    for (fa_idx e = 0; e < e0; e += 16) {
+        const int8x16_t qv = vld1q_s8(q + e);
+        for (fa_idx r = 0; r < nr; ++r) acc[r] = vdotq_s32(acc[r], qv, vld1q_s8(k + r * rb + e));
+    }
+    for (int r = 0; r < 8; ++r) isum[r] = vaddvq_s32(acc[r]);
 #elif defined(__AVX2__)
     e0 = n / 32 * 32;
     __m256i acc[8];
@@ -108,9 +117,17 @@ static FA_IDOT_TARGET void FA_IDOT(q4)(fa_idx nr, fa_idx nb, const int8_t *q, co
         for (fa_idx b = 0; b < nb; ++b) {
             const uint8_t *blk = k + r0 * rb + b * FA_Q4_BLOCK_BYTES;
             const int8_t *qv = q + b * FA_Q4_BLOCK;
+#if defined(FA_IDOT_SDOT)
+            const uint8x16_t codes = vld1q_u8(blk + 2); /* 0..15: signed bytes too */
+            const int32x4_t lo = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(vandq_u8(
+                                               codes, vdupq_n_u8(15))), vld1q_s8(qv));
+            const int32_t sum = vaddvq_s32(vdotq_s32(
+                lo, vreinterpretq_s8_u8(vshrq_n_u8(codes, 4)), vld1q_s8(qv + 16)));
+#else
             int32_t sum = 0;
             for (int e = 0; e < FA_Q4_BLOCK / 2; ++e)
                 sum += (int32_t)qv[e] * (blk[2 + e] & 15) + (int32_t)qv[e + 16] * (blk[2 + e] >> 4);
+#endif
             acc = acc + (fa_q4_scale(blk) * qd[b]) * (float)(sum - qb[b]);
         }
         s[r0] = acc;
@@ -137,8 +154,36 @@ static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const i
         return;
     }
 #endif
+    fa_idx c1 = 0; /* the columns summed in vectors */
+#if defined(FA_IDOT_SDOT)
+    /* 16 columns at a time: four rows' codes zipped into each column's
+     * quad, dotted with the four weights (0..127: signed bytes too) */
+    for (; c1 + 16 <= nc; c1 += 16) {
+        int32x4_t s[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+        for (fa_idx r = 0; r < n; r += 4) {
+            int32_t quad;
+            memcpy(&quad, w + r, sizeof quad);
+            const int8x16_t wq = vreinterpretq_s8_s32(vdupq_n_s32(quad));
+            const int8x16_t x0 = vld1q_s8(rows[r] + c0 + c1), x1 = vld1q_s8(rows[r + 1] + c0 + c1);
+            const int8x16_t x2 = vld1q_s8(rows[r + 2] + c0 + c1), x3 = vld1q_s8(rows[r + 3] + c0 + c1);
+            const int16x8_t a = vreinterpretq_s16_s8(vzip1q_s8(x0, x1));
+            const int16x8_t b = vreinterpretq_s16_s8(vzip2q_s8(x0, x1));
+            const int16x8_t c = vreinterpretq_s16_s8(vzip1q_s8(x2, x3));
+            const int16x8_t d = vreinterpretq_s16_s8(vzip2q_s8(x2, x3));
+            s[0] = vdotq_s32(s[0], vreinterpretq_s8_s16(vzip1q_s16(a, c)), wq); /* columns 0-3 */
+            s[1] = vdotq_s32(s[1], vreinterpretq_s8_s16(vzip2q_s16(a, c)), wq); /* 4-7 */
+            s[2] = vdotq_s32(s[2], vreinterpretq_s8_s16(vzip1q_s16(b, d)), wq); /* 8-11 */
+            s[3] = vdotq_s32(s[3], vreinterpretq_s8_s16(vzip2q_s16(b, d)), wq); /* 12-15 */
+        }
+        const float32x4_t uv = vdupq_n_f32(u);
+        for (int i = 0; i < 4; ++i) {
+            float *o = ot + c1 + 4 * i;
+            vst1q_f32(o, vaddq_f32(vld1q_f32(o), vmulq_f32(uv, vcvtq_f32_s32(s[i]))));
+        }
+    }
+#endif
     int32_t acc[32] = {0};
     for (fa_idx r = 0; r < n; ++r)
-        for (fa_idx c = 0; c < nc; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
-    for (fa_idx c = 0; c < nc; ++c) ot[c] = ot[c] + u * (float)acc[c];
+        for (fa_idx c = c1; c < nc; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
+    for (fa_idx c = c1; c < nc; ++c) ot[c] = ot[c] + u * (float)acc[c];
 }

@@ -77,7 +77,7 @@ typedef struct {
     float *qd;      /* FA_ROWS_MAX x FA_Q8_GROUPS: its scales */
     int32_t *qb;    /* FA_ROWS_MAX x FA_Q8_GROUPS: its offsets against Q4 */
     int8_t *codes;  /* FA_IGROUP x Ev: int8 value rows whose features are strided, copied */
-    int vnni;       /* the integer products' instance (fa_idot_vnni) */
+    int dot;        /* the integer products' instance (fa_idot_cpu) */
 } FA_NAME(rows_scratch);
 
 static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
@@ -95,7 +95,7 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     w.qb = (int32_t *)(w.qd + FA_ROWS_MAX * FA_Q8_GROUPS(a));
     w.q8 = (int8_t *)(w.qb + FA_ROWS_MAX * FA_Q8_GROUPS(a));
     w.codes = w.q8 + FA_ROWS_MAX * FA_Q8_LD(a);
-    w.vnni = FA_NAME(int8_dots)(a) && fa_idot_vnni();
+    w.dot = FA_NAME(int8_dots)(a) && fa_idot_cpu();
     return w;
 }
 
@@ -133,7 +133,7 @@ static fa_attn_args FA_NAME(head_args)(const fa_attn_args *a, fa_idx g)
  * scale * sum.  Exactly as rows_values does (each row times its weight, in
  * order) when a weight is not finite or below 0, or the scale is below
  * FLT_MIN, whose rounding would let a code pass 127. */
-static void FA_NAME(values_i8_group)(const fa_attn_args *a, int vnni, fa_idx n, fa_idx n4,
+static void FA_NAME(values_i8_group)(const fa_attn_args *a, int dot, fa_idx n, fa_idx n4,
                                      const T *w, const int8_t *const *rows, T *ot)
 {
     const float wmax = FA_NAME(max)(n, w), all = FA_NAME(sum)(n, w), u = wmax / 127.0f;
@@ -149,7 +149,7 @@ static void FA_NAME(values_i8_group)(const fa_attn_args *a, int vnni, fa_idx n, 
     for (fa_idx r = 0; r < n; ++r) w8[r] = (uint8_t)rintf(w[r] / u);
     for (fa_idx r = n; r < n4; ++r) w8[r] = 0;
     for (fa_idx c0 = 0; c0 < a->Ev; c0 += 32)
-        fa_igemv_i8(vnni, n4, w8, rows, c0, a->Ev - c0 < 32 ? a->Ev - c0 : 32, u, ot + c0);
+        fa_igemv_i8(dot, n4, w8, rows, c0, a->Ev - c0 < 32 ? a->Ev - c0 : 32, u, ot + c0);
 }
 
 /* rows_values in the int8 mode against int8 values, their rows' scales
@@ -186,7 +186,7 @@ static void FA_NAME(rows_values_int8)(const fa_attn_args *a, const FA_NAME(rows_
         for (fa_idx t = 0; t < nq; ++t) {
             const T *p = s + t * FA_RB + (g0 - s0);
             T *ot = o + t * FA_EVP(a);
-            FA_NAME(values_i8_group)(a, w->vnni, n, n4, p, (const int8_t *const *)rows, ot);
+            FA_NAME(values_i8_group)(a, w->dot, n, n4, p, (const int8_t *const *)rows, ot);
         }
     }
 }
@@ -291,10 +291,10 @@ static void FA_NAME(idots)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w
         FA_NAME(fetch_run)(r0, m, l1, l2);
         for (fa_idx t = 0; t < nq; ++t) {
             if (a->kv_store == FA_STORE_Q4)
-                fa_idot_q4(w->vnni, m, ng, w->q8 + t * ld, w->qd + t * ng, w->qb + t * ng,
+                fa_idot_q4(w->dot, m, ng, w->q8 + t * ld, w->qd + t * ng, w->qb + t * ng,
                            (const uint8_t *)rows, rb, s + t * FA_RB + r0);
             else
-                fa_idot_i8(w->vnni, m, a->E, w->q8 + t * ld, w->qd[t], (const int8_t *)rows, rb,
+                fa_idot_i8(w->dot, m, a->E, w->q8 + t * ld, w->qd[t], (const int8_t *)rows, rb,
                            s + t * FA_RB + r0);
         }
     }

@@ -32,6 +32,10 @@ int fa_cpu_has_neon(void);
  * precision path on aarch64 would check. */
 int fa_cpu_has_neon_fp16(void);
 int fa_cpu_has_neon_bf16(void);
+/* 1 when that CPU has the dot products of ARMv8.2 (SDOT, UDOT), which the
+ * int8 mode's integer products use on the NEON path, else 0 (Linux only:
+ * elsewhere unreported). */
+int fa_cpu_has_neon_dotprod(void);
 
 /* ---- Blocked matrix product C = A B ------------------------------------ */
 

@@ -99,6 +99,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_cpu_has_neon()
     int fa_cpu_has_neon_fp16()
     int fa_cpu_has_neon_bf16()
+    int fa_cpu_has_neon_dotprod()
     fa_idx fa_gemm_mc(int elsize)
     fa_idx fa_gemm_nc(int elsize)
     size_t fa_gemm_work_bytes(int elsize)
@@ -226,6 +227,10 @@ def cpu_has_neon_fp16():
 
 def cpu_has_neon_bf16():
     return bool(fa_cpu_has_neon_bf16())
+
+
+def cpu_has_neon_dotprod():
+    return bool(fa_cpu_has_neon_dotprod())
 
 
 def have_openmp():
