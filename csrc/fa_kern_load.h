@@ -138,7 +138,9 @@ static FA_ALWAYS_INLINE void FA_NAME(dots_any)(const fa_store st, fa_idx nq, fa_
      * head group"). */
     const int shared = nq > 1 && st == FA_STORE_F8E4M3 && FA_NAME(rows_shared)(st);
     fa_idx r = 0;
-#ifdef FA_DOT_GROUP
+#ifndef FA_DOT_GROUP
+    (void)cached; /* only the paths that sum rows' lanes together read rows so */
+#else
     /* rows in cache already (cached: nothing is asked for ahead) */
     for (; cached && !shared && r + FA_DOT_GROUP <= nr; r += FA_DOT_GROUP) {
         const char *rows = (const char *)y + r * rb;
