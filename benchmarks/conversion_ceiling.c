@@ -11,15 +11,14 @@
  *
  * (x86 with AVX-512 only: a loop whose instructions the CPU lacks would
  * fault.  The accumulators stay in registers only with the loops over them
- * unrolled, hence the pragmas.)  The clock is measured with a chain of dependent integer adds,
- * one a cycle.  Also timed: two exact conversions that avoid
+ * unrolled, hence the pragmas.)  The clock is measured with a chain of
+ * dependent integer adds, one a cycle (bench_clock.h).  Also timed: two
+ * exact conversions that avoid
  * vcvtdq2ps (the float bits of 1.5 * 2^23 + k, less 1.5 * 2^23), in case
  * a CPU runs them on ports the FMAs leave free. */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#include "bench_clock.h"
 #include <immintrin.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <time.h>
 
 #define ROWS 32 /* 4 KB of int8, 8 KB of float16, 16 KB of float32: L1 */
 #define N 128
@@ -30,13 +29,6 @@ static uint16_t f16[ROWS * N] __attribute__((aligned(64)));
 static float f32[ROWS * N] __attribute__((aligned(64)));
 static float w[ROWS];
 static volatile float sink;
-
-static double now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 /* acc[u] += w[r] * x_r[16 u ..], 8 accumulators over ROWS rows of N: the
  * value pass (gemv_t_body); the key pass has the same conversions and
@@ -96,14 +88,6 @@ LOOP256(f32_256, _mm256_loadu_ps(f32 + e))
 LOOP256(f16_256, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f16 + e))))
 LOOP256(i8_256, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(i8 + e)))))
 
-static long chain(long iters)
-{
-    long x = 0;
-    for (long k = 0; k < iters; ++k)
-        __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
-    return x;
-}
-
 int main(void)
 {
     for (int i = 0; i < ROWS * N; ++i) {
@@ -112,11 +96,7 @@ int main(void)
         f32[i] = 1.0f + (float)(i & 7);
     }
     for (int r = 0; r < ROWS; ++r) w[r] = 0.001f * (float)r;
-    const long n = 200000000L;
-    double t = now();
-    chain(n);
-    const double ghz = 4.0 * (double)n / (now() - t) / 1e9;
-    printf("clock %.2f GHz (dependent adds)\n", ghz);
+    const double ghz = clock_ghz();
     const struct {
         const char *name;
         void (*f)(long);
@@ -131,14 +111,7 @@ int main(void)
         {"int8, AVX2 (vpmovsxbd, vcvtdq2ps)", i8_256},
     };
     for (unsigned i = 0; i < sizeof loops / sizeof loops[0]; ++i) {
-        double best = 1e30;
-        for (int rep = 0; rep < 5; ++rep) {
-            loops[i].f(1000); /* warm */
-            t = now();
-            loops[i].f(ITERS);
-            const double dt = now() - t;
-            if (dt < best) best = dt;
-        }
+        const double best = best_seconds(loops[i].f, ITERS);
         printf("%-40s %6.2f cycles per %d elements\n", loops[i].name,
                best * ghz * 1e9 / ((double)ITERS * ROWS), N);
     }

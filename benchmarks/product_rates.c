@@ -10,23 +10,14 @@
  *
  * (x86 with AVX-512 VNNI and BF16, as a Zen 4 or a Sapphire Rapids: a loop
  * whose instructions the CPU lacks would fault.)  The clock is measured as
- * conversion_ceiling.c measures it, with a chain of dependent integer adds.
+ * bench_clock.h measures it, with a chain of dependent integer adds.
  * Multiply-adds per instruction: FMA 8 (ymm) or 16 (zmm) float32;
  * vpmaddubsw + vpmaddwd + vpaddd 32 int8 (ymm, the three); vpdpbusd 32 or
  * 64 int8; vdpbf16ps 16 or 32 bfloat16. */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
-#include <stdio.h>
-#include <time.h>
+#include "bench_clock.h"
 
 #define ITERS 20000000L
 #define CHAINS 12
-
-static double now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static void fma512(long iters)
 {
@@ -210,21 +201,9 @@ static void dpbf256(long iters)
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", "xmm31", "cc");
 }
 
-static long chain(long iters)
-{
-    long x = 0;
-    for (long k = 0; k < iters; ++k)
-        __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
-    return x;
-}
-
 int main(void)
 {
-    const long n = 200000000L;
-    double t = now();
-    chain(n);
-    const double ghz = 4.0 * (double)n / (now() - t) / 1e9;
-    printf("clock %.2f GHz (dependent adds)\n", ghz);
+    const double ghz = clock_ghz();
     const struct {
         const char *name;
         void (*f)(long);
@@ -240,14 +219,7 @@ int main(void)
     };
     double fma = 0;
     for (unsigned i = 0; i < sizeof loops / sizeof loops[0]; ++i) {
-        double best = 1e30;
-        for (int rep = 0; rep < 5; ++rep) {
-            loops[i].f(1000); /* warm */
-            t = now();
-            loops[i].f(ITERS);
-            const double dt = now() - t;
-            if (dt < best) best = dt;
-        }
+        const double best = best_seconds(loops[i].f, ITERS);
         const double cycles = best * ghz * 1e9 / ((double)ITERS * CHAINS); /* a chain's step */
         const double macs = loops[i].macs / cycles;
         if (i == 0) fma = macs;

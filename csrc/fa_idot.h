@@ -84,7 +84,7 @@ static FA_ALWAYS_INLINE __m256i fa_q4_codes(const uint8_t *p)
 
 /* The four rows x0..x3 of 32 bytes as four vectors of their columns'
  * byte quads (row 0, 1, 2, 3 of one column per int32), columns in the
- * order fa_quads_store puts back. */
+ * order fa_quads_add puts back. */
 static FA_ALWAYS_INLINE void fa_quads(__m256i x0, __m256i x1, __m256i x2, __m256i x3, __m256i *q)
 {
     const __m256i a = _mm256_unpacklo_epi8(x0, x1), b = _mm256_unpackhi_epi8(x0, x1);

@@ -152,6 +152,26 @@ static void FA_NAME(values_i8_group)(const fa_attn_args *a, int dot, fa_idx n, f
         fa_igemv_i8(dot, n4, w8, rows, c0, a->Ev - c0 < 32 ? a->Ev - c0 : 32, u, ot + c0);
 }
 
+/* The end of the group of value rows from g (the next multiple of
+ * FA_IGROUP), cut at end. */
+static FA_ALWAYS_INLINE fa_idx FA_NAME(group_end)(fa_idx g, fa_idx end)
+{
+    const fa_idx g1 = (g / FA_IGROUP + 1) * FA_IGROUP;
+    return g1 < end ? g1 : end;
+}
+
+/* rows[0..n) = the value rows of positions g.., a run of rows in one block
+ * at a time */
+static void FA_NAME(value_rows)(const fa_attn_args *a, const void *v, fa_idx g, fa_idx n,
+                                const char **rows)
+{
+    for (fa_idx r = 0, m; r < n; r += m) {
+        m = fa_kv_run(a, g + r, n - r);
+        const char *first = (const char *)v + fa_value_at(a, g + r);
+        for (fa_idx i = 0; i < m; ++i) rows[r + i] = first + i * a->v_ss;
+    }
+}
+
 /* rows_values in the int8 mode against int8 values, their rows' scales
  * folded into s by rows_values: the keys s0..s0+nk-1 in groups of
  * FA_IGROUP positions fixed by position (j / FA_IGROUP, cut at the block's
@@ -162,15 +182,19 @@ static void FA_NAME(values_i8_group)(const fa_attn_args *a, int dot, fa_idx n, f
 static void FA_NAME(rows_values_int8)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                       const void *v, fa_idx nq, fa_idx s0, fa_idx nk, T *s, T *o)
 {
-    const char *rows[FA_IGROUP];
-    for (fa_idx g0 = s0, g1; g0 < s0 + nk; g0 = g1) {
-        g1 = (g0 / FA_IGROUP + 1) * FA_IGROUP;
-        g1 = g1 < s0 + nk ? g1 : s0 + nk;
+    const char *buf[2][FA_IGROUP], **rows = buf[0], **next = buf[1];
+    const fa_idx end = s0 + nk;
+    FA_NAME(value_rows)(a, v, s0, FA_NAME(group_end)(s0, end) - s0, next);
+    for (fa_idx g0 = s0, g1; g0 < end; g0 = g1) {
+        g1 = FA_NAME(group_end)(g0, end);
         const fa_idx n = g1 - g0, n4 = (n + 3) / 4 * 4;
-        for (fa_idx r = 0, m; r < n; r += m) { /* a run of rows in one block at a time */
-            m = fa_kv_run(a, g0 + r, n - r);
-            const char *first = (const char *)v + fa_value_at(a, g0 + r);
-            for (fa_idx i = 0; i < m; ++i) rows[r + i] = first + i * a->v_ss;
+        const char **done = rows;
+        rows = next, next = done;
+        if (g1 < end) { /* the next group's rows, asked for while this one is summed */
+            const fa_idx m = FA_NAME(group_end)(g1, end) - g1;
+            FA_NAME(value_rows)(a, v, g1, m, next);
+            for (fa_idx r = 0; a->v_es == 1 && !(a->prefetch & FA_PREFETCH_NONE) && r < m; ++r)
+                for (fa_idx b = 0; b < a->Ev; b += 64) FA_PREFETCH(next[r] + b);
         }
         for (fa_idx r = 0; a->v_es != 1 && r < n; ++r) { /* copied contiguous */
             int8_t *row = w->codes + r * a->Ev;
@@ -178,11 +202,6 @@ static void FA_NAME(rows_values_int8)(const fa_attn_args *a, const FA_NAME(rows_
             rows[r] = (const char *)row;
         }
         for (fa_idx r = n; r < n4; ++r) rows[r] = rows[0];
-        const fa_idx ahead = s0 + nk - g1 < FA_IGROUP ? s0 + nk - g1 : FA_IGROUP;
-        for (fa_idx r = 0; a->v_es == 1 && !(a->prefetch & FA_PREFETCH_NONE) && r < ahead; ++r) {
-            const char *row = (const char *)v + fa_value_at(a, g1 + r);
-            for (fa_idx b = 0; b < a->Ev; b += 64) FA_PREFETCH(row + b);
-        }
         for (fa_idx t = 0; t < nq; ++t) {
             const T *p = s + t * FA_RB + (g0 - s0);
             T *ot = o + t * FA_EVP(a);

@@ -307,6 +307,8 @@ class PagedKVCache(KeyOptions):
 
     def _ids(self, seq_ids: object, name: str = "seq_ids", distinct: bool = False) -> list[int]:
         """seq_ids as a list of live ids; a clear error otherwise."""
+        def label(i: int) -> str:  # one id (fork's seq_id) or one of a list
+            return name if name == "seq_id" else f"{name}[{i}]"
         if isinstance(seq_ids, np.ndarray):
             if seq_ids.ndim != 1 or seq_ids.dtype.kind not in "iu":
                 raise TypeError(f"{name} must be a list of ints or a 1-D integer array, got an "
@@ -314,15 +316,13 @@ class PagedKVCache(KeyOptions):
                                 f"{C.shape_str(seq_ids.shape)}")
             ids = [int(s) for s in seq_ids]
         elif isinstance(seq_ids, (list, tuple)):
-            ids = [C.check_index(s, name if name == "seq_id" else f"{name}[{i}]", 0)
-                   for i, s in enumerate(seq_ids)]
+            ids = [C.check_index(s, label(i), 0) for i, s in enumerate(seq_ids)]
         else:
             raise TypeError(f"{name} must be a list of ints or a 1-D integer array, got "
                             f"{type(seq_ids).__name__}")
         for i, s in enumerate(ids):
             if s not in self._lens:
-                what = name if name == "seq_id" else f"{name}[{i}]"
-                raise ValueError(f"{what} = {s} is not a live sequence of this cache "
+                raise ValueError(f"{label(i)} = {s} is not a live sequence of this cache "
                                  "(add_sequence() makes one; a freed one is gone)")
         if distinct and len(set(ids)) != len(ids):
             raise ValueError(f"{name} names a sequence twice ({ids}); give each sequence once, "
