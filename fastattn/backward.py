@@ -49,8 +49,9 @@ def attention_backward(
     logsumexp : ndarray, shape (..., Hq, L)
         The forward's ``return_lse=True`` log-sum-exp (float32 for the
         16-bit dtypes).  Each row's weights, computed again, must sum to 1
-        with it (within 1e-3 in float32, 1e-9 in float64): a log-sum-exp of
-        other inputs or options is refused.
+        with it (within 1e-3 in float32, 1e-9 in float64, more for heads
+        of some 2^19 features, whose scores' rounding is larger): a
+        log-sum-exp of other inputs or options is refused.
     attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
     window_size, alibi_slopes, softcap, sinks :
         As in ``scaled_dot_product_attention`` (bool mask: True = may

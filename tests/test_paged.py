@@ -269,6 +269,8 @@ def table_with(b, i, value):
 @pytest.mark.parametrize("change,error,words", [
     (dict(block_table=table_with(1, 1, 99)), ValueError, "block_table[1, 1] = 99"),
     (dict(block_table=table_with(0, 0, -1)), ValueError, "sequence 0 holds 20 keys"),
+    (dict(key_cache=lambda k: k[:0], value_cache=lambda v: v[:0]), ValueError,
+     "they hold no block: num_blocks = 0"),
     (dict(block_table=lambda t: t.astype(np.float32)), TypeError, "block_table has dtype"),
     (dict(block_table=lambda t: t[:1]), ValueError, "one row per sequence"),
     (dict(seq_lens=np.array([20, -1])), ValueError, "seq_lens[1] = -1"),

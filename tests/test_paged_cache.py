@@ -283,6 +283,7 @@ def test_views_are_read_only_and_sizes():
     (lambda c: c.attend([0], np.zeros((1, Hq, D), np.float32), kv_cache_dtype="int4"),
      TypeError, "unexpected keyword argument 'kv_cache_dtype'"),
     (lambda c: c.fork(5), ValueError, "seq_id = 5 is not a live sequence"),
+    (lambda c: c.fork(-1), ValueError, "seq_id must be >= 0, got -1"),
     (lambda c: c.append([0], np.zeros((Hkv, 1, D), np.float32), np.zeros((1, Hkv, Dv),
                                                                          np.float32)),
      ValueError, f"key has shape ({Hkv}, 1, {D}); expected (n, num_kv_heads, head_dim) = "
