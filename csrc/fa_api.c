@@ -458,6 +458,15 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     return 0;
 }
 
+fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
+                      float *buf, int8_t *codes, float *scales)
+{
+    if (rows < 0 || n < 0) return -1;
+    fa_idx spoilt = 0;
+    FA_DISPATCH(isa, int8_rows, f32, (rows, n, x, mean, buf, codes, scales, &spoilt));
+    return spoilt;
+}
+
 int fa_exp(fa_isa isa, int elsize, fa_idx n, const void *x, void *y, int mode)
 {
     if (!elsize_ok(elsize) || n < 0) return -1;

@@ -19,6 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 #include "fa_prim_store.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 /* Largest E the integer products take: |sum| <= 128 * 127 * E must stay
  * an int32.  Beyond it the row kernel keeps the exact products. */
@@ -30,6 +33,133 @@
  * int8 values (unsigned times signed products, whose pairs stay within
  * int16). */
 #define FA_IGROUP 32
+
+/* Where fa_itile puts the sum x of row r and column j (ld apart):
+ * FA_ITILE_SCORES: f[r ld + j] = alpha * (rv[r] * (cv[j] * (float)x));
+ * FA_ITILE_ADD: f[r ld + j] += cv[j] * (float)x, each product and sum
+ * rounded to float in that order. */
+enum { FA_ITILE_SCORES, FA_ITILE_ADD };
+typedef struct {
+    int form;
+    fa_idx ld;
+    float *f;
+    const float *rv, *cv;
+    float alpha;
+} fa_itile_out;
+
+static FA_ALWAYS_INLINE void fa_itile_put(const fa_itile_out *o, fa_idx r, fa_idx j, int32_t x)
+{
+    float *f = o->f + r * o->ld + j;
+    if (o->form == FA_ITILE_SCORES)
+        *f = o->alpha * (o->rv[r] * (o->cv[j] * (float)x));
+    else
+        *f = *f + o->cv[j] * (float)x;
+}
+
+/* Rows r < n of ld weights (w, rows ld apart) times their rows' scales
+ * d[r], in place, a weight of 0 staying exactly 0 whatever its scale;
+ * m[j] = the largest of column j (at least 0, NaN ignored), bad[j] = 1
+ * where the column holds a NaN or a negative, else 0. */
+static void fa_fold_weights(fa_idx n, fa_idx ld, float *w, const float *d, float *m, float *bad)
+{
+    fa_idx j = 0;
+#if defined(__AVX512F__)
+    const __m512 zero = _mm512_setzero_ps();
+    for (; j + 16 <= ld; j += 16) {
+        __m512 mv = zero;
+        __mmask16 b = 0;
+        for (fa_idx r = 0; r < n; ++r) {
+            float *x = w + r * ld + j;
+            const __m512 v = _mm512_loadu_ps(x);
+            const __m512 y = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ), v,
+                                                 _mm512_set1_ps(d[r]));
+            _mm512_storeu_ps(x, y);
+            mv = _mm512_max_ps(y, mv);
+            b |= _mm512_cmp_ps_mask(y, zero, _CMP_NGE_UQ);
+        }
+        _mm512_storeu_ps(m + j, mv);
+        _mm512_storeu_ps(bad + j, _mm512_maskz_mov_ps(b, _mm512_set1_ps(1)));
+    }
+#elif defined(__AVX2__)
+    const __m256 zero = _mm256_setzero_ps();
+    for (; j + 8 <= ld; j += 8) {
+        __m256 mv = zero, b = zero;
+        for (fa_idx r = 0; r < n; ++r) {
+            float *x = w + r * ld + j;
+            const __m256 v = _mm256_loadu_ps(x);
+            const __m256 y = _mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ),
+                                           _mm256_mul_ps(v, _mm256_set1_ps(d[r])));
+            _mm256_storeu_ps(x, y);
+            mv = _mm256_max_ps(y, mv);
+            b = _mm256_or_ps(b, _mm256_cmp_ps(y, zero, _CMP_NGE_UQ));
+        }
+        _mm256_storeu_ps(m + j, mv);
+        _mm256_storeu_ps(bad + j, _mm256_and_ps(b, _mm256_set1_ps(1)));
+    }
+#endif
+    for (; j < ld; ++j) {
+        float mx = 0, b = 0;
+        for (fa_idx r = 0; r < n; ++r) {
+            float *x = w + r * ld + j;
+            const float y = *x != 0 ? *x * d[r] : 0;
+            *x = y;
+            mx = y > mx ? y : mx;
+            b = y >= 0 ? b : 1;
+        }
+        m[j] = mx;
+        bad[j] = b;
+    }
+}
+
+/* out = the codes of n <= 4 rows of ld weights (rows ld apart, ld a
+ * multiple of 16) in quads of a column, out[4 j + u] = row u's weight j
+ * times wr[j], rounded to nearest-even within 0..127 (NaN: 0); rows n..3
+ * are zeros. */
+static void fa_pack_weights(fa_idx n, fa_idx ld, const float *w, const float *wr, int8_t *out)
+{
+    fa_idx j = 0;
+#if defined(__AVX512F__)
+    const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(127);
+    for (; j + 16 <= ld; j += 16) {
+        __m128i b[4];
+        const __m512 r = _mm512_loadu_ps(wr + j);
+        for (fa_idx u = 0; u < 4; ++u) {
+            const __m512 x = u < n ? _mm512_mul_ps(_mm512_loadu_ps(w + u * ld + j), r) : zero;
+            b[u] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(x, zero), top)));
+        }
+        const __m128i lo01 = _mm_unpacklo_epi8(b[0], b[1]), hi01 = _mm_unpackhi_epi8(b[0], b[1]);
+        const __m128i lo23 = _mm_unpacklo_epi8(b[2], b[3]), hi23 = _mm_unpackhi_epi8(b[2], b[3]);
+        __m128i *o = (__m128i *)(out + 4 * j);
+        _mm_storeu_si128(o, _mm_unpacklo_epi16(lo01, lo23));
+        _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(lo01, lo23));
+        _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(hi01, hi23));
+        _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(hi01, hi23));
+    }
+#elif defined(__AVX2__)
+    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(127);
+    const __m256i order = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                           0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (; j + 8 <= ld; j += 8) {
+        __m256i x[4];
+        const __m256 r = _mm256_loadu_ps(wr + j);
+        for (fa_idx u = 0; u < 4; ++u) {
+            const __m256 y = u < n ? _mm256_mul_ps(_mm256_loadu_ps(w + u * ld + j), r) : zero;
+            x[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, zero), top));
+        }
+        /* rows 0-3 of columns 0-3 | of columns 4-7, as bytes, then in quads */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]),
+                                             _mm256_packs_epi32(x[2], x[3]));
+        _mm256_storeu_si256((__m256i *)(out + 4 * j), _mm256_shuffle_epi8(p, order));
+    }
+#endif
+    for (; j < ld; ++j)
+        for (fa_idx u = 0; u < 4; ++u) {
+            float y = u < n ? w[u * ld + j] * wr[j] : 0;
+            y = y > 0 ? y : 0;
+            y = y < 127 ? y : 127;
+            out[4 * j + u] = (int8_t)rintf(y);
+        }
+}
 
 /* q8[0..ng * g) = x[0..n) (zeros past n) in int8 with one scale per group
  * of g elements: qd[i] = max |x| / 127 over group i, code = x / qd rounded
@@ -64,7 +194,6 @@ static void fa_quantise_i8(fa_idx n, const float *x, fa_idx g, fa_idx ng, int8_t
 }
 
 #if defined(__AVX2__)
-#include <immintrin.h>
 
 /* The lane sums of a[0..8), one per lane */
 static FA_ALWAYS_INLINE __m256i fa_hsum8_epi32(const __m256i *a)
@@ -218,6 +347,23 @@ static inline void fa_igemv_i8(int dot, fa_idx n, const uint8_t *w, const int8_t
                                fa_idx c0, fa_idx nc, float u, float *ot)
 {
     FA_IDOT_PICK(dot, igemv_i8, (n, w, rows, c0, nc, u, ot));
+}
+
+/* A register-tiled integer matrix product, the block kernel's (the int8
+ * mode's scores and weighted values a block at a time): the sums
+ *   x(r, j) = sum over t < n4, u < 4 of a[r * rs + t * cs + u] * B(t, j, u)
+ * for r < m and j < nc (a multiple of 16), B(t, j, u) = b[4 * (t * ldb + j) + u],
+ * put as o says (fa_itile_put): a's rows as int8 codes in quads of one row
+ * (a key row, or four keys' codes of one value column), B's columns
+ * (queries) in quads of one column.  sb: B holds int8 codes, and asum[r] is
+ * the sum of row r's codes (the unsigned-by-signed instructions take B's
+ * sign bit flipped, 128 asum[r] too much); else B holds weights of 0..127
+ * and asum is not read. */
+static inline void fa_itile(int dot, fa_idx m, fa_idx nc, fa_idx n4, const int8_t *a, fa_idx rs,
+                            fa_idx cs, const int8_t *b, fa_idx ldb, int sb, const int32_t *asum,
+                            const fa_itile_out *o)
+{
+    FA_IDOT_PICK(dot, tile, (m, nc, n4, a, rs, cs, b, ldb, sb, asum, o));
 }
 
 #endif

@@ -187,3 +187,186 @@ static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const i
         for (fa_idx c = c1; c < nc; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
     for (fa_idx c = c1; c < nc; ++c) ot[c] = ot[c] + u * (float)acc[c];
 }
+
+/* fa_itile's register tiles: the sums of up to 8 rows (at most 4 but on
+ * 512-bit vectors) times 16 or 32 columns of B, sb: B signed (else 0..127,
+ * whose products need no sign trick) */
+#if defined(FA_IDOT_ZMM)
+static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, const int w,
+                                                               const int sb, fa_idx n4,
+                                                               const int8_t *a, fa_idx rs,
+                                                               fa_idx cs, const int8_t *b,
+                                                               fa_idx ldb, const int32_t *asum,
+                                                               const fa_itile_out *o, fa_idx r0,
+                                                               fa_idx j0)
+{
+    /* B's sign bit flipped makes it vpdpbusd's unsigned operand: 128 times
+     * each row's sum of codes too much, taken off at the end */
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i acc[8][2];
+    for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (fa_idx t = 0; t < n4; ++t) {
+        const int8_t *bt = b + 4 * t * ldb;
+        __m512i bv[2];
+        for (int i = 0; i < w; ++i) {
+            bv[i] = _mm512_loadu_si512((const void *)(bt + 64 * i));
+            if (sb) bv[i] = _mm512_xor_si512(bv[i], flip);
+        }
+        for (fa_idx r = 0; r < mr; ++r) {
+            int32_t x;
+            memcpy(&x, a + r * rs + t * cs, sizeof x);
+            const __m512i av = _mm512_set1_epi32(x);
+            for (int i = 0; i < w; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], bv[i], av);
+        }
+    }
+    for (fa_idx r = 0; r < mr; ++r) {
+        const __m512i off = _mm512_set1_epi32(sb ? 128 * asum[r] : 0);
+        for (int i = 0; i < w; ++i) {
+            const fa_idx j = j0 + 16 * i;
+            const __m512i x = _mm512_sub_epi32(acc[r][i], off);
+            float *f = o->f + (r0 + r) * o->ld + j;
+            if (o->form == FA_ITILE_SCORES) {
+                const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o->cv + j), _mm512_cvtepi32_ps(x));
+                _mm512_storeu_ps(f, _mm512_mul_ps(_mm512_set1_ps(o->alpha),
+                                                  _mm512_mul_ps(_mm512_set1_ps(o->rv[r0 + r]), y)));
+            } else {
+                const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o->cv + j), _mm512_cvtepi32_ps(x));
+                _mm512_storeu_ps(f, _mm512_add_ps(_mm512_loadu_ps(f), y));
+            }
+        }
+    }
+}
+#define FA_ITILE_ROWS 8
+#define FA_ITILE_COLS 32
+#elif defined(FA_IDOT_SDOT)
+static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, const int w,
+                                                               const int sb, fa_idx n4,
+                                                               const int8_t *a, fa_idx rs,
+                                                               fa_idx cs, const int8_t *b,
+                                                               fa_idx ldb, const int32_t *asum,
+                                                               const fa_itile_out *o, fa_idx r0,
+                                                               fa_idx j0)
+{
+    /* signed by signed: weights of 0..127 are signed bytes too */
+    (void)w, (void)sb, (void)asum;
+    int32x4_t acc[4][4];
+    for (int r = 0; r < 4; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = vdupq_n_s32(0);
+    for (fa_idx t = 0; t < n4; ++t) {
+        const int8_t *bt = b + 4 * t * ldb;
+        int8x16_t bv[4];
+        for (int i = 0; i < 4; ++i) bv[i] = vld1q_s8(bt + 16 * i);
+        for (fa_idx r = 0; r < mr; ++r) {
+            int32_t x;
+            memcpy(&x, a + r * rs + t * cs, sizeof x);
+            const int8x16_t av = vreinterpretq_s8_s32(vdupq_n_s32(x));
+            for (int i = 0; i < 4; ++i) acc[r][i] = vdotq_s32(acc[r][i], bv[i], av);
+        }
+    }
+    for (fa_idx r = 0; r < mr; ++r)
+        for (int i = 0; i < 4; ++i) {
+            const fa_idx j = j0 + 4 * i;
+            float *f = o->f + (r0 + r) * o->ld + j;
+            if (o->form == FA_ITILE_SCORES) {
+                const float32x4_t y = vmulq_f32(vld1q_f32(o->cv + j), vcvtq_f32_s32(acc[r][i]));
+                vst1q_f32(f, vmulq_f32(vdupq_n_f32(o->alpha), vmulq_f32(vdupq_n_f32(o->rv[r0 + r]), y)));
+            } else {
+                const float32x4_t y = vmulq_f32(vld1q_f32(o->cv + j), vcvtq_f32_s32(acc[r][i]));
+                vst1q_f32(f, vaddq_f32(vld1q_f32(f), y));
+            }
+        }
+}
+#define FA_ITILE_ROWS 4
+#define FA_ITILE_COLS 16
+#elif defined(__AVX2__)
+static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, const int w,
+                                                               const int sb, fa_idx n4,
+                                                               const int8_t *a, fa_idx rs,
+                                                               fa_idx cs, const int8_t *b,
+                                                               fa_idx ldb, const int32_t *asum,
+                                                               const fa_itile_out *o, fa_idx r0,
+                                                               fa_idx j0)
+{
+    (void)w, (void)asum;
+    __m256i acc[4][2];
+    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (fa_idx t = 0; t < n4; ++t) {
+        const int8_t *bt = b + 4 * t * ldb;
+        const __m256i b0 = _mm256_loadu_si256((const __m256i *)bt);
+        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(bt + 32));
+        for (fa_idx r = 0; r < mr; ++r) {
+            int32_t x;
+            memcpy(&x, a + r * rs + t * cs, sizeof x);
+            const __m256i av = _mm256_set1_epi32(x);
+            if (sb) { /* the sign trick: |a| by b with a's sign */
+                const __m256i ua = _mm256_abs_epi8(av);
+                acc[r][0] = FA_DPBUSD(acc[r][0], ua, _mm256_sign_epi8(b0, av));
+                acc[r][1] = FA_DPBUSD(acc[r][1], ua, _mm256_sign_epi8(b1, av));
+            } else {
+                acc[r][0] = FA_DPBUSD(acc[r][0], b0, av);
+                acc[r][1] = FA_DPBUSD(acc[r][1], b1, av);
+            }
+        }
+    }
+    for (fa_idx r = 0; r < mr; ++r)
+        for (int i = 0; i < 2; ++i) {
+            const fa_idx j = j0 + 8 * i;
+            float *f = o->f + (r0 + r) * o->ld + j;
+            if (o->form == FA_ITILE_SCORES) {
+                const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(o->cv + j), _mm256_cvtepi32_ps(acc[r][i]));
+                _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_set1_ps(o->alpha),
+                                                  _mm256_mul_ps(_mm256_set1_ps(o->rv[r0 + r]), y)));
+            } else {
+                const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(o->cv + j), _mm256_cvtepi32_ps(acc[r][i]));
+                _mm256_storeu_ps(f, _mm256_add_ps(_mm256_loadu_ps(f), y));
+            }
+        }
+}
+#define FA_ITILE_ROWS 4
+#define FA_ITILE_COLS 16
+#else
+static FA_ALWAYS_INLINE void FA_IDOT(tile_regs)(const fa_idx mr, const int w, const int sb,
+                                                fa_idx n4, const int8_t *a, fa_idx rs, fa_idx cs,
+                                                const int8_t *b, fa_idx ldb,
+                                                const int32_t *asum, const fa_itile_out *o,
+                                                fa_idx r0, fa_idx j0)
+{
+    (void)w, (void)sb, (void)asum;
+    for (fa_idx r = 0; r < mr; ++r) {
+        int32_t acc[16] = {0};
+        for (fa_idx t = 0; t < n4; ++t) {
+            const int8_t *ar = a + r * rs + t * cs, *bt = b + 4 * t * ldb;
+            for (int j = 0; j < 16; ++j)
+                for (int u = 0; u < 4; ++u) acc[j] += (int32_t)ar[u] * bt[4 * j + u];
+        }
+        for (int j = 0; j < 16; ++j) fa_itile_put(o, r0 + r, j0 + j, acc[j]);
+    }
+}
+#define FA_ITILE_ROWS 4
+#define FA_ITILE_COLS 16
+#endif
+
+/* fa_itile */
+static FA_IDOT_TARGET void FA_IDOT(tile)(fa_idx m, fa_idx nc, fa_idx n4, const int8_t *a,
+                                         fa_idx rs, fa_idx cs, const int8_t *b, fa_idx ldb,
+                                         int sb, const int32_t *asum, const fa_itile_out *o)
+{
+    for (fa_idx j = 0; j < nc; j += FA_ITILE_COLS) {
+        const int w = nc - j >= FA_ITILE_COLS ? FA_ITILE_COLS / 16 : 1;
+        for (fa_idx r = 0; r < m; r += FA_ITILE_ROWS) {
+            const fa_idx mr = m - r < FA_ITILE_ROWS ? m - r : FA_ITILE_ROWS;
+            const int8_t *ar = a + r * rs, *bj = b + 4 * j;
+            const int32_t *sr = asum != NULL ? asum + r : NULL;
+            if (mr == FA_ITILE_ROWS && w == FA_ITILE_COLS / 16 && sb)
+                FA_IDOT(tile_regs)(FA_ITILE_ROWS, FA_ITILE_COLS / 16, 1, n4, ar, rs, cs, bj, ldb,
+                                   sr, o, r, j);
+            else if (mr == FA_ITILE_ROWS && w == FA_ITILE_COLS / 16)
+                FA_IDOT(tile_regs)(FA_ITILE_ROWS, FA_ITILE_COLS / 16, 0, n4, ar, rs, cs, bj, ldb,
+                                   sr, o, r, j);
+            else
+                FA_IDOT(tile_regs)(mr, w, sb, n4, ar, rs, cs, bj, ldb, sr, o, r, j);
+        }
+    }
+}
+#undef FA_ITILE_ROWS
+#undef FA_ITILE_COLS

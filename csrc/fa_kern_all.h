@@ -123,6 +123,9 @@ void FA_NAME(exp_array)(fa_idx n, const T *x, T *y, int mode)
 #undef FA_PARTS_MAX
 #undef FA_QB
 #undef FA_KB
+#undef FA_WGROUP
+#undef FA_I8_E4
+#undef FA_I8_PAD
 #undef FA_RB
 #undef FA_EC
 #undef FA_PREFETCH_BYTES

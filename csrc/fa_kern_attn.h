@@ -29,6 +29,7 @@
  * float's range then still gives a finite score when the scale brings it
  * back. */
 #define FA_EC 32
+#include "fa_kern_iblock.h"
 /* m is raised only when a block's maximum passes it by more than ln 256:
  * the weights exp(z - m) of a block are then at most 256 (the same after
  * the division by l, whose terms share the m), and O^T is rescaled only in
@@ -196,7 +197,7 @@ size_t FA_NAME(attn_work)(const fa_attn_args *a)
      * QB columns and panel rows are whole multiples of 64 bytes, so every
      * row of these starts aligned */
     return sizeof(T) * (size_t)FA_QB * (size_t)(a->E + 2 * FA_KB + a->Ev + 7) +
-           FA_NAME(panels_work)(a) + FA_NAME(rows_work)(a) + FA_ALIGN;
+           FA_NAME(panels_work)(a) + FA_NAME(rows_work)(a) + FA_NAME(iblock_work)(a) + FA_ALIGN;
 }
 
 /* Keys lo..hi-1 of the block s0..s0+nk-1: those the bounds let one of the
@@ -228,11 +229,14 @@ static int FA_NAME(block_edge)(const fa_attn_args *a, fa_idx i0, fa_idx nq, fa_i
  * row (the block is then skipped without reading K).  The scale is qp's
  * (the packed queries) times alpha; shift[j]: query j's term of the key
  * mean (k_mean); capped (not NULL, with a softcap): the scores after step 2
- * too, whose tanh the backward pass differentiates (fa_kern_grad.h). */
+ * too, whose tanh the backward pass differentiates (fa_kern_grad.h); i8
+ * (not NULL in the int8 mode, int8_block): the products as integers from
+ * its query codes (int8_logits) instead. */
 static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, const T *shift,
                                  const void *k, const void *mask, fa_idx i0, fa_idx nq, fa_idx G,
                                  fa_idx ld, fa_idx s0, fa_idx nk, T *st, T *bias, T *bm, T *panel,
-                                 FA_NAME(ahead) *ahead, FA_NAME(ahead) *block, T *capped)
+                                 FA_NAME(ahead) *ahead, FA_NAME(ahead) *block, T *capped,
+                                 const FA_NAME(iscratch) *i8)
 {
     const T ninf = -(T)INFINITY;
     const int masked = FA_NAME(masked)(a, s0, nk);
@@ -278,12 +282,17 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
         if (!any) return 0;
     }
 
-    const FA_NAME(tile) kt = FA_NAME(key_tile)(a, k, s0, nk, panel);
     for (fa_idx j = 0; j < ld; ++j) bm[j] = ninf;
     const int alibi = a->alibi_slope != 0 || a->head_slopes != NULL;
-    const int plain = !per_key && !tile && !edge && a->softcap == 0 && !alibi && a->k_mean == NULL;
+    const int plain = !per_key && !tile && !edge && a->softcap == 0 && !alibi &&
+                      a->k_mean == NULL && i8 == NULL;
     const fa_idx h = a->E >= 2 * FA_EC ? a->E / 2 : 0; /* features of the first half */
-    for (fa_idx r = 0, mr; r < nk; r += mr) {
+#if FA_IS_F32
+    if (i8 != NULL) FA_NAME(int8_logits)(a, i8, k, s0, nk, ld, st);
+#endif
+    const FA_NAME(tile) kt = i8 != NULL ? (FA_NAME(tile)){NULL, 0, 0}
+                                        : FA_NAME(key_tile)(a, k, s0, nk, panel);
+    for (fa_idx r = 0, mr; i8 == NULL && r < nk; r += mr) {
         mr = FA_NAME(tile_rows)(nk, r);
         const T *kr = kt.p + r * kt.ss;
         for (fa_idx p = 0; p < ld; p += FA_NR) {
@@ -428,6 +437,9 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     T *panel = shift + ld;      /* FA_KB x EP, then FA_KB x EvP: converted tiles */
     T *vpanel = panel + FA_KB * FA_EP(a);
     T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
+    /* the int8 mode's (int8_block), else NULL */
+    const FA_NAME(iscratch) i8s = FA_NAME(iblock_carve)(a, (char *)rows_work + FA_NAME(rows_work)(a));
+    const FA_NAME(iscratch) *i8 = FA_NAME(int8_block)(a) ? &i8s : NULL;
 
     if (nq <= 0) return;
     if (nc <= FA_ROWS_MAX) {
@@ -436,6 +448,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     }
     fa_idx s_begin, s_end;
     FA_NAME(key_range)(a, i0, i1, &s_begin, &s_end);
+    if (i8 != NULL && s_end > s_begin) s_begin = FA_NAME(int8_begin)(s_begin);
     /* A scale that is a power of two from 2^-60 to 1 (E = 64: 1/8)
      * multiplies the queries as they are packed and spares every score
      * tile a multiply: exact, so the same scores, for queries above 2^-66
@@ -459,6 +472,9 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         for (fa_idx j = nc; j < ld; ++j) qp[e * ld + j] = 0;
     for (fa_idx j = 0; j < ld; ++j)
         shift[j] = a->k_mean != NULL ? FA_NAME(mean_shift)(a, qp + j, ld, qscale) : 0;
+#if FA_IS_F32
+    if (i8 != NULL) FA_NAME(int8_queries)(a, i8, q, i0, G, nc, ld);
+#endif
     for (fa_idx j = 0; j < ld; ++j) {
         const fa_attn_args h = FA_NAME(head_args)(a, j % G); /* its sink */
         FA_NAME(sink_start)(&h, m + j, l + j);
@@ -468,6 +484,10 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
      * tile (a tile none of whose keys its queries see is zeroed): no pass
      * that zeroes it first */
     int fresh = 1;
+    if (i8 != NULL) { /* its sums add to O^T from the first block on */
+        for (fa_idx t = 0; t < Ev * ld; ++t) ot[t] = 0;
+        fresh = 0;
+    }
 
     /* the lines ahead are spread over the products (register tiles of the
      * scores and of the output) of the key blocks before the last, or of
@@ -482,7 +502,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         const fa_idx nn = s_end - s0 - nk < FA_KB ? s_end - s0 - nk : FA_KB; /* the next block's */
         FA_NAME(ahead) block = FA_NAME(ahead_of_block)(a, k, v, s0 + nk, nn, tiles * (ld / FA_NR));
         if (!FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, G, ld, s0, nk, st,
-                                   bias, bm, panel, &ahead, &block, NULL))
+                                   bias, bm, panel, &ahead, &block, NULL, i8))
             continue;
 
         int rescale = 0;
@@ -513,6 +533,19 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         }
         for (fa_idx j = 0; j < ld; ++j) l[j] += bl[j];
 
+#if FA_IS_F32
+        if (i8 != NULL) {
+            if (edge) /* the keys a column does not see weigh 0 (exp_block left their logits) */
+                for (fa_idx p = 0; p < ld; p += FA_NR) {
+                    fa_idx lo, hi;
+                    FA_NAME(tile_keys)(a, i0, G, p, s0, nk, &lo, &hi);
+                    for (fa_idx r = 0; r < nk; ++r)
+                        for (fa_idx j = 0; (r < lo || r >= hi) && j < FA_NR; ++j) st[r * ld + p + j] = 0;
+                }
+            FA_NAME(int8_values)(a, i8, v, s0, nk, ld, st, ot);
+            continue;
+        }
+#endif
         FA_NAME(tile) vt = FA_NAME(value_tile)(a, v, s0, nk, vpanel);
         if (zero_hidden && FA_NAME(masked)(a, s0, nk))
             vt = FA_NAME(hidden_values)(a, vt, bias, nc, ld, nk, vpanel);
@@ -575,7 +608,8 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         const fa_idx nk = a->S - s0 < FA_KB ? a->S - s0 : FA_KB;
         const int visible = s0 < s_end && s0 + nk > s_begin &&
                             FA_NAME(block_logits)(a, qp, sscale, shift, k, mask, i0, nq, 1, ld,
-                                                  s0, nk, st, bias, bm, panel, NULL, NULL, NULL);
+                                                  s0, nk, st, bias, bm, panel, NULL, NULL, NULL,
+                                                  i8);
         if (visible) /* exp(z - m); their sums, unused, in alpha (bl flags the rows recomputed) */
             FA_NAME(exp_block)(0, nk, ld, ld, st, ms, alpha,
                                FA_NAME(block_edge)(a, i0, nq, s0, nk) || FA_NAME(masked)(a, s0, nk));

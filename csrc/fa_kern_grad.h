@@ -112,7 +112,7 @@ static int FA_NAME(grad_block)(const fa_attn_args *a, const void *k, const void 
     const T c = (T)a->softcap;
     if (!FA_NAME(block_logits)(a, w->qp, (T)a->scale, NULL, k, mask, i0, nq, 1, qb, s0, nk,
                                w->st, w->bias, w->bm, w->panel, NULL, NULL,
-                               c > 0 ? w->cap : NULL))
+                               c > 0 ? w->cap : NULL, NULL))
         return 0;
     FA_NAME(exp_block)(0, nk, qb, qb, w->st, w->ms, w->bl, 1);
     for (fa_idx r = 0; rnorm && r < nk; ++r)

@@ -321,6 +321,34 @@ static FA_NAME(tile) FA_NAME(value_tile)(const fa_attn_args *a, const void *v, f
 }
 
 #if FA_IS_F32
+/* fa_int8_rows (fastattn.h), one path's */
+void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean, float *buf,
+                          int8_t *codes, float *scales, fa_idx *spoilt)
+{
+    for (fa_idx r = 0; r < rows; ++r) {
+        const float *xr = x + r * n;
+        int8_t *cr = codes + r * n;
+        int nan = 0, xbad = 0;
+        for (fa_idx e = 0; e < n; ++e) { /* |y| into buf, for the maximum (NaN ignored there) */
+            const float y = xr[e] - (mean != NULL ? mean[e] : 0);
+            buf[e] = fabsf(y);
+            nan |= y != y;
+            xbad |= xr[e] - xr[e] != 0;
+        }
+        const float amax = n > 0 ? FA_NAME(max)(n, buf) : 0;
+        float d = (amax > 0 ? amax : 0) / 127.0f;
+        const int bad = nan || d - d != 0;
+        d = bad ? (float)NAN : d;
+        for (fa_idx e = 0; e < n; ++e) {
+            float c = rintf((xr[e] - (mean != NULL ? mean[e] : 0)) / d);
+            c = c > 127 ? 127 : c < -127 ? -127 : c;
+            cr[e] = (int8_t)(c == c ? c : 0);
+        }
+        scales[r] = d;
+        *spoilt += bad && !xbad;
+    }
+}
+
 /* The other way, for outputs: y[0..n) = x[0..n) rounded to nearest-even F16
  * or BF16 (contiguous). */
 void FA_NAME(narrow)(fa_store st, fa_idx n, const float *x, void *y)

@@ -338,6 +338,18 @@ int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x,
  * Returns 0, or -1 for another st or n < 0. */
 int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 
+/* ---- The int8 mode's operands (fastattn/_storage.py, int8_mode_operands) */
+
+/* Each of `rows` contiguous rows of n floats at x, less mean (n floats;
+ * NULL: none), rounded to int8: scales[r] = max |y| / 127 over the row's y
+ * = x - mean, codes = y / scale rounded to nearest-even within +-127 (0
+ * for 0 / 0); a row whose y holds a NaN or an inf gets scale NaN and codes
+ * 0.  buf: n floats of scratch.  Returns how many rows had a finite x but
+ * a non-finite y (the mean pushed them past float's range), or -1 when
+ * rows or n is negative. */
+fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
+                      float *buf, int8_t *codes, float *scales);
+
 /* ---- The exp used by softmax (error bound: fa_prim_exp_consts.h) ------------ */
 
 /* y = exp(x) for n elements.  mode 0: the general exp; 1: the softmax's,

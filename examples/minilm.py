@@ -84,8 +84,9 @@ class MiniLM:
     dtype : float32 (the checkpoint's) or float64
     """
 
-    def __init__(self, directory=None, dtype=np.float32):
+    def __init__(self, directory=None, dtype=np.float32, precision="exact"):
         d = Path(directory) if directory is not None else model_dir()
+        self.precision = precision  # fastattn's: "int8" for its 8-bit attention
         config = json.loads((d / "config.json").read_text())
         max_len = json.loads((d / "sentence_bert_config.json").read_text())["max_seq_length"]
         self.dtype = np.dtype(dtype)
@@ -129,7 +130,7 @@ class MiniLM:
         x = layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
         padding = attention_mask == 0  # nn.MultiheadAttention's convention: True = ignore
         for mha, p in self.layers:
-            a, _ = mha(x, key_padding_mask=padding)
+            a, _ = mha(x, key_padding_mask=padding, precision=self.precision)
             x = layer_norm(x + a, w[p + "attention.output.LayerNorm.weight"],
                            w[p + "attention.output.LayerNorm.bias"], eps)
             h = linear(x, w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"])

@@ -8,7 +8,7 @@ csrc/fastattn.h), spread over OpenMP threads when the build has OpenMP.
 """
 from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport INFINITY, log
-from libc.stdint cimport int32_t
+from libc.stdint cimport int8_t, int32_t
 from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcpy, memset
 
@@ -156,6 +156,8 @@ cdef extern from "fastattn.h" nogil:
                            fa_idx sum_s, void *dq, fa_idx dq_ls, fa_idx dq_es, void *psum,
                            fa_idx psum_s)
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
+    fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
+                          float *buf, int8_t *codes, float *scales)
     int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x,
                   fa_idx xs, const void *c, const void *s, void *y, fa_idx ys)
     int fa_exp(fa_isa isa, int elsize, fa_idx n, const void *x, void *y, int mode)
@@ -1565,6 +1567,58 @@ def narrow(int isa, int store, cnp.ndarray x, cnp.ndarray out, int nthreads):
                              dst + 2 * lo) != 0:
                 errp[0] = 2
     raise_on(err, "narrow")
+
+
+def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
+                cnp.ndarray scales not None, int nthreads):
+    """codes, scales = x (float32, C-contiguous (R, S, n)) less mean (None,
+    or float32 C-contiguous (R, n): row r's mean for its S rows) rounded to
+    int8 per row (fa_int8_rows), into codes (int8, x's shape) and scales
+    (float32, (R, S)), both C-contiguous.  Returns how many rows the mean
+    pushed past float32's range."""
+    cdef fa_idx R = x.shape[0], S = x.shape[1], n = x.shape[2], r, c, spoilt = 0
+    cdef fa_idx chunk = max(1, 16384 // max(n, 1)), nchunks = (R * S + chunk - 1) // chunk
+    cdef const float *src = <const float *>cnp.PyArray_DATA(x)
+    cdef const float *mp = NULL
+    cdef int8_t *dst = <int8_t *>cnp.PyArray_DATA(codes)
+    cdef float *sp = <float *>cnp.PyArray_DATA(scales)
+    cdef float *buf
+    cdef fa_idx lo, hi, row, got
+    cdef int err = 0
+    cdef int *errp = &err
+    if x.dtype.char != "f" or codes.dtype.char != "b" or scales.dtype.char != "f":
+        raise ValueError("int8_rows: x float32, codes int8, scales float32")
+    if not (x.flags.c_contiguous and codes.flags.c_contiguous and scales.flags.c_contiguous and
+            codes.flags.writeable and scales.flags.writeable and codes.size == x.size and
+            scales.size == R * S):
+        raise ValueError("int8_rows: contiguous arrays of matching sizes, outputs writeable")
+    if mean is not None:
+        if (mean.dtype.char != "f" or not mean.flags.c_contiguous or
+                (<object>mean).shape != (R, n)):
+            raise ValueError("int8_rows: mean float32, C-contiguous, (R, n)")
+        mp = <const float *>cnp.PyArray_DATA(mean)
+    if nchunks == 0:
+        return 0
+    with nogil:
+        for c in prange(nchunks, schedule="static", num_threads=min(nthreads, nchunks)):
+            buf = <float *>malloc(sizeof(float) * max(n, 1))
+            if buf == NULL:
+                errp[0] = 1
+            else:
+                lo = c * chunk
+                hi = min(lo + chunk, R * S)
+                row = lo
+                while row < hi:  # runs of rows of one (batch, head): one mean
+                    r = min(hi, (row // S + 1) * S)
+                    got = fa_int8_rows(<fa_isa>isa, r - row, n, src + row * n,
+                                         mp + (row // S) * n if mp != NULL else NULL, buf,
+                                         dst + row * n, sp + row)
+                    spoilt += got
+                    row = r
+                free(buf)
+    if err:
+        raise MemoryError("int8_rows: no memory for a row of scratch")
+    return spoilt
 
 
 def exp(int isa, cnp.ndarray x not None, cnp.ndarray out not None, int mode=0):

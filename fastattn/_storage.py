@@ -250,6 +250,93 @@ def encode(x: NDArray[np.floating[Any]], storage: str, name: str, nthreads: int
     return codes, scale
 
 
+def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int
+                       ) -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.float32],
+                                  NDArray[np.float32], NDArray[np.float32]]:
+    """What the int8 mode reads of a call's float keys and values (dense
+    calls, ``precision="int8"``): the keys less their per-channel mean over
+    the positions of each (batch, head) (SageAttention's smooth_k, Zhang et
+    al., ICLR 2025; the kernels add ``scale * q . mean`` back to every
+    score, so that the softmax, softcap, sinks and lse see the true logits),
+    then keys and values rounded to int8 per row as ``encode`` rounds them
+    (fa_int8_rows, on the kernels' threads).  Returns key codes, value
+    codes, their row scales and the mean (float32, key's shape without its
+    positions).  A row holding a non-finite value gets scale NaN (codes 0):
+    its scores or values come out NaN where the row is seen, as the exact
+    ones would be NaN or inf; the mean is that of the finite rows, and none
+    where it would push a key past float32's range
+    (reference.int8_mode_operands is the readable twin)."""
+    k = np.ascontiguousarray(key, np.float32)
+    sums = k.sum(axis=-2, dtype=np.float64)
+    if np.isfinite(sums).all():
+        mean = (sums / max(k.shape[-2], 1)).astype(np.float32)
+    else:  # over the rows without a NaN or an inf
+        finite = np.isfinite(k).all(axis=-1, keepdims=True)
+        count = np.maximum(finite.sum(axis=-2, dtype=np.int64), 1)
+        mean = (np.where(finite, k, 0).sum(axis=-2, dtype=np.float64) / count).astype(np.float32)
+    kc, ks = _int8_rows(k, mean, nthreads)
+    if kc is None:  # a mean pushed keys past float32's range: their heads not smoothed
+        k3 = k.reshape(-1, *k.shape[-2:])
+        with np.errstate(invalid="ignore", over="ignore"):
+            spoilt = ~np.isfinite(k3 - mean.reshape(-1, 1, k.shape[-1])).all(axis=(-2, -1))
+            spoilt &= np.isfinite(k3).all(axis=-1).any(axis=-1)
+        mean.reshape(-1, k.shape[-1])[spoilt] = 0
+        kc, ks = _int8_rows(k, mean, nthreads)
+    vc, vs = _int8_rows(np.ascontiguousarray(value, np.float32), None, nthreads)
+    assert kc is not None and vc is not None and ks is not None and vs is not None
+    return kc, vc, ks, vs, mean
+
+
+def int8_packed_operands(key: NDArray[Any], value: NDArray[Any], cu_seqlens_k: NDArray[np.int64],
+                         nthreads: int
+                         ) -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.float32],
+                                    NDArray[np.float32], NDArray[np.float32]]:
+    """int8_mode_operands for packed sequences (varlen_attention): key
+    (total_k, Hkv, E) and value (total_k, Hkv, Ev), sequence b's rows
+    cu_seqlens_k[b]..cu_seqlens_k[b + 1] - 1, each sequence's keys less
+    their own mean; the mean is (B, Hkv, E)."""
+    k = np.ascontiguousarray(key, np.float32)
+    lens = np.diff(cu_seqlens_k)
+    seq = np.repeat(np.arange(lens.size), lens)  # each row's sequence
+    finite = np.isfinite(k).all(axis=-1, keepdims=True)
+    mean = np.zeros((lens.size,) + k.shape[1:], np.float64)
+    count = np.zeros((lens.size,) + k.shape[1:2] + (1,), np.int64)
+    some = lens > 0
+    if some.any():  # reduceat over the sequences with rows (an empty range gives a row)
+        starts = cu_seqlens_k[:-1][some]
+        mean[some] = np.add.reduceat(np.where(finite, k, 0), starts, axis=0, dtype=np.float64)
+        count[some] = np.add.reduceat(finite, starts, axis=0, dtype=np.int64)
+    mean32 = (mean / np.maximum(count, 1)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        smoothed = k - mean32[seq]
+        spoilt = np.zeros(lens.size, bool)  # a mean pushing finite keys past float32's range
+        np.logical_or.at(spoilt, seq, (finite & ~np.isfinite(smoothed)).any(axis=(-2, -1)))
+    if spoilt.any():
+        mean32[spoilt] = 0
+        smoothed = k - mean32[seq]
+    kc, ks = _int8_rows(smoothed[None], None, nthreads)
+    vc, vs = _int8_rows(np.ascontiguousarray(value, np.float32)[None], None, nthreads)
+    assert kc is not None and vc is not None and ks is not None and vs is not None
+    return kc[0], vc[0], ks[0], vs[0], mean32
+
+
+def _int8_rows(x: NDArray[np.float32], mean: Optional[NDArray[np.float32]], nthreads: int
+               ) -> tuple[Optional[NDArray[np.int8]], Optional[NDArray[np.float32]]]:
+    """x (contiguous) less mean (x's shape without its positions, or None)
+    rounded to int8 per row by fa_int8_rows; (None, None) when the mean
+    pushed a finite row past float32's range."""
+    codes = np.zeros(x.shape, np.int8)
+    scales = np.zeros(x.shape[:-1], np.float32)  # a row of no features: scale 0
+    if x.size == 0:
+        return codes, scales
+    S, n = x.shape[-2], x.shape[-1]
+    R = x.size // (S * n)
+    m = None if mean is None else np.ascontiguousarray(mean.reshape(R, n))
+    spoilt = _core.int8_rows(_runtime.isa(), x.reshape(R, S, n), m, codes.reshape(R, S, n),
+                               scales.reshape(R, S), nthreads)
+    return (None, None) if spoilt else (codes, scales)
+
+
 def _largest(x: NDArray[Any]) -> float:
     """The element of x of largest magnitude, with its sign."""
     return float(x.flat[int(np.argmax(np.abs(x)))])

@@ -422,11 +422,13 @@ class MultiHeadAttention:
             (sliding window, ALiBi, soft-cap, sinks), per head of this layer;
             with a cache, positions count from the start of the cache.
         precision : {"exact", "int8"}
-            With a cache in int8 or int4 storage, "int8" (opt-in) computes
-            its decoding steps with integer dot products, as
-            ``KVCache.attend`` and ``paged_attention`` describe; the
-            default "exact" reads it exactly, as every call without a
-            cache computes.
+            "int8" (opt-in): without a cache, the int8 mode of
+            ``scaled_dot_product_attention`` (SageAttention's 8-bit
+            attention); with a cache in int8 storage, integer dot products
+            against it, and in int4 storage for decoding steps, as
+            ``KVCache.attend`` and ``paged_attention`` describe.  The
+            default "exact" computes in float32 (float64 for a float64
+            module) and reads a cache exactly.
         num_threads : int or None
             Threads of the attention kernel; the result is bitwise identical
             for any count.  NumPy's BLAS has its own threads, and OpenBLAS
@@ -539,7 +541,7 @@ class MultiHeadAttention:
                 q_h, k_h, v_h, attn_mask=_masks.both(mask, "attn_mask", kpm, "key_padding_mask",
                                                      self._compute),
                 is_causal=is_causal, enable_gqa=True, need_weights=need_weights, out=out_h,
-                num_threads=num_threads, **variants)
+                num_threads=num_threads, precision=precision, **variants)
         w = self._weights
         output = _linear(concat, w["out_proj.weight"], w.get("out_proj.bias"))
         weights = result[1] if isinstance(result, tuple) else None  # need_weights

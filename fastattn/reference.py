@@ -285,6 +285,39 @@ def int8_query(query: Array, group: Optional[int] = None) -> Array:
     return back.reshape(x.shape[:-1] + (-1,))[..., :E]
 
 
+def int8_mode_operands(query: Array, key: Array, value: Array) -> tuple[Array, Array, Array]:
+    """What scaled_dot_product_attention(precision="int8") reads of its
+    operands, in float64, as query, key and value of an exact call with
+    ``scale=1/sqrt(E)`` given: the keys less their mean over the positions
+    (over the rows without a NaN or an inf; no mean where that would push a
+    key past float32's range), each key and value row rounded to int8
+    codes times max|row| / 127 (NaN for a row with a non-finite value), the
+    query rounded as int8_query; the mean's term q . mean joins every score
+    as an extra feature.  The weights' rounding (7 bits per 64 keys) is left
+    out: tests bound it.  Scores equal the mode's in exact arithmetic."""
+    k = np.asarray(key, np.float32)
+    finite = np.isfinite(k).all(axis=-1, keepdims=True)
+    count = np.maximum(finite.sum(axis=-2), 1)
+    mean = (np.where(finite, k, 0).sum(axis=-2, dtype=np.float64) / count).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        smoothed = k - mean[..., None, :]
+        spoilt = (finite & ~np.isfinite(smoothed).all(axis=-1, keepdims=True)).any(axis=(-2, -1))
+        mean[spoilt] = 0
+        smoothed = k - mean[..., None, :]
+
+    def rows(x: Array) -> Array:
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            d = (np.abs(x).max(axis=-1, keepdims=True, initial=0) / np.float32(127)).astype(np.float32)
+            codes = np.clip(np.nan_to_num(np.rint(x / d), nan=0.0), -127, 127)
+        return np.where(np.isfinite(d), codes * d.astype(np.float64), np.nan)
+
+    means = np.broadcast_to(mean[..., None, :], k.shape).astype(np.float64)
+    q = np.asarray(query, np.float32)
+    return (np.concatenate([int8_query(q), q.astype(np.float64)], axis=-1),
+            np.concatenate([rows(smoothed), means], axis=-1),
+            rows(np.asarray(value, np.float32)))
+
+
 def hadamard(n: int) -> Array:
     """rotate_k's rotation in float64, entry by entry: features i and j in
     one block of p (the largest power of two dividing n) get

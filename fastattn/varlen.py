@@ -6,7 +6,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _checks as C
-from . import _storage, _tree
+from . import _core, _runtime, _storage, _tree
 from ._dispatch import ragged
 from ._typing import Float, NDArray
 
@@ -21,6 +21,7 @@ def varlen_attention(
         out: Optional[NDArray[Float]] = None, num_threads: Optional[int] = None,
         tree_mask: Optional[NDArray[np.bool_]] = None,
         tree_mask_indptr: Optional[NDArray[np.integer[Any]]] = None,
+        precision: str = "exact",
 ) -> Union[NDArray[Float], tuple[NDArray[Float], NDArray[Float]]]:
     """Attention over B packed sequences, each attending to its own keys
     only: FlashAttention's ``flash_attn_varlen_func`` contract.
@@ -69,6 +70,9 @@ def varlen_attention(
         ``mask_indptr`` over each sequence's L_b queries and its last L_b
         keys; an empty range: no tree); not with ``window_size`` nor
         ``alibi_slopes``.
+    precision : {"exact", "int8"}
+        As for ``scaled_dot_product_attention``: "int8" (opt-in) is its
+        8-bit mode, each sequence's keys smoothed by their own mean.
 
     Returns
     -------
@@ -87,24 +91,34 @@ def varlen_attention(
         lengths for query and key, and the bad values of
         ``scaled_dot_product_attention``'s options; a tree_mask whose
         sequences' masks are not L_b x L_b, of a sequence with fewer keys
-        than queries, or with a window or ALiBi.
+        than queries, or with a window or ALiBi; a precision other than
+        "exact" and "int8" (TypeError when not a str).
     """
     dtype, Ev, cu_q, cu_k = packed(query, key, value, cu_seqlens_q, cu_seqlens_k)
     causal = C.check_bool(is_causal, "is_causal")
     lse_wanted = C.check_bool(return_lse, "return_lse")
     offset = C.alignment_offset(causal_alignment, 0, 0)  # per sequence: S - L too
     lower_right = isinstance(causal_alignment, str) and causal_alignment == "lower_right"
-    store = _storage.query_store(dtype)
+    store = kv_store = _storage.query_store(dtype)
+    mode = C.check_precision(precision)
+    scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]] = (None, None)
+    mean = None
+    inputs = {"query": query, "key": key, "value": value, "cu_seqlens_q": cu_seqlens_q,
+              "cu_seqlens_k": cu_seqlens_k, "tree_mask": tree_mask}
+    if mode != _core.PRECISION_EXACT and dtype != np.float64:  # float64 stays exact
+        key, value, k_scale, v_scale, mean = _storage.int8_packed_operands(
+            key, value, cu_k, _runtime.resolve_threads(num_threads))
+        scales, kv_store = (k_scale.T[None], v_scale.T[None]), _core.STORE_I8
+    else:
+        mode = _core.PRECISION_EXACT
     # the packed rows as the one block of the caches, (1, Hkv, total_k, E)
     key_cache, value_cache = (x.transpose(1, 0, 2)[None] for x in (key, value))
     q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, k_lens)
     return ragged(query, key_cache, value_cache, None, cu_k[:-1], k_lens,
-                  cu_q, q_lens, (None, None), store, store, Ev, causal,
+                  cu_q, q_lens, scales, store, kv_store, Ev, causal,
                   lower_right, offset, scale, window_size, alibi_slopes, softcap, sinks,
-                  lse_wanted, out, num_threads,
-                  {"query": query, "key": key, "value": value, "cu_seqlens_q": cu_seqlens_q,
-                   "cu_seqlens_k": cu_seqlens_k, "tree_mask": tree_mask}, trees=trees)
+                  lse_wanted, out, num_threads, inputs, mode, mean, trees=trees)
 
 
 def packed(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any],

@@ -30,6 +30,17 @@ def available(name):
     return RUNNERS[name]
 
 
+def assert_runner_close(runner, out, expected, n):
+    """A runner's float32 output against float64: within the bound of a
+    length-n reduction, or for fastattn's int8 mode, within README's bound
+    of its rounding (2e-2 relative RMS)."""
+    if runner.precision == "int8":
+        assert out.dtype == np.float32
+        assert np.sqrt(np.mean((out - expected) ** 2) / np.mean(expected ** 2)) < 2e-2
+    else:
+        assert_close(out, expected, np.float32, n, magnitude=4)
+
+
 @pytest.mark.parametrize("name", list(RUNNERS))
 @pytest.mark.parametrize("B, H, L, S, E, causal, threads", [
     (2, 3, 7, 7, 8, False, 1),
@@ -46,7 +57,7 @@ def test_runner_matches_reference(name, B, H, L, S, E, causal, threads):
     expected = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)),
                                                       is_causal=causal)
     for result in (out, again):
-        assert_close(np.asarray(result), expected, np.float32, E + S, magnitude=4)
+        assert_runner_close(runner, np.asarray(result), expected, E + S)
 
 
 @pytest.mark.parametrize("name", list(RUNNERS))
@@ -66,7 +77,7 @@ def test_runner_of_a_variant_matches_reference(name, shape):
         out = np.asarray(prepared.to_bhle(prepared.call()))
     expected = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)),
                                                       attn_mask=shape.mask())
-    assert_close(out, expected, np.float32, shape.E + shape.S, magnitude=4)
+    assert_runner_close(runner, out, expected, shape.E + shape.S)
     visible = shape.mask().sum()
     assert shape.flops == 2 * shape.B * shape.H * visible * (shape.E + shape.Ev)
 
@@ -85,8 +96,9 @@ def test_runner_of_a_latent_shape_matches_reference(name):
         out = np.asarray(prepared.to_bhle(prepared.call()))
     expected = reference.scaled_dot_product_attention(
         *(np.repeat(a, 8 // a.shape[1], axis=1).astype(np.float64) for a in (q, k, v)))
-    assert_close(out, expected, np.float32, shape.E + shape.S, magnitude=4)
-    assert runners.output_errors(out, q, k, v, shape, np.arange(1))[0] < 1e-5
+    assert_runner_close(runner, out, expected, shape.E + shape.S)
+    if runner.precision == "exact":
+        assert runners.output_errors(out, q, k, v, shape, np.arange(1))[0] < 1e-5
 
 
 def test_openvino_model_is_one_sdpa_op():

@@ -253,8 +253,9 @@ def test_weights_and_lse_come_from_the_integer_scores(rng, storage):
 @pytest.mark.parametrize("storage", STORAGES)
 def test_a_ragged_call_rounds_only_its_decoding_sequences(rng, storage):
     """One paged_attention call: a prefill chunk of 9 rows (the block
-    kernel, exact) beside a decoding token (integer products); each
-    sequence's bits are those of a call of its own in that mode."""
+    kernel: integer products against int8 caches, exact against int4)
+    beside a decoding token (integer products); each sequence's bits are
+    those of a call of its own in that mode."""
     paged = fastattn.PagedKVCache(num_blocks=40, block_size=16, num_kv_heads=2, head_dim=64,
                                   storage=storage)
     a, b = paged.add_sequence(), paged.add_sequence()
@@ -262,27 +263,48 @@ def test_a_ragged_call_rounds_only_its_decoding_sequences(rng, storage):
     paged.append([a, b], k, k[::-1].copy(), cu_seqlens=np.array([0, 120, 260]))
     q = rng.standard_normal((10, 4, 64), dtype=np.float32)
     both = paged.attend([a, b], q, np.array([0, 9, 10]), precision="int8")
-    assert np.array_equal(both[:9], paged.attend([a], q[:9], np.array([0, 9])))
+    chunk = "int8" if storage == "int8" else "exact"
+    assert np.array_equal(both[:9], paged.attend([a], q[:9], np.array([0, 9]), precision=chunk))
     assert np.array_equal(both[9:], paged.attend([b], q[9:], precision="int8"))
     assert not np.array_equal(both[9:], paged.attend([b], q[9:]))
 
 
-@pytest.mark.parametrize("storage", STORAGES)
-def test_longer_calls_stay_exact(rng, storage):
-    """Calls of more than 4 query rows keep the exact bits in every row: a
-    last block of 1-4 rows of the block kernel, and rows it computes again
-    (values near float32's largest), included."""
-    cache, _, _ = filled(rng, storage, B=1, S=150)
+def test_longer_calls_against_int4_stay_exact(rng):
+    """Calls of more than 4 query rows against int4 caches keep the exact
+    bits in every row, a last block of 1-4 rows of the block kernel
+    included (its integer products take int8 keys only)."""
+    cache, _, _ = filled(rng, "int4", B=1, S=150)
     for L in (5, 65, 68):
         q = rng.standard_normal((1, 4, L, 64), dtype=np.float32)
         assert np.array_equal(cache.attend(q, precision="int8"), cache.attend(q))
-    if storage == "int4":  # (its float16 block scales cannot hold such values)
-        return
-    big = fastattn.KVCache(1, 1, 100, 64, storage=storage)
+
+
+def test_longer_calls_against_int8_round_every_row(rng):
+    """Calls of more than 4 query rows against int8 caches take integer
+    products in every row (the block kernel's, fa_kern_iblock.h, and the
+    row kernel's for a last block of 1-4 rows), within the twin's bound of
+    the query's rounding and the weights' (7 bits per 64 keys there: twice
+    the decoding groups' bound covers them); and rows the block kernel
+    computes again (values near float32's largest, whose weights times
+    their scales overflow there) come out finite."""
+    cache, _, v = filled(rng, "int8", B=1, S=150)
+    for L in (5, 65, 68):
+        q = rng.standard_normal((1, 4, L, 64), dtype=np.float32)
+        out = cache.attend(q, precision="int8")
+        assert not np.array_equal(out, cache.attend(q))
+        expected, weights = ref.scaled_dot_product_attention(
+            ref.int8_query(q), cache.key.astype(np.float64), cache.value.astype(np.float64),
+            is_causal=True, causal_alignment="lower_right", enable_gqa=True, need_weights=True)
+        value_scale = (np.abs(v).max(axis=-1) / 127).astype(np.float32).astype(np.float64)
+        bound = 2 * weight_rounding(weights, value_scale)[..., None] + tolerance(np.float32, 214)
+        assert np.all(np.abs(out - expected) <= bound)
+    big = fastattn.KVCache(1, 1, 100, 64, storage="int8")
     big.append(rng.standard_normal((1, 1, 100, 64), dtype=np.float32),
                (rng.standard_normal((1, 1, 100, 64)) * 1e38).clip(-3e38, 3e38).astype(np.float32))
     q = rng.standard_normal((1, 1, 8, 64), dtype=np.float32)
-    assert np.array_equal(big.attend(q, precision="int8"), big.attend(q))
+    out, exact = big.attend(q, precision="int8"), big.attend(q)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, exact, rtol=0, atol=3e-2 * np.abs(exact).max())
 
 
 def test_value_scales_that_are_negative_or_subnormal(simd, rng):

@@ -57,9 +57,11 @@ class Runner:
         if shape is not None and shape.storage != "float32" and self.library != "fastattn":
             # no article before the name, which "a int8" got wrong
             return f"{shape.storage} key/value caches are fastattn's (the others: float32)"
-        if shape is not None and self.precision != "exact" and shape.storage not in INT8_MODE:
-            return (f'precision="{self.precision}" computes int8 and int4 caches\' scores '
-                    f"(the shapes decode-8192-int8 and decode-8192-int4); this one is exact")
+        if (shape is not None and self.precision != "exact" and shape.storage not in INT8_MODE
+                and (shape.kind == "decode" or shape.storage != "float32")):
+            return (f'precision="{self.precision}" rounds a call\'s float keys and values each '
+                    "call: for decoding, a cache stores them rounded once (the shapes "
+                    "decode-8192-int8 and decode-8192-int4)")
         if (shape is not None and shape.kind == "decode" and self.whole_cache_decode
                 and (shape.causal or shape.window >= 0 or shape.S < 2 * shape.L)):
             return "its key/value-cache graph here: not causal, no window, S >= 2 L"
@@ -78,7 +80,8 @@ def _fastattn(q, k, v, shape, num_threads, precision="exact"):
         cu = np.concatenate([[0], np.cumsum(shape.seqlens)]).astype(np.int64)
         packed = [a[0].transpose(1, 0, 2) for a in (q, k, v)]
         yield Prepared(lambda: fastattn.varlen_attention(*packed, cu, cu, is_causal=shape.causal,
-                                                         num_threads=num_threads),
+                                                         num_threads=num_threads,
+                                                         precision=precision),
                        lambda out: out.transpose(1, 0, 2)[None])
         return
     if shape.storage != "float32":  # a decoding step over a cache in that storage
@@ -93,7 +96,8 @@ def _fastattn(q, k, v, shape, num_threads, precision="exact"):
     def call():
         return fastattn.scaled_dot_product_attention(q, k, v, is_causal=shape.causal,
                                                      window_size=window, num_threads=num_threads,
-                                                     enable_gqa=shape.Hkv != shape.H)
+                                                     enable_gqa=shape.Hkv != shape.H,
+                                                     precision=precision)
     yield Prepared(call, lambda out: out)
 
 

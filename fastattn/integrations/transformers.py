@@ -31,6 +31,7 @@ Soft-capping (Gemma 2's ``softcap``) and attention sinks (gpt-oss's
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Any, Optional
@@ -55,6 +56,8 @@ if "q_offset" not in inspect.signature(sdpa_mask).parameters:  # pragma: no cove
 import numpy as np
 
 import fastattn
+from fastattn import _checks as C
+from fastattn import _core
 
 from ._hf_masks import CausalMask, fastattn_mask
 from ._tensors import ml_dtypes, numpy_of, real_of, tensor_of
@@ -73,35 +76,44 @@ class FastattnFallbackWarning(UserWarning):
 _warned: set[str] = set()
 
 
-def register(name: str = "fastattn") -> None:
+def register(name: str = "fastattn", precision: str = "exact") -> None:
     """Register fastattn's attention and mask functions with transformers under ``name``.
 
     Afterwards ``from_pretrained(..., attn_implementation=name)`` (or
     ``model.set_attn_implementation(name)``) runs every attention layer on
-    fastattn.  Calling it again with the same name is harmless.
+    fastattn.  Calling it again with the same name and precision is
+    harmless.  ``precision="int8"`` (opt-in) computes inference in the int8
+    mode of ``scaled_dot_product_attention`` (SageAttention's 8-bit
+    attention; README, "The int8 mode"); layers that train (a gradient
+    flows) stay exact, as the mode has no backward.  Register each
+    precision under a name of its own to compare them.
 
     Raises
     ------
     TypeError
-        name is not a str.
+        name or precision is not a str.
     ValueError
         name is empty, or is already taken by another attention function
-        (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ...).
+        (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ..., or fastattn's
+        other precision); precision is neither "exact" nor "int8".
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
+    forward = _FORWARDS[C.check_precision(precision)]
     taken = AttentionInterface().get(name)
-    if not name or name == "eager" or (taken is not None and taken is not attention_forward):
+    if not name or name == "eager" or (taken is not None and taken is not forward):
         raise ValueError(f"name must be a new attention implementation name, got {name!r}, "
-                         "which is empty or already taken (choose another, e.g. 'fastattn')")
-    AttentionInterface.register(name, attention_forward)
+                         "which is empty or already taken (choose another, e.g. 'fastattn', "
+                         "or 'fastattn-int8' for precision='int8')")
+    AttentionInterface.register(name, forward)
     AttentionMaskInterface.register(name, fastattn_mask)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
                       scaling: Optional[float] = None, is_causal: Optional[bool] = None,
-                      position_bias: Optional[torch.Tensor] = None,
+                      position_bias: Optional[torch.Tensor] = None, *,
+                      precision: str = "exact",
                       **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """transformers' attention-function signature (that of ``sdpa_attention_forward``).
 
@@ -118,7 +130,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ``output_attentions=True`` (SDPA gives none), else None.
 
     ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks, (Hq,)) become
-    fastattn's ``softcap`` and ``sinks``.
+    fastattn's ``softcap`` and ``sinks``.  ``precision``: that of
+    ``scaled_dot_product_attention`` for inference (``register`` binds it);
+    a call that trains is exact.
 
     Raises
     ------
@@ -199,12 +213,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         window_size=None if window < 0 else (window, 0),
         softcap=None if softcap is None else float(softcap),
         sinks=None if sinks is None else real_of(sinks), out=out_heads,
-        num_threads=torch.get_num_threads())
+        num_threads=torch.get_num_threads(), precision=precision)
     if not need_weights:
         return tensor_of(out), None
     weights = tensor_of(result[1].reshape(batch, hq, q_len, -1))
     # zero for the keys cut off (before every query's window, later than every query)
     return tensor_of(out), torch.nn.functional.pad(weights, (first, keys - length))
+
+
+# the function registered for each precision (C.check_precision's)
+_FORWARDS = {_core.PRECISION_EXACT: attention_forward,
+             _core.PRECISION_INT8: functools.partial(attention_forward, precision="int8")}
 
 
 def _trains(*tensors: torch.Tensor) -> bool:

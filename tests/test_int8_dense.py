@@ -1,0 +1,195 @@
+"""scaled_dot_product_attention(precision="int8"): SageAttention's 8-bit
+attention in the block kernel, and the int8 caches' longer calls with it.
+
+Against the readable twin, reference.int8_mode_operands: the smoothed keys,
+values and query rounded as the mode rounds them, read back in float64,
+then exact attention.  What is left between the two is float32 rounding
+after exact integer sums (conftest.tolerance over E + S terms) and the
+weights' rounding: each query row's weights of a group of 64 key positions,
+times their value scales, rounded to 7 bits of their largest, which moves
+an output element by at most the sum over the groups of largest / 254 x 64
+x 127 (|code| <= 127) over the row's sum of weights.  Against the original
+float64 data the mode's own error is bounded as README's table states."""
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import reference as ref
+
+from conftest import simd_path, tolerance
+
+GROUP = 64  # key positions whose weights share a scale in the block kernel
+
+
+def operands(rng, B=2, Hq=4, Hkv=4, L=130, S=257, E=64, Ev=None, bias=0.0):
+    q = rng.standard_normal((B, Hq, L, E), dtype=np.float32)
+    k = rng.standard_normal((B, Hkv, S, E), dtype=np.float32)
+    k += np.float32(bias) * rng.standard_normal(E, dtype=np.float32)  # outlier channels
+    v = rng.standard_normal((B, Hkv, S, Ev or E), dtype=np.float32)
+    return q, k, v
+
+
+def check_twin(out, q, k, v, **options):
+    """out within float32's bound of the twin plus the weights' rounding."""
+    q2, k2, v2 = ref.int8_mode_operands(q, k, v)
+    E, S = q.shape[-1], k.shape[-2]
+    expected, w = ref.scaled_dot_product_attention(q2, k2, v2, scale=options.pop("scale", None)
+                                                   or 1 / np.sqrt(E), need_weights=True, **options)
+    group = q.shape[-3] // k.shape[-3]
+    vs = np.repeat(np.abs(v2).max(axis=-1), group, axis=-2)[..., None, :]  # (.., Hq, 1, S)
+    wv = np.pad(w * vs, [(0, 0)] * (w.ndim - 1) + [(0, -S % GROUP)])
+    largest = wv.reshape(wv.shape[:-1] + (-1, GROUP)).max(axis=-1)
+    bound = (largest * GROUP * 127 / 254).sum(axis=-1)[..., None]  # weights already over l
+    bound = bound + tolerance(np.float32, E + S) * max(1.0, np.abs(expected).max())
+    assert np.all(np.abs(out - expected) <= bound), np.max(np.abs(out - expected) - bound)
+
+
+def rel_rms(out, expected):
+    return np.sqrt(np.mean((out - expected) ** 2) / np.mean(expected ** 2))
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(L=64, S=64), dict(L=65, S=300, E=48, Ev=80),
+                                   dict(L=70, S=90, E=5, Ev=7), dict(L=200, S=200, E=128),
+                                   dict(Hq=8, Hkv=2, L=100, S=129)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_matches_the_reference_twin(simd, rng, shape, is_causal):
+    q, k, v = operands(rng, **shape)
+    gqa = q.shape[1] != k.shape[1]
+    out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa,
+                                                precision="int8")
+    check_twin(out, q, k, v, is_causal=is_causal, enable_gqa=gqa)
+
+
+VARIANTS = {
+    "bool mask": lambda rng, L, S: {"attn_mask": rng.random((L, S)) < 0.7},
+    "additive mask": lambda rng, L, S: {"attn_mask": np.where(rng.random((L, S)) < 0.7, 0, -np.inf)
+                                        .astype(np.float32) + rng.standard_normal((L, S)).astype(np.float32)},
+    "window": lambda rng, L, S: {"window_size": (40, 3)},
+    "softcap": lambda rng, L, S: {"softcap": 3.0},
+    "alibi": lambda rng, L, S: {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625])},
+    "sinks": lambda rng, L, S: {"sinks": np.linspace(-1, 2, 4)},
+    "lower_right": lambda rng, L, S: {"is_causal": True, "causal_alignment": "lower_right"},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_variant(rng, variant):
+    q, k, v = operands(rng, L=150, S=333)
+    options = VARIANTS[variant](rng, 150, 333)
+    out = fastattn.scaled_dot_product_attention(q, k, v, precision="int8", **options)
+    check_twin(out, q, k, v, **options)
+    exact = ref.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64),
+                                             v.astype(np.float64), **options)
+    assert rel_rms(out, exact) < 2e-2
+
+
+@pytest.mark.parametrize("bias, bound", [(0.0, 2e-2), (4.0, 2e-2)])
+def test_error_against_float64(rng, bias, bound):
+    """README's table: random normal data, and keys with a per-channel bias
+    four times their spread (smoothing takes it out before the rounding)."""
+    q, k, v = operands(rng, B=1, Hq=8, Hkv=8, L=256, S=1024, bias=bias)
+    out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, precision="int8")
+    exact = ref.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64),
+                                             v.astype(np.float64), is_causal=True)
+    cosine = np.sum(out * exact) / np.sqrt(np.sum(out * out) * np.sum(exact * exact))
+    assert rel_rms(out, exact) < bound and cosine > 0.9995
+
+
+def test_same_bits_for_any_threads_layout_batch_and_path(rng):
+    q, k, v = operands(rng, L=200, S=300)
+    out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, precision="int8",
+                                                num_threads=1)
+    for n in (2, 3):
+        assert np.array_equal(out, fastattn.scaled_dot_product_attention(
+            q, k, v, is_causal=True, precision="int8", num_threads=n))
+    # a batch item alone, and the operands in another layout
+    alone = fastattn.scaled_dot_product_attention(q[1:], k[1:], v[1:], is_causal=True,
+                                                  precision="int8")
+    assert np.array_equal(out[1:], alone)
+    qt, kt, vt = (np.swapaxes(np.swapaxes(x, 1, 2).copy(), 1, 2) for x in (q, k, v))
+    assert np.array_equal(out, fastattn.scaled_dot_product_attention(
+        qt, kt, vt, is_causal=True, precision="int8"))
+    # the AVX2 path's maddubs and AVX-512 VNNI's vpdpbusd sum alike
+    if "avx512" in fastattn.available_simd_paths():
+        with simd_path("avx512"):
+            wide = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, precision="int8")
+        with simd_path("avx2"):
+            assert np.array_equal(wide, fastattn.scaled_dot_product_attention(
+                q, k, v, is_causal=True, precision="int8"))
+
+
+def test_weights_and_lse_come_from_the_integer_scores(rng):
+    q, k, v = operands(rng, B=1, L=100, S=150)
+    out, w, lse = fastattn.scaled_dot_product_attention(q, k, v, precision="int8",
+                                                        need_weights=True, return_lse=True)
+    q2, k2, v2 = ref.int8_mode_operands(q, k, v)
+    _, w_ref, lse_ref = ref.scaled_dot_product_attention(q2, k2, v2, scale=1 / 8, need_weights=True,
+                                                         return_lse=True)
+    np.testing.assert_allclose(w, w_ref, atol=tolerance(np.float32, 64 + 150))
+    np.testing.assert_allclose(lse, lse_ref, atol=tolerance(np.float32, 64 + 150) * np.abs(lse_ref).max())
+
+
+def test_nan_masked_rows_and_the_callers_arrays(rng):
+    q, k, v = operands(rng, B=1, Hq=1, Hkv=1, L=80, S=100)
+    copies = [x.copy() for x in (q, k, v)]
+    q[0, 0, 3, 5] = np.nan  # a NaN query row: a NaN output row
+    k[0, 0, 7, 1] = np.nan  # a NaN key seen by rows past 7 only (causal)
+    v[0, 0, 50, 2] = np.inf  # a value row no row below 50 sees
+    mask = np.ones((80, 100), bool)
+    mask[10] = False  # a row that sees nothing: zeros
+    q0, k0, v0 = q.copy(), k.copy(), v.copy()
+    out = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask & np.tri(80, 100, dtype=bool),
+                                                precision="int8")
+    assert np.array_equal(q, q0, equal_nan=True) and np.array_equal(k, k0, equal_nan=True)
+    assert np.array_equal(v, v0)
+    seen = np.arange(7, 80) != 10
+    assert np.isnan(out[0, 0, 3]).all() and np.isnan(out[0, 0, 7:][seen]).all()
+    assert np.all(out[0, 0, 10] == 0) and np.isfinite(out[0, 0, :7][np.arange(7) != 3]).all()
+    q, k, v = copies
+    check_twin(fastattn.scaled_dot_product_attention(q, k, v, precision="int8"), q, k, v)
+
+
+def test_float64_and_the_default_stay_exact(rng):
+    q, k, v = operands(rng, L=70, S=80)
+    exact = fastattn.scaled_dot_product_attention(q, k, v)
+    assert np.array_equal(exact, fastattn.scaled_dot_product_attention(q, k, v, precision="exact"))
+    assert not np.array_equal(exact, fastattn.scaled_dot_product_attention(q, k, v, precision="int8"))
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    assert np.array_equal(fastattn.scaled_dot_product_attention(q, k, v),
+                          fastattn.scaled_dot_product_attention(q, k, v, precision="int8"))
+
+
+def test_half_inputs(rng):
+    q, k, v = operands(rng, B=1, L=90, S=120)
+    out = fastattn.scaled_dot_product_attention(q.astype(np.float16), k.astype(np.float16),
+                                                v.astype(np.float16), precision="int8")
+    assert out.dtype == np.float16
+    q, k, v = (x.astype(np.float16).astype(np.float32) for x in (q, k, v))
+    check_twin(out.astype(np.float32), q, k, v)
+
+
+@pytest.mark.parametrize("bad, error", [(8, TypeError), ("int4", ValueError), ("INT8", ValueError)])
+def test_bad_precision(rng, bad, error):
+    q, k, v = operands(rng, B=1, L=5, S=5)
+    with pytest.raises(error, match="precision"):
+        fastattn.scaled_dot_product_attention(q, k, v, precision=bad)
+
+
+def test_varlen_smooths_each_sequence_alone(rng):
+    """varlen_attention(precision="int8"): each packed sequence's output is
+    that of scaled_dot_product_attention over its own keys (its own mean,
+    the same integer products), the sequences' lengths around the weight
+    groups and the block kernel's 64 rows."""
+    lens_q, lens_k = [70, 1, 130, 0, 5], [90, 40, 130, 3, 200]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 4, 64), dtype=np.float32)
+    k = rng.standard_normal((cu_k[-1], 2, 64), dtype=np.float32) + 3 * rng.standard_normal(64, dtype=np.float32)
+    v = rng.standard_normal((cu_k[-1], 2, 48), dtype=np.float32)
+    out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True, precision="int8")
+    for b in range(len(lens_q)):
+        qb, kb, vb = (x[c[b]:c[b + 1]].transpose(1, 0, 2)[None]
+                      for x, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        alone = fastattn.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True,
+                                                      causal_alignment="lower_right",
+                                                      precision="int8")
+        np.testing.assert_array_equal(out[cu_q[b]:cu_q[b + 1]], alone[0].transpose(1, 0, 2))
