@@ -35,25 +35,39 @@
 #define FA_IGROUP 32
 
 /* Where fa_itile puts the sum x of row r and column j (ld apart):
- * FA_ITILE_SCORES: f[r ld + j] = alpha * (rv[r] * (cv[j] * (float)x));
- * FA_ITILE_ADD: f[r ld + j] += cv[j] * (float)x, each product and sum
- * rounded to float in that order. */
+ * FA_ITILE_SCORES: f[r ld + j] = alpha * (rv[r] * (cv[j] * (float)x)) +
+ * sv[j], and cm[j] (not NULL) raised to it (NaN ignored); FA_ITILE_ADD:
+ * f[r ld + j] += cv[j] * (float)x; each product and sum rounded to float
+ * in that order. */
 enum { FA_ITILE_SCORES, FA_ITILE_ADD };
 typedef struct {
     int form;
     fa_idx ld;
     float *f;
-    const float *rv, *cv;
+    const float *rv, *cv, *sv;
+    float *cm;
     float alpha;
 } fa_itile_out;
 
-static FA_ALWAYS_INLINE void fa_itile_put(const fa_itile_out *o, fa_idx r, fa_idx j, int32_t x)
+/* The sums x (m rows of nc, nc apart) of rows r0.. and columns j0.. put
+ * as o says: loops the path's compiler vectorises, for every instance. */
+static FA_ALWAYS_INLINE void fa_itile_finish(const fa_itile_out *o, fa_idx m, fa_idx nc,
+                                             const int32_t *x, fa_idx r0, fa_idx j0)
 {
-    float *f = o->f + r * o->ld + j;
-    if (o->form == FA_ITILE_SCORES)
-        *f = o->alpha * (o->rv[r] * (o->cv[j] * (float)x));
-    else
-        *f = *f + o->cv[j] * (float)x;
+    const float *cv = o->cv + j0;
+    for (fa_idx r = 0; r < m; ++r) {
+        float *f = o->f + (r0 + r) * o->ld + j0;
+        const int32_t *xr = x + r * nc;
+        if (o->form == FA_ITILE_ADD) {
+            for (fa_idx j = 0; j < nc; ++j) f[j] = f[j] + cv[j] * (float)xr[j];
+            continue;
+        }
+        const float a = o->alpha, rv = o->rv[r0 + r], *sv = o->sv + j0;
+        for (fa_idx j = 0; j < nc; ++j) f[j] = a * (rv * (cv[j] * (float)xr[j])) + sv[j];
+        if (o->cm == NULL) continue;
+        float *cm = o->cm + j0;
+        for (fa_idx j = 0; j < nc; ++j) cm[j] = f[j] > cm[j] ? f[j] : cm[j];
+    }
 }
 
 /* Rows r < n of ld weights (w, rows ld apart) times their rows' scales
@@ -172,12 +186,24 @@ static void fa_quantise_i8(fa_idx n, const float *x, fa_idx g, fa_idx ng, int8_t
 {
     for (fa_idx i = 0; i < ng; ++i) {
         const fa_idx lo = i * g, hi = lo + g < n ? lo + g : n;
-        float amax = 0;
-        int nan = 0;
-        for (fa_idx e = lo; e < hi; ++e) {
+        /* eight interleaved maxima and NaN flags: lanes the compiler vectorises */
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, amax = 0;
+        int flag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, nan = 0;
+        fa_idx e = lo;
+        for (; e + 8 <= hi; e += 8)
+            for (int t = 0; t < 8; ++t) {
+                const float v = fabsf(x[e + t]);
+                flag[t] |= v != v;
+                part[t] = v > part[t] ? v : part[t];
+            }
+        for (; e < hi; ++e) {
             const float v = fabsf(x[e]);
             nan |= v != v;
             amax = v > amax ? v : amax;
+        }
+        for (int t = 0; t < 8; ++t) {
+            nan |= flag[t];
+            amax = part[t] > amax ? part[t] : amax;
         }
         const float d = nan ? (float)NAN : amax / 127.0f;
         const int coded = d > 0 && d < (float)INFINITY;
@@ -353,7 +379,7 @@ static inline void fa_igemv_i8(int dot, fa_idx n, const uint8_t *w, const int8_t
  * mode's scores and weighted values a block at a time): the sums
  *   x(r, j) = sum over t < n4, u < 4 of a[r * rs + t * cs + u] * B(t, j, u)
  * for r < m and j < nc (a multiple of 16), B(t, j, u) = b[4 * (t * ldb + j) + u],
- * put as o says (fa_itile_put): a's rows as int8 codes in quads of one row
+ * put as o says (fa_itile_finish): a's rows as int8 codes in quads of one row
  * (a key row, or four keys' codes of one value column), B's columns
  * (queries) in quads of one column.  sb: B holds int8 codes, and asum[r] is
  * the sum of row r's codes (the unsigned-by-signed instructions take B's

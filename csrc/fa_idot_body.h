@@ -205,36 +205,29 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, 
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i acc[8][2];
     for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-    for (fa_idx t = 0; t < n4; ++t) {
-        const int8_t *bt = b + 4 * t * ldb;
+    const int8_t *bt = b;
+    const fa_idx bstep = 4 * ldb;
+    for (fa_idx t = 0; t < n4; ++t, bt += bstep, a += cs) {
         __m512i bv[2];
         for (int i = 0; i < w; ++i) {
             bv[i] = _mm512_loadu_si512((const void *)(bt + 64 * i));
             if (sb) bv[i] = _mm512_xor_si512(bv[i], flip);
         }
-        for (fa_idx r = 0; r < mr; ++r) {
+        const int8_t *ar = a;
+        for (fa_idx r = 0; r < mr; ++r, ar += rs) {
             int32_t x;
-            memcpy(&x, a + r * rs + t * cs, sizeof x);
+            memcpy(&x, ar, sizeof x);
             const __m512i av = _mm512_set1_epi32(x);
             for (int i = 0; i < w; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], bv[i], av);
         }
     }
+    int32_t x[8 * 32];
     for (fa_idx r = 0; r < mr; ++r) {
         const __m512i off = _mm512_set1_epi32(sb ? 128 * asum[r] : 0);
-        for (int i = 0; i < w; ++i) {
-            const fa_idx j = j0 + 16 * i;
-            const __m512i x = _mm512_sub_epi32(acc[r][i], off);
-            float *f = o->f + (r0 + r) * o->ld + j;
-            if (o->form == FA_ITILE_SCORES) {
-                const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o->cv + j), _mm512_cvtepi32_ps(x));
-                _mm512_storeu_ps(f, _mm512_mul_ps(_mm512_set1_ps(o->alpha),
-                                                  _mm512_mul_ps(_mm512_set1_ps(o->rv[r0 + r]), y)));
-            } else {
-                const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o->cv + j), _mm512_cvtepi32_ps(x));
-                _mm512_storeu_ps(f, _mm512_add_ps(_mm512_loadu_ps(f), y));
-            }
-        }
+        for (int i = 0; i < w; ++i)
+            _mm512_storeu_si512((void *)(x + r * 16 * w + 16 * i), _mm512_sub_epi32(acc[r][i], off));
     }
+    fa_itile_finish(o, mr, 16 * w, x, r0, j0);
 }
 #define FA_ITILE_ROWS 8
 #define FA_ITILE_COLS 32
@@ -263,18 +256,10 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, 
             for (int i = 0; i < 4; ++i) acc[r][i] = vdotq_s32(acc[r][i], bv[i], av);
         }
     }
+    int32_t x[4 * 16];
     for (fa_idx r = 0; r < mr; ++r)
-        for (int i = 0; i < 4; ++i) {
-            const fa_idx j = j0 + 4 * i;
-            float *f = o->f + (r0 + r) * o->ld + j;
-            if (o->form == FA_ITILE_SCORES) {
-                const float32x4_t y = vmulq_f32(vld1q_f32(o->cv + j), vcvtq_f32_s32(acc[r][i]));
-                vst1q_f32(f, vmulq_f32(vdupq_n_f32(o->alpha), vmulq_f32(vdupq_n_f32(o->rv[r0 + r]), y)));
-            } else {
-                const float32x4_t y = vmulq_f32(vld1q_f32(o->cv + j), vcvtq_f32_s32(acc[r][i]));
-                vst1q_f32(f, vaddq_f32(vld1q_f32(f), y));
-            }
-        }
+        for (int i = 0; i < 4; ++i) vst1q_s32(x + r * 16 + 4 * i, acc[r][i]);
+    fa_itile_finish(o, mr, 16, x, r0, j0);
 }
 #define FA_ITILE_ROWS 4
 #define FA_ITILE_COLS 16
@@ -308,19 +293,10 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, 
             }
         }
     }
+    int32_t x[4 * 16];
     for (fa_idx r = 0; r < mr; ++r)
-        for (int i = 0; i < 2; ++i) {
-            const fa_idx j = j0 + 8 * i;
-            float *f = o->f + (r0 + r) * o->ld + j;
-            if (o->form == FA_ITILE_SCORES) {
-                const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(o->cv + j), _mm256_cvtepi32_ps(acc[r][i]));
-                _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_set1_ps(o->alpha),
-                                                  _mm256_mul_ps(_mm256_set1_ps(o->rv[r0 + r]), y)));
-            } else {
-                const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(o->cv + j), _mm256_cvtepi32_ps(acc[r][i]));
-                _mm256_storeu_ps(f, _mm256_add_ps(_mm256_loadu_ps(f), y));
-            }
-        }
+        for (int i = 0; i < 2; ++i) _mm256_storeu_si256((__m256i *)(x + r * 16 + 8 * i), acc[r][i]);
+    fa_itile_finish(o, mr, 16, x, r0, j0);
 }
 #define FA_ITILE_ROWS 4
 #define FA_ITILE_COLS 16
@@ -332,15 +308,14 @@ static FA_ALWAYS_INLINE void FA_IDOT(tile_regs)(const fa_idx mr, const int w, co
                                                 fa_idx r0, fa_idx j0)
 {
     (void)w, (void)sb, (void)asum;
-    for (fa_idx r = 0; r < mr; ++r) {
-        int32_t acc[16] = {0};
+    int32_t x[4 * 16] = {0};
+    for (fa_idx r = 0; r < mr; ++r)
         for (fa_idx t = 0; t < n4; ++t) {
             const int8_t *ar = a + r * rs + t * cs, *bt = b + 4 * t * ldb;
             for (int j = 0; j < 16; ++j)
-                for (int u = 0; u < 4; ++u) acc[j] += (int32_t)ar[u] * bt[4 * j + u];
+                for (int u = 0; u < 4; ++u) x[r * 16 + j] += (int32_t)ar[u] * bt[4 * j + u];
         }
-        for (int j = 0; j < 16; ++j) fa_itile_put(o, r0 + r, j0 + j, acc[j]);
-    }
+    fa_itile_finish(o, mr, 16, x, r0, j0);
 }
 #define FA_ITILE_ROWS 4
 #define FA_ITILE_COLS 16

@@ -284,11 +284,13 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
 
     for (fa_idx j = 0; j < ld; ++j) bm[j] = ninf;
     const int alibi = a->alibi_slope != 0 || a->head_slopes != NULL;
+    /* plain: the products are the logits, their maximum taken as they are
+     * written (the int8 mode's with the key mean's term added there) */
     const int plain = !per_key && !tile && !edge && a->softcap == 0 && !alibi &&
-                      a->k_mean == NULL && i8 == NULL;
+                      (a->k_mean == NULL || i8 != NULL);
     const fa_idx h = a->E >= 2 * FA_EC ? a->E / 2 : 0; /* features of the first half */
 #if FA_IS_F32
-    if (i8 != NULL) FA_NAME(int8_logits)(a, i8, k, s0, nk, ld, st);
+    if (i8 != NULL) FA_NAME(int8_logits)(a, i8, k, s0, nk, ld, shift, st, plain ? bm : NULL);
 #endif
     const FA_NAME(tile) kt = i8 != NULL ? (FA_NAME(tile)){NULL, 0, 0}
                                         : FA_NAME(key_tile)(a, k, s0, nk, panel);
@@ -315,7 +317,7 @@ static int FA_NAME(block_logits)(const fa_attn_args *a, const T *qp, T alpha, co
     }
     if (plain) return 1;
 
-    for (fa_idx r = 0; a->k_mean != NULL && r < nk; ++r)
+    for (fa_idx r = 0; a->k_mean != NULL && i8 == NULL && r < nk; ++r)
         for (fa_idx j = 0; j < ld; ++j) st[r * ld + j] += shift[j];
     if (a->softcap > 0) {
         /* the cap would turn a score beyond T's range finite and wrong:
@@ -457,7 +459,11 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     int e2;
     const T qscale = frexp((double)(T)a->scale, &e2) == 0.5 && e2 > -60 && e2 <= 1 ? (T)a->scale : 1;
     const T sscale = (T)a->scale / qscale; /* the scores' part */
-    if (a->q_store == FA_STORE_NATIVE) {
+    if (i8 != NULL) { /* the query's codes instead (and the key mean's terms) */
+#if FA_IS_F32
+        FA_NAME(int8_queries)(a, i8, q, i0, G, nc, ld, shift);
+#endif
+    } else if (a->q_store == FA_STORE_NATIVE) {
         for (fa_idx g = 0; g < G; ++g)
             FA_NAME(pack_t)(nq, E, (const T *)q + g * a->q_hs + i0 * a->q_ls, a->q_ls, a->q_es,
                             qscale, qp + g, ld, G);
@@ -468,13 +474,10 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
                               a->q_es, panel + j * FA_EP(a));
         FA_NAME(pack_t)(nc, E, panel, FA_EP(a), 1, qscale, qp, ld, 1);
     }
-    for (fa_idx e = 0; e < E; ++e) /* padding columns */
+    for (fa_idx e = 0; i8 == NULL && e < E; ++e) /* padding columns */
         for (fa_idx j = nc; j < ld; ++j) qp[e * ld + j] = 0;
-    for (fa_idx j = 0; j < ld; ++j)
+    for (fa_idx j = 0; i8 == NULL && j < ld; ++j)
         shift[j] = a->k_mean != NULL ? FA_NAME(mean_shift)(a, qp + j, ld, qscale) : 0;
-#if FA_IS_F32
-    if (i8 != NULL) FA_NAME(int8_queries)(a, i8, q, i0, G, nc, ld);
-#endif
     for (fa_idx j = 0; j < ld; ++j) {
         const fa_attn_args h = FA_NAME(head_args)(a, j % G); /* its sink */
         FA_NAME(sink_start)(&h, m + j, l + j);

@@ -28,7 +28,7 @@ typedef struct {
     int8_t *q8;     /* FA_I8_E4 x FA_QB quads: the query block's codes, a column per query */
     float *qd;      /* FA_QB: their scales */
     float *qrow;    /* E: a query row, converted */
-    int8_t *qcodes; /* E: its codes */
+    int8_t *qcodes; /* 4 FA_I8_E4: its codes, zero padded */
     int32_t *ksum;  /* FA_KB: each key row's sum of codes */
     int8_t *kpanel; /* FA_KB x 4 FA_I8_E4: key rows copied, padded to quads */
     int8_t *vq;     /* FA_KB / 4 x Ev quads: a block's value codes, four keys per column */
@@ -47,7 +47,7 @@ static size_t FA_NAME(iblock_work)(const fa_attn_args *a)
     if (!FA_NAME(int8_block)(a)) return 0;
     const size_t e4 = (size_t)FA_I8_E4(a), qb = (size_t)FA_QB, kb = (size_t)FA_KB;
     return FA_I8_PAD(4 * e4 * qb) + FA_I8_PAD(4 * qb) + FA_I8_PAD(4 * (size_t)a->E) +
-           FA_I8_PAD((size_t)a->E) + FA_I8_PAD(4 * kb) + FA_I8_PAD(kb * 4 * e4) +
+           FA_I8_PAD(4 * e4) + FA_I8_PAD(4 * kb) + FA_I8_PAD(kb * 4 * e4) +
            FA_I8_PAD(kb * (size_t)a->Ev) + FA_I8_PAD((size_t)FA_WGROUP * qb) +
            2 * FA_I8_PAD(4 * qb) + 2 * FA_I8_PAD(4 * kb);
 }
@@ -60,7 +60,7 @@ static FA_NAME(iscratch) FA_NAME(iblock_carve)(const fa_attn_args *a, void *work
     s.q8 = (int8_t *)p, p += FA_I8_PAD(4 * e4 * qb);
     s.qd = (float *)p, p += FA_I8_PAD(4 * qb);
     s.qrow = (float *)p, p += FA_I8_PAD(4 * (size_t)a->E);
-    s.qcodes = (int8_t *)p, p += FA_I8_PAD((size_t)a->E);
+    s.qcodes = (int8_t *)p, p += FA_I8_PAD(4 * e4);
     s.ksum = (int32_t *)p, p += FA_I8_PAD(4 * kb);
     s.kpanel = (int8_t *)p, p += FA_I8_PAD(kb * 4 * e4);
     s.vq = (int8_t *)p, p += FA_I8_PAD(kb * (size_t)a->Ev);
@@ -85,29 +85,35 @@ static fa_idx FA_NAME(int8_begin)(fa_idx s_begin)
 /* The codes of the block's nc query columns (column j: head j % G at
  * position i0 + j / G), each row rounded to int8 with one scale
  * (fa_quantise_i8, as the row kernel rounds them), packed in quads of a
- * column; columns nc..ld-1 are zeros. */
+ * column; columns nc..ld-1 are zeros.  shift[j]: the column's term of the
+ * key mean (mean_shift), 0 without. */
 static void FA_NAME(int8_queries)(const fa_attn_args *a, const FA_NAME(iscratch) *s,
-                                  const void *q, fa_idx i0, fa_idx G, fa_idx nc, fa_idx ld)
+                                  const void *q, fa_idx i0, fa_idx G, fa_idx nc, fa_idx ld,
+                                  T *shift)
 {
     const fa_idx E = a->E, E4 = FA_I8_E4(a);
     memset(s->q8, 0, (size_t)(4 * E4 * ld));
-    for (fa_idx j = 0; j < ld; ++j) s->qd[j] = 0;
+    for (fa_idx j = 0; j < ld; ++j) s->qd[j] = shift[j] = 0;
     for (fa_idx j = 0; j < nc; ++j) {
         int32_t offset; /* Q4 keys' offset: not used */
         FA_NAME(load_row)(a->q_store, E,
                           FA_NAME(st_at)(a->q_store, q, j % G * a->q_hs + (i0 + j / G) * a->q_ls),
                           a->q_es, s->qrow);
         fa_quantise_i8(E, s->qrow, E, 1, s->qcodes, s->qd + j, &offset);
-        for (fa_idx e = 0; e < E; ++e) s->q8[4 * (e / 4 * ld + j) + e % 4] = s->qcodes[e];
+        if (a->k_mean != NULL) shift[j] = FA_NAME(mean_shift)(a, s->qrow, 1, 1);
+        for (fa_idx e = E; e < 4 * E4; ++e) s->qcodes[e] = 0;
+        for (fa_idx t = 0; t < E4; ++t) memcpy(s->q8 + 4 * (t * ld + j), s->qcodes + 4 * t, 4);
     }
 }
 
 /* st[r * ld + j] = the score of key s0 + r and query column j, for the nk
  * keys of a block: scale * (k_scale * (qd * (float)(q . k))), the row
- * kernel's expression (fa_idot_i8, rows_logits), before the per-score
- * stage's other steps. */
+ * kernel's expression (fa_idot_i8, rows_logits), plus shift[j] (the key
+ * mean's term, step 1 of the per-score stage; zeros without), and bm[j]
+ * (not NULL) raised to each. */
 static void FA_NAME(int8_logits)(const fa_attn_args *a, const FA_NAME(iscratch) *s,
-                                 const void *k, fa_idx s0, fa_idx nk, fa_idx ld, T *st)
+                                 const void *k, fa_idx s0, fa_idx nk, fa_idx ld, const T *shift,
+                                 T *st, T *bm)
 {
     const fa_idx E = a->E, E4 = FA_I8_E4(a);
     const int8_t *kr;
@@ -131,7 +137,7 @@ static void FA_NAME(int8_logits)(const fa_attn_args *a, const FA_NAME(iscratch) 
         s->ksum[r] = sum;
     }
     for (fa_idx r = 0; r < nk; ++r) s->kd[r] = fa_key_scale(a, s0 + r);
-    const fa_itile_out o = {FA_ITILE_SCORES, ld, st, s->kd, s->qd, (float)a->scale};
+    const fa_itile_out o = {FA_ITILE_SCORES, ld, st, s->kd, s->qd, shift, bm, (float)a->scale};
     fa_itile(s->dot, nk, ld, E4, kr, rs, 4, s->q8, ld, 1, s->ksum, &o);
 }
 
@@ -203,7 +209,7 @@ static void FA_NAME(int8_values)(const fa_attn_args *a, const FA_NAME(iscratch) 
         for (fa_idx t = 0; t < n4; ++t)
             fa_pack_weights(n - 4 * t < 4 ? n - 4 * t : 4, ld, w + 4 * t * ld, s->wr,
                             s->wq + 4 * t * ld);
-        const fa_itile_out o = {FA_ITILE_ADD, ld, ot, NULL, s->wu, 0};
+        const fa_itile_out o = {FA_ITILE_ADD, ld, ot, NULL, s->wu, NULL, NULL, 0};
         fa_itile(s->dot, Ev, ld, n4, s->vq + 4 * (g0 / 4) * Ev, 4, 4 * Ev, s->wq, ld, 0, NULL, &o);
         for (fa_idx j = 0; exact && j < ld; ++j) {
             if (s->wu[j] > 0) continue;

@@ -61,12 +61,17 @@ static void FA_NAME(key_range)(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_i
 
 /* Step 1's term of the key mean for the query row q (stride qs, times
  * unscale, a power of two): summed in double, whose products of floats are
- * exact, in order, so that both kernels and every path get its bits. */
+ * exact, in four interleaved parts added in a fixed order, so that both
+ * kernels and every path get its bits. */
 static T FA_NAME(mean_shift)(const fa_attn_args *a, const T *q, fa_idx qs, T unscale)
 {
     const T *m = (const T *)a->k_mean;
-    double d = 0;
-    for (fa_idx e = 0; e < a->E; ++e) d += (double)q[e * qs] * (double)m[e];
+    double part[4] = {0, 0, 0, 0};
+    fa_idx e = 0;
+    for (; e + 4 <= a->E; e += 4)
+        for (int t = 0; t < 4; ++t) part[t] += (double)q[(e + t) * qs] * (double)m[e + t];
+    for (; e < a->E; ++e) part[0] += (double)q[e * qs] * (double)m[e];
+    const double d = (part[0] + part[1]) + (part[2] + part[3]);
     return (T)a->scale * (T)(d / (double)unscale);
 }
 
