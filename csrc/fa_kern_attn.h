@@ -422,7 +422,9 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
 {
     /* columns: G query heads of each row, folded (fa_attn_args' heads) */
     const fa_idx G = a->heads > 1 ? a->heads : 1, nq = i1 - i0, nc = G * nq;
-    const fa_idx ld = (nc + FA_NR - 1) / FA_NR * FA_NR;
+    /* the int8 mode's register tiles take whole 16 columns (fa_itile) */
+    const fa_idx lq = FA_NAME(int8_block)(a) && FA_NR < 16 ? 16 : FA_NR;
+    const fa_idx ld = (nc + lq - 1) / lq * lq;
     const fa_idx E = a->E, Ev = a->Ev;
     const T ninf = -(T)INFINITY;
     T *qp = (T *)FA_ALIGNED(work); /* E x ld: query block, transposed, zero padded */
