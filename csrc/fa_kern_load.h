@@ -321,31 +321,39 @@ static FA_NAME(tile) FA_NAME(value_tile)(const fa_attn_args *a, const void *v, f
 }
 
 #if FA_IS_F32
-/* fa_int8_rows (fastattn.h), one path's */
+/* fa_int8_rows (fastattn.h), one path's: y = x - mean into buf and |y|
+ * after it (2 n floats), its largest by the vectorised max, then the codes
+ * from buf */
 void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean, float *buf,
-                          int8_t *codes, float *scales, fa_idx *spoilt)
+                        int8_t *codes, float *scales, fa_idx *spoilt)
 {
+    float *mag = buf + n;
     for (fa_idx r = 0; r < rows; ++r) {
         const float *xr = x + r * n;
         int8_t *cr = codes + r * n;
-        int nan = 0, xbad = 0;
-        for (fa_idx e = 0; e < n; ++e) { /* |y| into buf, for the maximum (NaN ignored there) */
-            const float y = xr[e] - (mean != NULL ? mean[e] : 0);
-            buf[e] = fabsf(y);
-            nan |= y != y;
-            xbad |= xr[e] - xr[e] != 0;
-        }
-        const float amax = n > 0 ? FA_NAME(max)(n, buf) : 0;
-        float d = (amax > 0 ? amax : 0) / 127.0f;
-        const int bad = nan || d - d != 0;
-        d = bad ? (float)NAN : d;
+        int nan = 0;
         for (fa_idx e = 0; e < n; ++e) {
-            float c = rintf((xr[e] - (mean != NULL ? mean[e] : 0)) / d);
-            c = c > 127 ? 127 : c < -127 ? -127 : c;
-            cr[e] = (int8_t)(c == c ? c : 0);
+            const float y = mean != NULL ? xr[e] - mean[e] : xr[e];
+            buf[e] = y;
+            mag[e] = fabsf(y);
+            nan |= y != y;
         }
-        scales[r] = d;
-        *spoilt += bad && !xbad;
+        const float amax = n > 0 ? FA_NAME(max)(n, mag) : 0; /* NaN ignored: flagged above */
+        const int bad = nan || !(amax <= FLT_MAX);
+        if (bad || amax == 0) { /* a NaN scale, or a row of zeros: codes 0 */
+            memset(cr, 0, (size_t)n);
+        } else if (amax < 127.0f / FLT_MAX) { /* 127 / amax overflows: codes +-127 or 0 */
+            for (fa_idx e = 0; e < n; ++e) cr[e] = (int8_t)(buf[e] > 0 ? 127 : buf[e] < 0 ? -127 : 0);
+        } else { /* |y| <= amax: no code past 127 */
+            const float inv = 127.0f / amax;
+            for (fa_idx e = 0; e < n; ++e) cr[e] = (int8_t)rintf(buf[e] * inv);
+        }
+        scales[r] = bad ? (float)NAN : amax / 127.0f;
+        if (bad) { /* spoilt by the mean: x finite throughout */
+            int finite = 1;
+            for (fa_idx e = 0; e < n; ++e) finite &= xr[e] - xr[e] == 0;
+            *spoilt += finite;
+        }
     }
 }
 

@@ -341,12 +341,12 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 /* ---- The int8 mode's operands (fastattn/_storage.py, int8_mode_operands) */
 
 /* Each of `rows` contiguous rows of n floats at x, less mean (n floats;
- * NULL: none), rounded to int8: scales[r] = max |y| / 127 over the row's y
- * = x - mean, codes = y / scale rounded to nearest-even within +-127 (0
- * for 0 / 0); a row whose y holds a NaN or an inf gets scale NaN and codes
- * 0.  buf: n floats of scratch.  Returns how many rows had a finite x but
- * a non-finite y (the mean pushed them past float's range), or -1 when
- * rows or n is negative. */
+ * NULL: none), rounded to int8: scales[r] = m / 127 with m = max |y| over
+ * the row's y = x - mean, codes = y * (127 / m) rounded to nearest-even
+ * within +-127 (0 for a row of zeros); a row whose y holds a NaN or an
+ * inf gets scale NaN and codes 0.  buf: 2 n floats of scratch.  Returns how
+ * many rows had a finite x but a non-finite y (the mean pushed them past
+ * float's range), or -1 when rows or n is negative. */
 fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
                       float *buf, int8_t *codes, float *scales);
 

@@ -1601,7 +1601,7 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
         return 0
     with nogil:
         for c in prange(nchunks, schedule="static", num_threads=min(nthreads, nchunks)):
-            buf = <float *>malloc(sizeof(float) * max(n, 1))
+            buf = <float *>malloc(sizeof(float) * max(2 * n, 1))
             if buf == NULL:
                 errp[0] = 1
             else:

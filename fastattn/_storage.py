@@ -267,6 +267,8 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int
     where it would push a key past float32's range
     (reference.int8_mode_operands is the readable twin)."""
     k = np.ascontiguousarray(key, np.float32)
+    # summed in float64, so that the order of the sums (varlen_attention's
+    # differs) leaves the same float32 mean
     sums = k.sum(axis=-2, dtype=np.float64)
     if np.isfinite(sums).all():
         mean = (sums / max(k.shape[-2], 1)).astype(np.float32)
@@ -277,9 +279,9 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int
     kc, ks = _int8_rows(k, mean, nthreads)
     if kc is None:  # a mean pushed keys past float32's range: their heads not smoothed
         k3 = k.reshape(-1, *k.shape[-2:])
-        with np.errstate(invalid="ignore", over="ignore"):
-            spoilt = ~np.isfinite(k3 - mean.reshape(-1, 1, k.shape[-1])).all(axis=(-2, -1))
-            spoilt &= np.isfinite(k3).all(axis=-1).any(axis=-1)
+        with np.errstate(invalid="ignore", over="ignore"):  # finite rows made not finite
+            spoilt = (np.isfinite(k3).all(axis=-1) & ~np.isfinite(
+                k3 - mean.reshape(-1, 1, k.shape[-1])).all(axis=-1)).any(axis=-1)
         mean.reshape(-1, k.shape[-1])[spoilt] = 0
         kc, ks = _int8_rows(k, mean, nthreads)
     vc, vs = _int8_rows(np.ascontiguousarray(value, np.float32), None, nthreads)
@@ -299,25 +301,25 @@ def int8_packed_operands(key: NDArray[Any], value: NDArray[Any], cu_seqlens_k: N
     lens = np.diff(cu_seqlens_k)
     seq = np.repeat(np.arange(lens.size), lens)  # each row's sequence
     finite = np.isfinite(k).all(axis=-1, keepdims=True)
-    mean = np.zeros((lens.size,) + k.shape[1:], np.float64)
+    sums = np.zeros((lens.size,) + k.shape[1:], np.float64)
     count = np.zeros((lens.size,) + k.shape[1:2] + (1,), np.int64)
     some = lens > 0
     if some.any():  # reduceat over the sequences with rows (an empty range gives a row)
         starts = cu_seqlens_k[:-1][some]
-        mean[some] = np.add.reduceat(np.where(finite, k, 0), starts, axis=0, dtype=np.float64)
+        sums[some] = np.add.reduceat(np.where(finite, k, 0), starts, axis=0, dtype=np.float64)
         count[some] = np.add.reduceat(finite, starts, axis=0, dtype=np.int64)
-    mean32 = (mean / np.maximum(count, 1)).astype(np.float32)
+    mean = (sums / np.maximum(count, 1)).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        smoothed = k - mean32[seq]
-        spoilt = np.zeros(lens.size, bool)  # a mean pushing finite keys past float32's range
-        np.logical_or.at(spoilt, seq, (finite & ~np.isfinite(smoothed)).any(axis=(-2, -1)))
+        smoothed = k - mean[seq]
+        spoilt = np.zeros(mean.shape[:2], bool)  # a mean pushing finite keys past float32's range
+        np.logical_or.at(spoilt, seq, (finite[..., 0] & ~np.isfinite(smoothed).all(axis=-1)))
     if spoilt.any():
-        mean32[spoilt] = 0
-        smoothed = k - mean32[seq]
+        mean[spoilt] = 0
+        smoothed = k - mean[seq]
     kc, ks = _int8_rows(smoothed[None], None, nthreads)
     vc, vs = _int8_rows(np.ascontiguousarray(value, np.float32)[None], None, nthreads)
     assert kc is not None and vc is not None and ks is not None and vs is not None
-    return kc[0], vc[0], ks[0], vs[0], mean32
+    return kc[0], vc[0], ks[0], vs[0], mean
 
 
 def _int8_rows(x: NDArray[np.float32], mean: Optional[NDArray[np.float32]], nthreads: int

@@ -289,13 +289,14 @@ def int8_mode_operands(query: Array, key: Array, value: Array) -> tuple[Array, A
     """What scaled_dot_product_attention(precision="int8") reads of its
     operands, in float64, as query, key and value of an exact call with
     ``scale=1/sqrt(E)`` given: the keys less their mean over the positions
-    (over the rows without a NaN or an inf; no mean where that would push a
-    key past float32's range), each key and value row rounded to int8
-    codes times max|row| / 127 (NaN for a row with a non-finite value), the
+    (summed in float64; over the rows without a NaN or an inf; no mean
+    where that would push a key past float32's range), each key and value
+    row rounded to int8 codes ``rint(x * (127 / max|row|))`` times
+    max|row| / 127 (NaN for a row with a non-finite value), the
     query rounded as int8_query; the mean's term q . mean joins every score
     as an extra feature.  The weights' rounding (7 bits per 64 keys) is left
     out: tests bound it.  Scores equal the mode's in exact arithmetic."""
-    k = np.asarray(key, np.float32)
+    k = np.ascontiguousarray(key, np.float32)
     finite = np.isfinite(k).all(axis=-1, keepdims=True)
     count = np.maximum(finite.sum(axis=-2), 1)
     mean = (np.where(finite, k, 0).sum(axis=-2, dtype=np.float64) / count).astype(np.float32)
@@ -307,9 +308,10 @@ def int8_mode_operands(query: Array, key: Array, value: Array) -> tuple[Array, A
 
     def rows(x: Array) -> Array:
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            d = (np.abs(x).max(axis=-1, keepdims=True, initial=0) / np.float32(127)).astype(np.float32)
-            codes = np.clip(np.nan_to_num(np.rint(x / d), nan=0.0), -127, 127)
-        return np.where(np.isfinite(d), codes * d.astype(np.float64), np.nan)
+            m = np.abs(x).max(axis=-1, keepdims=True, initial=0).astype(np.float32)
+            codes = np.clip(np.nan_to_num(np.rint(x * (np.float32(127) / m)), nan=0.0), -127, 127)
+            d = m / np.float32(127)
+            return np.where(np.isfinite(d), codes * d.astype(np.float64), np.nan)
 
     means = np.broadcast_to(mean[..., None, :], k.shape).astype(np.float64)
     q = np.asarray(query, np.float32)

@@ -193,3 +193,28 @@ def test_varlen_smooths_each_sequence_alone(rng):
                                                       causal_alignment="lower_right",
                                                       precision="int8")
         np.testing.assert_array_equal(out[cu_q[b]:cu_q[b + 1]], alone[0].transpose(1, 0, 2))
+
+
+def test_rounding_matches_the_twin_on_extreme_rows(rng):
+    """fa_int8_rows against reference.int8_mode_operands, decoded, bit for
+    bit: ordinary rows, zeros, rows too small for 127 / max (codes +-127),
+    values near float32's largest (no mean then), NaN and inf rows (NaN)."""
+    k = rng.standard_normal((2, 3, 40, 24), dtype=np.float32)
+    v = rng.standard_normal((2, 3, 40, 16), dtype=np.float32)
+    k[0, 0, 3] = 0
+    k[0, 1, :] *= np.float32(1e-38)  # a whole head of tiny keys (mean tiny too)
+    v[0, 0, 5] = np.float32(2e-38) * np.sign(v[0, 0, 5])
+    v[1, 2, 7] = 0
+    k[1, 0, :20, 4] = np.float32(-3e38)
+    k[1, 0, 20, 4] = np.float32(3e38)  # the mean, -1.4e38, would push it past the range
+    k[1, 1, 2, 0] = np.nan
+    v[1, 1, 3, 1] = np.inf
+    q = rng.standard_normal((2, 3, 5, 24), dtype=np.float32)
+    kc, vc, ks, vs, mean = fastattn._storage.int8_mode_operands(k, v, 2)
+    _, k2, v2 = ref.int8_mode_operands(q, k, v)
+    np.testing.assert_array_equal(kc * ks[..., None].astype(np.float64), k2[..., :24])
+    np.testing.assert_array_equal(np.broadcast_to(mean[..., None, :], k.shape), k2[..., 24:])
+    np.testing.assert_array_equal(vc * vs[..., None].astype(np.float64), v2)
+    assert np.isnan(ks[1, 1, 2]) and np.isnan(vs[1, 1, 3]) and np.all(mean[1, 0] == 0)
+    assert set(np.abs(vc[0, 0, 5]).tolist()) <= {0, 127} and np.all(kc[0, 0, 3] == (-np.round(
+        mean[0, 0] * 127 / np.abs(mean[0, 0]).max())).astype(np.int8))
