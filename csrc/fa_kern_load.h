@@ -342,11 +342,11 @@ void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean
         const int bad = nan || !(amax <= FLT_MAX);
         if (bad || amax == 0) { /* a NaN scale, or a row of zeros: codes 0 */
             memset(cr, 0, (size_t)n);
-        } else if (amax < 127.0f / FLT_MAX) { /* 127 / amax overflows: codes +-127 or 0 */
-            for (fa_idx e = 0; e < n; ++e) cr[e] = (int8_t)(buf[e] > 0 ? 127 : buf[e] < 0 ? -127 : 0);
-        } else { /* |y| <= amax: no code past 127 */
-            const float inv = 127.0f / amax;
-            for (fa_idx e = 0; e < n; ++e) cr[e] = (int8_t)rintf(buf[e] * inv);
+        } else { /* |y| <= amax: no code past 127; a row too small for 127 / amax
+                  * scaled by 2^64 first (exactly: a power of two) */
+            const float f = amax < 127.0f / FLT_MAX ? 18446744073709551616.0f : 1;
+            const float inv = 127.0f / (amax * f);
+            for (fa_idx e = 0; e < n; ++e) cr[e] = (int8_t)rintf(buf[e] * f * inv);
         }
         scales[r] = bad ? (float)NAN : amax / 127.0f;
         if (bad) { /* spoilt by the mean: x finite throughout */

@@ -228,7 +228,10 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scrat
             n = fa_kv_run(a, s0 + r0, nk - r0);
             const float *sc = a->v_scale + fa_kv_row(a, s0 + r0, a->vsc_s, a->vsc_bs);
             for (fa_idx t = 0; t < nq; ++t)
-                for (fa_idx r = 0; r < n; ++r) s[t * FA_RB + r0 + r] *= (T)sc[r * a->vsc_s];
+                for (fa_idx r = 0; r < n; ++r) { /* a weight of 0 stays 0, whatever the scale */
+                    T *x = s + t * FA_RB + r0 + r;
+                    *x = *x == 0 ? 0 : *x * (T)sc[r * a->vsc_s];
+                }
         }
 #if FA_IS_F32
     if (FA_NAME(int8_dots)(a) && st == FA_STORE_I8) {

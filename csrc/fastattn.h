@@ -343,7 +343,8 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 /* Each of `rows` contiguous rows of n floats at x, less mean (n floats;
  * NULL: none), rounded to int8: scales[r] = m / 127 with m = max |y| over
  * the row's y = x - mean, codes = y * (127 / m) rounded to nearest-even
- * within +-127 (0 for a row of zeros); a row whose y holds a NaN or an
+ * (0 for a row of zeros; y and m times 2^64 first where 127 / m would
+ * overflow); a row whose y holds a NaN or an
  * inf gets scale NaN and codes 0.  buf: 2 n floats of scratch.  Returns how
  * many rows had a finite x but a non-finite y (the mean pushed them past
  * float's range), or -1 when rows or n is negative. */

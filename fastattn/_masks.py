@@ -78,3 +78,33 @@ def both(a: Optional[NDArray[Any]], a_name: str, b: Optional[NDArray[Any]], b_na
     except ValueError:
         raise ValueError(f"{a_name} of shape {C.shape_str(a.shape)} and {b_name} of shape "
                          f"{C.shape_str(b.shape)} do not broadcast") from None
+
+
+def keys_seen(mask: object, key_shape: tuple[int, ...], query_heads: int
+              ) -> Optional[NDArray[np.bool_]]:
+    """Which keys of a call some query may see through its attn_mask (bool
+    True = may attend; floating: not -inf), as a bool array of key's shape
+    without its last axis (broadcast where the mask is), for the int8
+    mode's key mean; None when there is no mask, or one whose shape or
+    dtype the call's checks will refuse."""
+    if type(mask) is not np.ndarray or len(key_shape) < 2:
+        return None
+    if mask.dtype != np.bool_ and not C.is_floating(mask.dtype):
+        return None
+    if mask.ndim < 2 or mask.shape[-1] not in (1, key_shape[-2]):
+        return None
+    seen = (mask if mask.dtype == np.bool_ else mask > -np.inf).any(axis=-2)
+    hkv = key_shape[-3] if len(key_shape) >= 3 else 1
+    lead = len(key_shape) - 1  # key's axes but the last: (..., Hkv, S)
+    if seen.ndim > lead:
+        return None
+    seen = seen.reshape((1,) * (lead - seen.ndim) + seen.shape)
+    if lead >= 2 and seen.shape[-2] == query_heads != hkv and query_heads % max(hkv, 1) == 0:
+        seen = seen.reshape(seen.shape[:-2] + (hkv, query_heads // hkv, seen.shape[-1])).any(-2)
+    for axis in range(lead):  # axes the key broadcasts over: a key seen in any
+        if key_shape[axis] == 1 and seen.shape[axis] > 1:
+            seen = seen.any(axis=axis, keepdims=True)
+    try:
+        return np.broadcast_to(seen, key_shape[:-1])
+    except ValueError:
+        return None

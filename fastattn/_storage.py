@@ -250,7 +250,8 @@ def encode(x: NDArray[np.floating[Any]], storage: str, name: str, nthreads: int
     return codes, scale
 
 
-def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int
+def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int,
+                       seen: Optional[NDArray[np.bool_]] = None
                        ) -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.float32],
                                   NDArray[np.float32], NDArray[np.float32]]:
     """What the int8 mode reads of a call's float keys and values (dense
@@ -258,24 +259,34 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int
     the positions of each (batch, head) (SageAttention's smooth_k, Zhang et
     al., ICLR 2025; the kernels add ``scale * q . mean`` back to every
     score, so that the softmax, softcap, sinks and lse see the true logits),
-    then keys and values rounded to int8 per row as ``encode`` rounds them
+    then keys and values rounded to int8 per row, ``scale = max|row| /
+    127`` and ``code = round_half_even(x * (127 / max|row|))``
     (fa_int8_rows, on the kernels' threads).  Returns key codes, value
     codes, their row scales and the mean (float32, key's shape without its
-    positions).  A row holding a non-finite value gets scale NaN (codes 0):
-    its scores or values come out NaN where the row is seen, as the exact
-    ones would be NaN or inf; the mean is that of the finite rows, and none
-    where it would push a key past float32's range
-    (reference.int8_mode_operands is the readable twin)."""
-    k = np.ascontiguousarray(key, np.float32)
+    positions); axes that key or value broadcast (stride 0) are rounded
+    once and broadcast back.  The mean is over the rows some query sees
+    (seen: key's shape without its last axis, keys_seen's; None: all) and
+    holds no NaN or inf; none where it would push a key past float32's
+    range.  A row holding a non-finite value gets scale NaN (codes 0): its
+    scores or values come out NaN where the row is seen, as the exact ones
+    would be NaN or inf (reference.int8_mode_operands is the readable
+    twin)."""
+    kd, vd = _distinct(key), _distinct(value)
+    k = np.ascontiguousarray(kd, np.float32)
+    if seen is not None:  # a key seen along an axis the key broadcasts over
+        axes = tuple(a for a in range(k.ndim - 1) if k.shape[a] == 1 and seen.shape[a] > 1)
+        seen = seen.any(axis=axes, keepdims=True) if axes else seen
     # summed in float64, so that the order of the sums (varlen_attention's
     # differs) leaves the same float32 mean
-    sums = k.sum(axis=-2, dtype=np.float64)
-    if np.isfinite(sums).all():
+    sums = k.sum(axis=-2, dtype=np.float64) if seen is None else None
+    if sums is not None and np.isfinite(sums).all():
         mean = (sums / max(k.shape[-2], 1)).astype(np.float32)
-    else:  # over the rows without a NaN or an inf
-        finite = np.isfinite(k).all(axis=-1, keepdims=True)
-        count = np.maximum(finite.sum(axis=-2, dtype=np.int64), 1)
-        mean = (np.where(finite, k, 0).sum(axis=-2, dtype=np.float64) / count).astype(np.float32)
+    else:  # over the rows seen without a NaN or an inf
+        counted = np.isfinite(k).all(axis=-1, keepdims=True)
+        if seen is not None:
+            counted &= seen[..., None]
+        count = np.maximum(counted.sum(axis=-2, dtype=np.int64), 1)
+        mean = (np.where(counted, k, 0).sum(axis=-2, dtype=np.float64) / count).astype(np.float32)
     kc, ks = _int8_rows(k, mean, nthreads)
     if kc is None:  # a mean pushed keys past float32's range: their heads not smoothed
         k3 = k.reshape(-1, *k.shape[-2:])
@@ -284,9 +295,18 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int
                 k3 - mean.reshape(-1, 1, k.shape[-1])).all(axis=-1)).any(axis=-1)
         mean.reshape(-1, k.shape[-1])[spoilt] = 0
         kc, ks = _int8_rows(k, mean, nthreads)
-    vc, vs = _int8_rows(np.ascontiguousarray(value, np.float32), None, nthreads)
+    vc, vs = _int8_rows(np.ascontiguousarray(vd, np.float32), None, nthreads)
     assert kc is not None and vc is not None and ks is not None and vs is not None
-    return kc, vc, ks, vs, mean
+    kshape, vshape = np.shape(key), np.shape(value)
+    return (np.broadcast_to(kc, kshape), np.broadcast_to(vc, vshape),
+            np.broadcast_to(ks, kshape[:-1]), np.broadcast_to(vs, vshape[:-1]),
+            np.broadcast_to(mean, kshape[:-2] + kshape[-1:]))
+
+
+def _distinct(x: NDArray[Any]) -> NDArray[Any]:
+    """x without the repeats of its broadcast axes (stride 0): index 0 there."""
+    return x[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                   for st, n in zip(x.strides, x.shape))]
 
 
 def int8_packed_operands(key: NDArray[Any], value: NDArray[Any], cu_seqlens_k: NDArray[np.int64],

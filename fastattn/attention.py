@@ -8,6 +8,7 @@ import numpy as np
 from . import _checks as C
 from . import _core, _runtime
 from ._dispatch import StoredKV, route
+from ._masks import keys_seen
 from ._storage import int8_mode_operands, narrow
 from ._typing import Alignment, Float, MaskArray, NDArray, Result
 
@@ -248,8 +249,9 @@ def scaled_dot_product_attention(
     """
     stored = None
     if C.check_precision(precision) != _core.PRECISION_EXACT and _int8_inputs(query, key, value):
+        seen = keys_seen(attn_mask, key.shape, query.shape[-3] if query.ndim >= 3 else 1)
         key, value, k_scale, v_scale, mean = int8_mode_operands(
-            key, value, _runtime.resolve_threads(num_threads))
+            key, value, _runtime.resolve_threads(num_threads), seen)
         stored = StoredKV(_core.STORE_I8, k_scale, v_scale, None, _core.PRECISION_INT8, mean)
     return route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                   causal_alignment, need_weights, return_lse, window_size, alibi_slopes, softcap,
@@ -261,7 +263,8 @@ def _int8_inputs(query: object, key: object, value: object) -> bool:
     the float32 kernels compute in (other operands go on to the call's own
     checks, which refuse them or keep the exact products, for float64)."""
     arrays = (query, key, value)
-    if not all(type(x) is np.ndarray for x in arrays):
+    if not all(isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray)
+               and x.ndim >= 2 for x in arrays):
         return False
     dtype = query.dtype  # type: ignore[union-attr]
     return (all(x.dtype == dtype for x in arrays)  # type: ignore[union-attr]

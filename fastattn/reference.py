@@ -274,7 +274,8 @@ def int8_query(query: Array, group: Optional[int] = None) -> Array:
     E = x.shape[-1]
     g = E if group is None else group
     pad = -E % g if E else 0
-    groups = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(x.shape[:-1] + (-1, g))
+    groups = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(
+        x.shape[:-1] + ((E + pad) // g if g else 0, g))
     with np.errstate(invalid="ignore"):
         d = np.max(np.abs(groups), axis=-1, keepdims=True, initial=0) / np.float32(127)
         d = np.where(np.isnan(groups).any(axis=-1, keepdims=True), np.float32(np.nan), d)
@@ -282,24 +283,30 @@ def int8_query(query: Array, group: Optional[int] = None) -> Array:
         codes = np.where(coded, np.clip(np.rint(groups / np.where(coded, d, 1)), -127, 127), 0)
         back = (codes.astype(np.float64) * d.astype(np.float64))
     back = np.where(np.isfinite(d), back, np.nan)
-    return back.reshape(x.shape[:-1] + (-1,))[..., :E]
+    return back.reshape(x.shape[:-1] + (E + pad,))[..., :E]
 
 
-def int8_mode_operands(query: Array, key: Array, value: Array) -> tuple[Array, Array, Array]:
+def int8_mode_operands(query: Array, key: Array, value: Array,
+                       key_seen: Optional[Array] = None) -> tuple[Array, Array, Array]:
     """What scaled_dot_product_attention(precision="int8") reads of its
     operands, in float64, as query, key and value of an exact call with
     ``scale=1/sqrt(E)`` given: the keys less their mean over the positions
     (summed in float64; over the rows without a NaN or an inf; no mean
     where that would push a key past float32's range), each key and value
-    row rounded to int8 codes ``rint(x * (127 / max|row|))`` times
+    row rounded to int8 codes ``rint(x * (127 / max|row|))`` (both scaled
+    by 2^64 first for rows too small for that quotient) times
     max|row| / 127 (NaN for a row with a non-finite value), the
     query rounded as int8_query; the mean's term q . mean joins every score
-    as an extra feature.  The weights' rounding (7 bits per 64 keys) is left
-    out: tests bound it.  Scores equal the mode's in exact arithmetic."""
+    as an extra feature.  key_seen (bool, key's shape without its last
+    axis; None: all): the keys some query sees through the call's mask,
+    the only ones the mean is taken over.  The weights' rounding (7 bits
+    per 64 keys) is left out: tests bound it.  Scores equal the mode's in
+    exact arithmetic."""
     k = np.ascontiguousarray(key, np.float32)
     finite = np.isfinite(k).all(axis=-1, keepdims=True)
-    count = np.maximum(finite.sum(axis=-2), 1)
-    mean = (np.where(finite, k, 0).sum(axis=-2, dtype=np.float64) / count).astype(np.float32)
+    counted = finite if key_seen is None else finite & np.asarray(key_seen, bool)[..., None]
+    count = np.maximum(counted.sum(axis=-2), 1)
+    mean = (np.where(counted, k, 0).sum(axis=-2, dtype=np.float64) / count).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         smoothed = k - mean[..., None, :]
         spoilt = (finite & ~np.isfinite(smoothed).all(axis=-1, keepdims=True)).any(axis=(-2, -1))
@@ -309,7 +316,11 @@ def int8_mode_operands(query: Array, key: Array, value: Array) -> tuple[Array, A
     def rows(x: Array) -> Array:
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             m = np.abs(x).max(axis=-1, keepdims=True, initial=0).astype(np.float32)
-            codes = np.clip(np.nan_to_num(np.rint(x * (np.float32(127) / m)), nan=0.0), -127, 127)
+            # rows too small for 127 / m: both scaled by 2^64 first (exactly)
+            f = np.where(m < np.float32(127) / np.finfo(np.float32).max, np.float32(2.0 ** 64),
+                         np.float32(1))
+            codes = np.clip(np.nan_to_num(np.rint(x * f * (np.float32(127) / (m * f))), nan=0.0),
+                            -127, 127)
             d = m / np.float32(127)
             return np.where(np.isfinite(d), codes * d.astype(np.float64), np.nan)
 

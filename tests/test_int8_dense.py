@@ -37,7 +37,7 @@ def check_twin(out, q, k, v, **options):
                                                    or 1 / np.sqrt(E), need_weights=True, **options)
     group = q.shape[-3] // k.shape[-3]
     vs = np.repeat(np.abs(v2).max(axis=-1), group, axis=-2)[..., None, :]  # (.., Hq, 1, S)
-    wv = np.pad(w * vs, [(0, 0)] * (w.ndim - 1) + [(0, -S % GROUP)])
+    wv = np.pad(np.where(w == 0, 0, w * vs), [(0, 0)] * (w.ndim - 1) + [(0, -S % GROUP)])
     largest = wv.reshape(wv.shape[:-1] + (-1, GROUP)).max(axis=-1)
     bound = (largest * GROUP * 127 / 254).sum(axis=-1)[..., None]  # weights already over l
     bound = bound + tolerance(np.float32, E + S) * max(1.0, np.abs(expected).max())
@@ -218,3 +218,75 @@ def test_rounding_matches_the_twin_on_extreme_rows(rng):
     assert np.isnan(ks[1, 1, 2]) and np.isnan(vs[1, 1, 3]) and np.all(mean[1, 0] == 0)
     assert set(np.abs(vc[0, 0, 5]).tolist()) <= {0, 127} and np.all(kc[0, 0, 3] == (-np.round(
         mean[0, 0] * 127 / np.abs(mean[0, 0]).max())).astype(np.int8))
+
+
+@pytest.mark.parametrize("L", [1, 3, 4, 5, 70])
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_hidden_value_row_of_nan_does_not_leak(rng, L, additive):
+    """A masked key whose value row is NaN or inf (its row scale NaN): a
+    weight of 0 stays 0 times that scale, in the row kernel (L <= 4) and in
+    the block kernel."""
+    q, k, v = operands(rng, B=1, Hq=2, Hkv=2, L=L, S=90)
+    v[0, 0, 7, 3], v[0, 1, 50] = np.nan, np.inf
+    mask = np.ones((L, 90), bool)
+    mask[:, [7, 50]] = False
+    m = np.where(mask, 0, -np.inf).astype(np.float32) if additive else mask
+    out = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=m, precision="int8")
+    assert np.isfinite(out).all()
+    check_twin(out, q, k, v, attn_mask=m)
+
+
+def test_the_mean_is_over_the_keys_some_query_sees(rng):
+    """Padding keys that no query sees (a key padding mask) hold anything:
+    huge finite values there would spoil the smoothing of the visible keys
+    if the mean took them in; it does not."""
+    q, k, v = operands(rng, B=2, Hq=4, Hkv=2, L=40, S=128)
+    mask = np.ones((2, 1, 1, 128), bool)
+    mask[0, ..., 100:] = False
+    mask[1, ..., 60:] = False
+    k[0, :, 100:] = 1e10
+    k[1, :, 60:] = -3e4
+    out = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                                precision="int8")
+    exact = ref.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64),
+                                             v.astype(np.float64), attn_mask=mask, enable_gqa=True)
+    assert rel_rms(out, exact) < 2e-2
+    seen = np.broadcast_to(mask[:, 0, 0, None, :], (2, 2, 128))
+    q2, k2, v2 = ref.int8_mode_operands(q, k, v, key_seen=seen)
+    twin = ref.scaled_dot_product_attention(q2, k2, v2, scale=1 / 8, attn_mask=mask,
+                                            enable_gqa=True)
+    assert rel_rms(out, twin) < 1.5e-2  # the weights' rounding alone
+
+
+def test_rows_too_small_for_127_over_their_largest(rng):
+    """Value and key rows whose largest is below 127 / float32's largest
+    (about 3.7e-37) are scaled by 2^64 before they are rounded: their codes
+    keep their signs and sizes."""
+    q, k, v = operands(rng, B=1, Hq=1, Hkv=1, L=70, S=80)
+    v *= np.float32(1e-38)
+    k *= np.float32(1e-37)
+    q *= np.float32(1e36)  # scores of ordinary size
+    out = fastattn.scaled_dot_product_attention(q, k, v, precision="int8")
+    exact = ref.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64),
+                                             v.astype(np.float64))
+    assert rel_rms(out, exact) < 2e-2
+
+
+def test_subclasses_broadcasts_and_one_dimension(rng, tmp_path):
+    """An ndarray subclass (np.memmap) takes the mode; a key broadcast over
+    the batch (stride 0) is rounded once, with the bits of its copy; 1-D
+    inputs get the exact call's error; the twin takes L = 0."""
+    q, k, v = operands(rng, B=1, L=70, S=90)
+    mm = np.memmap(tmp_path / "q.bin", dtype=np.float32, mode="w+", shape=q.shape)
+    mm[:] = q
+    assert np.array_equal(fastattn.scaled_dot_product_attention(mm, k, v, precision="int8"),
+                          fastattn.scaled_dot_product_attention(q, k, v, precision="int8"))
+    qb = np.concatenate([q, q[:, ::-1]])
+    kb, vb = np.broadcast_to(k, (2,) + k.shape[1:]), np.broadcast_to(v, (2,) + v.shape[1:])
+    assert np.array_equal(fastattn.scaled_dot_product_attention(qb, kb, vb, precision="int8"),
+                          fastattn.scaled_dot_product_attention(qb, kb.copy(), vb.copy(),
+                                                                precision="int8"))
+    with pytest.raises(ValueError, match="query"):
+        fastattn.scaled_dot_product_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], precision="int8")
+    q2, _, _ = ref.int8_mode_operands(q[:, :, :0], k, v)
+    assert q2.shape == (1, 4, 0, 128)
