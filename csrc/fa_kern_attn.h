@@ -481,8 +481,7 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     for (fa_idx j = 0; i8 == NULL && j < ld; ++j)
         shift[j] = a->k_mean != NULL ? FA_NAME(mean_shift)(a, qp + j, ld, qscale) : 0;
     for (fa_idx j = 0; j < ld; ++j) {
-        const fa_attn_args h = FA_NAME(head_args)(a, j % G); /* its sink */
-        FA_NAME(sink_start)(&h, m + j, l + j);
+        FA_NAME(sink_start)(a, j % G, m + j, l + j);
         ms[j] = m[j] == ninf ? 0 : m[j];
     }
     /* O^T holds nothing until the first block visited writes it, tile by
@@ -599,12 +598,13 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         return;
     }
     for (fa_idx j = 0; j < nc; ++j) { /* head j % G at position i0 + j / G */
-        const FA_NAME(one_head) h = FA_NAME(one_head_of)(a, j % G, q, out, lse);
         const fa_idx i = i0 + j / G;
-        if (bl[j] != 0)
+        if (bl[j] != 0) {
+            const FA_NAME(one_head) h = FA_NAME(one_head_of)(a, j % G, q, out, lse);
             FA_NAME(attn_rows)(&h.a, h.q, k, v, mask, h.out, w, h.lse, i, i + 1, rows_work);
-        else if (lse)
-            h.lse[i * a->lse_s] = FA_NAME(lse)(m[j], l[j]);
+        } else if (lse) {
+            lse[j % G * a->lse_hs + i * a->lse_s] = FA_NAME(lse)(m[j], l[j]);
+        }
     }
 
     if (w == NULL) return;

@@ -202,7 +202,7 @@ static void FA_NAME(int8_values)(const fa_attn_args *a, const FA_NAME(iscratch) 
         for (fa_idx j = 0; j < ld; ++j) { /* branch-free, so that it vectorises */
             const T m = s->wu[j], u = m / 127, flagged = s->wr[j];
             const int ok = (flagged == 0) & (m - m == 0) & (u >= FLT_MIN);
-            exact += !ok & ((m != 0) | (flagged != 0));
+            exact += (ok == 0) & ((m != 0) | (flagged != 0));
             s->wr[j] = ok ? 127 / m : 0;
             s->wu[j] = ok ? u : 0;
         }

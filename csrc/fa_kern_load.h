@@ -341,7 +341,7 @@ void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean
         const float amax = n > 0 ? FA_NAME(max)(n, mag) : 0; /* NaN ignored: flagged above */
         const int bad = nan || !(amax <= FLT_MAX);
         if (bad || amax == 0) { /* a NaN scale, or a row of zeros: codes 0 */
-            memset(cr, 0, (size_t)n);
+            for (fa_idx e = 0; e < n; ++e) cr[e] = 0;
         } else { /* |y| <= amax: no code past 127; a row too small for 127 / amax
                   * scaled by 2^64 first (exactly: a power of two) */
             const float f = amax < 127.0f / FLT_MAX ? 18446744073709551616.0f : 1;

@@ -541,10 +541,7 @@ static void FA_NAME(rows_start)(const fa_attn_args *a, const void *q, fa_idx i0,
         for (fa_idx c = 0; c < a->Ev; ++c) w->o[t * FA_EVP(a) + c] = 0;
         w->m[t] = -(T)INFINITY;
         w->l[t] = 0;
-        if (with_sink) {
-            const fa_attn_args h = FA_NAME(head_args)(a, t / n);
-            FA_NAME(sink_start)(&h, w->m + t, w->l + t);
-        }
+        if (with_sink) FA_NAME(sink_start)(a, t / n, w->m + t, w->l + t);
     }
 }
 

@@ -114,10 +114,11 @@ static T FA_NAME(modify)(const fa_attn_args *a, const void *mask, fa_idx i, fa_i
     return j < FA_NAME(key_lo)(a, i) || j > FA_NAME(key_hi)(a, i) ? ninf : z;
 }
 
-/* Step 6: the running maximum m and sum l of a row before any key. */
-static void FA_NAME(sink_start)(const fa_attn_args *a, T *m, T *l)
+/* Step 6: the running maximum m and sum l of a row of query head g (of
+ * fa_attn_args' heads) before any key. */
+static void FA_NAME(sink_start)(const fa_attn_args *a, fa_idx g, T *m, T *l)
 {
-    *m = (T)a->sink;
+    *m = (T)(a->head_sinks != NULL ? a->head_sinks[g] : a->sink);
     *l = *m == -(T)INFINITY ? 0 : 1;
 }
 
