@@ -93,17 +93,18 @@ def keys_seen(mask: object, key_shape: tuple[int, ...], query_heads: int
         return None
     if mask.ndim < 2 or mask.shape[-1] not in (1, key_shape[-2]):
         return None
-    seen = (mask if mask.dtype == np.bool_ else mask > -np.inf).any(axis=-2)
+    seen: NDArray[np.bool_] = np.any(mask if mask.dtype == np.bool_ else mask > -np.inf, axis=-2)
     hkv = key_shape[-3] if len(key_shape) >= 3 else 1
     lead = len(key_shape) - 1  # key's axes but the last: (..., Hkv, S)
     if seen.ndim > lead:
         return None
     seen = seen.reshape((1,) * (lead - seen.ndim) + seen.shape)
     if lead >= 2 and seen.shape[-2] == query_heads != hkv and query_heads % max(hkv, 1) == 0:
-        seen = seen.reshape(seen.shape[:-2] + (hkv, query_heads // hkv, seen.shape[-1])).any(-2)
+        seen = np.any(seen.reshape(seen.shape[:-2] + (hkv, query_heads // hkv, seen.shape[-1])),
+                      axis=-2)
     for axis in range(lead):  # axes the key broadcasts over: a key seen in any
         if key_shape[axis] == 1 and seen.shape[axis] > 1:
-            seen = seen.any(axis=axis, keepdims=True)
+            seen = np.any(seen, axis=axis, keepdims=True)
     try:
         return np.broadcast_to(seen, key_shape[:-1])
     except ValueError:

@@ -275,7 +275,7 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int,
     k = np.ascontiguousarray(kd, np.float32)
     if seen is not None:  # a key seen along an axis the key broadcasts over
         axes = tuple(a for a in range(k.ndim - 1) if k.shape[a] == 1 and seen.shape[a] > 1)
-        seen = seen.any(axis=axes, keepdims=True) if axes else seen
+        seen = np.any(seen, axis=axes, keepdims=True) if axes else seen
     # summed in float64, so that the order of the sums (varlen_attention's
     # differs) leaves the same float32 mean
     sums = k.sum(axis=-2, dtype=np.float64) if seen is None else None
@@ -320,7 +320,7 @@ def int8_packed_operands(key: NDArray[Any], value: NDArray[Any], cu_seqlens_k: N
     k = np.ascontiguousarray(key, np.float32)
     lens = np.diff(cu_seqlens_k)
     seq = np.repeat(np.arange(lens.size), lens)  # each row's sequence
-    finite = np.isfinite(k).all(axis=-1, keepdims=True)
+    finite: NDArray[np.bool_] = np.all(np.isfinite(k), axis=-1, keepdims=True)
     sums = np.zeros((lens.size,) + k.shape[1:], np.float64)
     count = np.zeros((lens.size,) + k.shape[1:2] + (1,), np.int64)
     some = lens > 0
@@ -332,7 +332,8 @@ def int8_packed_operands(key: NDArray[Any], value: NDArray[Any], cu_seqlens_k: N
     with np.errstate(invalid="ignore", over="ignore"):
         smoothed = k - mean[seq]
         spoilt = np.zeros(mean.shape[:2], bool)  # a mean pushing finite keys past float32's range
-        np.logical_or.at(spoilt, seq, (finite[..., 0] & ~np.isfinite(smoothed).all(axis=-1)))
+        np.logical_or.at(spoilt, seq,
+                         finite[..., 0] & ~np.all(np.isfinite(smoothed), axis=-1))
     if spoilt.any():
         mean[spoilt] = 0
         smoothed = k - mean[seq]

@@ -247,27 +247,29 @@ def scaled_dot_product_attention(
     -----
     The caller's arrays are never modified.
     """
-    stored = None
     if C.check_precision(precision) != _core.PRECISION_EXACT and _int8_inputs(query, key, value):
         seen = keys_seen(attn_mask, key.shape, query.shape[-3] if query.ndim >= 3 else 1)
-        key, value, k_scale, v_scale, mean = int8_mode_operands(
+        k_codes, v_codes, k_scale, v_scale, mean = int8_mode_operands(
             key, value, _runtime.resolve_threads(num_threads), seen)
-        stored = StoredKV(_core.STORE_I8, k_scale, v_scale, None, _core.PRECISION_INT8, mean)
+        return route(query, k_codes, v_codes, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      causal_alignment, need_weights, return_lse, window_size, alibi_slopes,
+                      softcap, sinks, out, num_threads,
+                      StoredKV(_core.STORE_I8, k_scale, v_scale, None, _core.PRECISION_INT8, mean))
     return route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                   causal_alignment, need_weights, return_lse, window_size, alibi_slopes, softcap,
-                  sinks, out, num_threads, stored)
+                  sinks, out, num_threads)
 
 
 def _int8_inputs(query: object, key: object, value: object) -> bool:
     """Whether the int8 mode takes these operands: arrays of one dtype that
     the float32 kernels compute in (other operands go on to the call's own
     checks, which refuse them or keep the exact products, for float64)."""
-    arrays = (query, key, value)
-    if not all(isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray)
-               and x.ndim >= 2 for x in arrays):
+    arrays = [x for x in (query, key, value)
+              if isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray) and x.ndim >= 2]
+    if len(arrays) < 3:
         return False
-    dtype = query.dtype  # type: ignore[union-attr]
-    return (all(x.dtype == dtype for x in arrays)  # type: ignore[union-attr]
+    dtype = arrays[0].dtype
+    return (all(x.dtype == dtype for x in arrays)
             and (dtype in (np.float32, np.float16) or dtype.name == "bfloat16"))
 
 

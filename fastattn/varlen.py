@@ -103,16 +103,19 @@ def varlen_attention(
     mode = C.check_precision(precision)
     scales: tuple[Optional[NDArray[np.float32]], Optional[NDArray[np.float32]]] = (None, None)
     mean = None
-    inputs = {"query": query, "key": key, "value": value, "cu_seqlens_q": cu_seqlens_q,
-              "cu_seqlens_k": cu_seqlens_k, "tree_mask": tree_mask}
+    inputs: dict[str, Optional[NDArray[Any]]] = {
+        "query": query, "key": key, "value": value, "cu_seqlens_q": cu_seqlens_q,
+        "cu_seqlens_k": cu_seqlens_k, "tree_mask": tree_mask}
+    held: tuple[NDArray[Any], NDArray[Any]] = (key, value)  # as the kernels read them
     if mode != _core.PRECISION_EXACT and dtype != np.float64:  # float64 stays exact
-        key, value, k_scale, v_scale, mean = _storage.int8_packed_operands(
+        k_codes, v_codes, k_scale, v_scale, mean = _storage.int8_packed_operands(
             key, value, cu_k, _runtime.resolve_threads(num_threads))
+        held = (k_codes, v_codes)
         scales, kv_store = (k_scale.T[None], v_scale.T[None]), _core.STORE_I8
     else:
         mode = _core.PRECISION_EXACT
     # the packed rows as the one block of the caches, (1, Hkv, total_k, E)
-    key_cache, value_cache = (x.transpose(1, 0, 2)[None] for x in (key, value))
+    key_cache, value_cache = (x.transpose(1, 0, 2)[None] for x in held)
     q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     trees = _tree.check(tree_mask, tree_mask_indptr, q_lens, k_lens)
     return ragged(query, key_cache, value_cache, None, cu_k[:-1], k_lens,
