@@ -146,10 +146,19 @@ def main():
                                                  v_scale=sc)
                 close(exact, ref.paged_attention(pq, codes * sc[..., None], vcodes * sc[..., None],
                                                  table, lens, cu), 1e-3)
-                # the int8 mode: integer products, features and keys past whole vectors
-                close(fastattn.paged_attention(pq, codes, vcodes, table, lens, cu, k_scale=sc,
-                                               v_scale=sc, precision="int8", num_threads=2),
-                      exact, 0.02 * np.abs(exact).max())
+                # the int8 mode: integer products, features and keys past whole vectors;
+                # the decoding rows against the exact ones, the prefill chunk (the block
+                # kernel's, whose softmax these keys make sharp enough for the query's
+                # rounding to move its largest weight) against the twin of that rounding
+                mode = fastattn.paged_attention(pq, codes, vcodes, table, lens, cu, k_scale=sc,
+                                                v_scale=sc, precision="int8", num_threads=2)
+                close(mode[67:], exact[67:], 0.02 * np.abs(exact).max())
+                rows = table[0, :need[0]]
+                twin = ref.paged_attention(ref.int8_query(pq[:67]), (codes * sc[..., None])[rows],
+                                           (vcodes * sc[..., None])[rows],
+                                           np.arange(need[0], dtype=np.int32)[None], lens[:1],
+                                           cu[:2])
+                close(mode[:67], twin, 0.02 * np.abs(twin).max())
                 cache = fastattn.KVCache(2, 2, 80, 40, storage="int4")
                 cache.append(arr(2, 2, 75, 40), arr(2, 2, 75, 40))
                 q4 = arr(2, 4, 1, 40)
