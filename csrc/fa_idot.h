@@ -186,7 +186,8 @@ static void fa_quantise_i8(fa_idx n, const float *x, fa_idx g, fa_idx ng, int8_t
 {
     for (fa_idx i = 0; i < ng; ++i) {
         const fa_idx lo = i * g, hi = lo + g < n ? lo + g : n;
-        /* eight interleaved maxima and NaN flags: lanes the compiler vectorises */
+        /* eight interleaved maxima and NaN flags: independent chains of
+         * comparisons, where one waited for each comparison before the next */
         float part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, amax = 0;
         int flag[8] = {0, 0, 0, 0, 0, 0, 0, 0}, nan = 0;
         fa_idx e = lo;

@@ -441,9 +441,13 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     T *panel = shift + ld;      /* FA_KB x EP, then FA_KB x EvP: converted tiles */
     T *vpanel = panel + FA_KB * FA_EP(a);
     T *rows_work = (T *)((char *)panel + FA_NAME(panels_work)(a)); /* the row kernel's scratch */
-    /* the int8 mode's (int8_block), else NULL */
-    const FA_NAME(iscratch) i8s = FA_NAME(iblock_carve)(a, (char *)rows_work + FA_NAME(rows_work)(a));
-    const FA_NAME(iscratch) *i8 = FA_NAME(int8_block)(a) ? &i8s : NULL;
+    /* the int8 mode's scratch (int8_block), else NULL */
+    FA_NAME(iscratch) i8s;
+    const FA_NAME(iscratch) *i8 = NULL;
+    if (FA_NAME(int8_block)(a)) {
+        i8s = FA_NAME(iblock_carve)(a, (char *)rows_work + FA_NAME(rows_work)(a));
+        i8 = &i8s;
+    }
 
     if (nq <= 0) return;
     if (nc <= FA_ROWS_MAX) {

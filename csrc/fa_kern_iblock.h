@@ -94,6 +94,7 @@ static void FA_NAME(int8_queries)(const fa_attn_args *a, const FA_NAME(iscratch)
     const fa_idx E = a->E, E4 = FA_I8_E4(a);
     memset(s->q8, 0, (size_t)(4 * E4 * ld));
     for (fa_idx j = 0; j < ld; ++j) s->qd[j] = shift[j] = 0;
+    for (fa_idx e = E; e < 4 * E4; ++e) s->qcodes[e] = 0; /* past E: never written */
     for (fa_idx j = 0; j < nc; ++j) {
         int32_t offset; /* Q4 keys' offset: not used */
         FA_NAME(load_row)(a->q_store, E,
@@ -101,7 +102,6 @@ static void FA_NAME(int8_queries)(const fa_attn_args *a, const FA_NAME(iscratch)
                           a->q_es, s->qrow);
         fa_quantise_i8(E, s->qrow, E, 1, s->qcodes, s->qd + j, &offset);
         if (a->k_mean != NULL) shift[j] = FA_NAME(mean_shift)(a, s->qrow, 1, 1);
-        for (fa_idx e = E; e < 4 * E4; ++e) s->qcodes[e] = 0;
         for (fa_idx t = 0; t < E4; ++t) memcpy(s->q8 + 4 * (t * ld + j), s->qcodes + 4 * t, 4);
     }
 }

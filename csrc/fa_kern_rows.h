@@ -37,11 +37,10 @@
 #define FA_GATHER(a) (FA_EP(a) > FA_VT_ROWS * FA_VT_COLS ? FA_EP(a) : FA_VT_ROWS * FA_VT_COLS)
 
 /* Whether the row kernel takes this call's scores from integer dot
- * products (fa_idot.h): the int8 mode against int8 keys, and against Q4
- * keys for a call (a sequence) of at most FA_ROWS_MAX query rows, so that
- * the last rows of a longer one, and the rows it repairs, stay exact as
- * the block kernel computes all its rows (it takes integers against int8
- * keys only, fa_kern_iblock.h). */
+ * products (fa_idot.h): the int8 mode against int8 keys, as the block
+ * kernel (fa_kern_iblock.h); against Q4 keys, which the block kernel reads
+ * exactly, only for calls of at most FA_ROWS_MAX rows, so that a longer
+ * call's last rows and the rows it repairs stay exact with the others. */
 static FA_ALWAYS_INLINE int FA_NAME(int8_dots)(const fa_attn_args *a)
 {
     return FA_IS_F32 && a->precision == FA_PRECISION_INT8 && a->E > 0 &&

@@ -348,10 +348,10 @@ def _int8_rows(x: NDArray[np.float32], mean: Optional[NDArray[np.float32]], nthr
     """x (contiguous) less mean (x's shape without its positions, or None)
     rounded to int8 per row by fa_int8_rows; (None, None) when the mean
     pushed a finite row past float32's range."""
-    codes = np.zeros(x.shape, np.int8)
-    scales = np.zeros(x.shape[:-1], np.float32)  # a row of no features: scale 0
-    if x.size == 0:
-        return codes, scales
+    if x.size == 0:  # a row of no features: scale 0
+        return np.zeros(x.shape, np.int8), np.zeros(x.shape[:-1], np.float32)
+    codes = np.empty(x.shape, np.int8)  # every element written by fa_int8_rows
+    scales = np.empty(x.shape[:-1], np.float32)
     S, n = x.shape[-2], x.shape[-1]
     R = x.size // (S * n)
     m = None if mean is None else np.ascontiguousarray(mean.reshape(R, n))
