@@ -173,6 +173,11 @@ def test_bad_precision(rng, bad, error):
     q, k, v = operands(rng, B=1, L=5, S=5)
     with pytest.raises(error, match="precision"):
         fastattn.scaled_dot_product_attention(q, k, v, precision=bad)
+    cu = np.array([0, 5])
+    with pytest.raises(error, match="precision"):
+        fastattn.varlen_attention(q[0, :, :, :].transpose(1, 0, 2).copy(),
+                                  k[0].transpose(1, 0, 2).copy(), v[0].transpose(1, 0, 2).copy(),
+                                  cu, cu, precision=bad)
 
 
 def test_varlen_smooths_each_sequence_alone(rng):
