@@ -365,15 +365,15 @@ static inline void fa_idot_q4(int dot, fa_idx nr, fa_idx nb, const int8_t *q, co
     FA_IDOT_PICK(dot, q4, (nr, nb, q, qd, qb, k, rb, s));
 }
 
-/* ot[c] = ot[c] + u * (float)acc[c] for c < nc <= 32, acc[c] = the sum over
- * r < n of w[r] * rows[r][c0 + c]: int8 codes, weights 0..127; n a multiple
+/* ot[c] = ot[c] + u * (float)acc[c] for c < nc, acc[c] = the sum over
+ * r < n of w[r] * rows[r][c]: int8 codes, weights 0..127; n a multiple
  * of 4 (rows past the group's have weight 0 and point at one of its rows).
  * The sums go from registers to the output: through memory they cost a
  * failed store forwarding each. */
 static inline void fa_igemv_i8(int dot, fa_idx n, const uint8_t *w, const int8_t *const *rows,
-                               fa_idx c0, fa_idx nc, float u, float *ot)
+                               fa_idx nc, float u, float *ot)
 {
-    FA_IDOT_PICK(dot, igemv_i8, (n, w, rows, c0, nc, u, ot));
+    FA_IDOT_PICK(dot, igemv_i8, (n, w, rows, nc, u, ot));
 }
 
 /* A register-tiled integer matrix product, the block kernel's (the int8

@@ -134,27 +134,48 @@ static FA_IDOT_TARGET void FA_IDOT(q4)(fa_idx nr, fa_idx nb, const int8_t *q, co
     }
 }
 
+#if defined(__AVX2__)
+/* ot[0 .. 32 nw) += u * the sums of n rows' columns c0.. (fa_igemv_i8) for
+ * nw chunks of 32 columns at once: four rows' codes of every chunk read in
+ * turn, so that the rows stream through the caches in order (a chunk at a
+ * time went down each group's 32 rows as many times, which the hardware
+ * prefetcher follows worse). */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(igemv_cols)(const int nw, fa_idx n,
+                                                                const uint8_t *w,
+                                                                const int8_t *const *rows,
+                                                                fa_idx c0, float u, float *ot)
+{
+    __m256i s[4][4], q[4];
+    for (int c = 0; c < nw; ++c)
+        for (int i = 0; i < 4; ++i) s[c][i] = _mm256_setzero_si256();
+    for (fa_idx r = 0; r < n; r += 4) {
+        const __m256i wq = fa_quad_weights(w, (int)r);
+        for (int c = 0; c < nw; ++c) {
+            const fa_idx at = c0 + 32 * (fa_idx)c;
+            fa_quads(_mm256_loadu_si256((const __m256i *)(rows[r] + at)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 1] + at)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 2] + at)),
+                     _mm256_loadu_si256((const __m256i *)(rows[r + 3] + at)), q);
+            for (int i = 0; i < 4; ++i) s[c][i] = FA_DPBUSD(s[c][i], wq, q[i]);
+        }
+    }
+    for (int c = 0; c < nw; ++c) fa_quads_add(s[c], u, ot + c0 + 32 * c);
+}
+#endif
+
 /* fa_igemv_i8 */
 static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const int8_t *const *rows,
-                                             fa_idx c0, fa_idx nc, float u, float *ot)
+                                             fa_idx nc, float u, float *ot)
 {
-#if defined(__AVX2__)
-    if (nc == 32) {
-        __m256i s[4], q[4];
-        for (int i = 0; i < 4; ++i) s[i] = _mm256_setzero_si256();
-        for (fa_idx r = 0; r < n; r += 4) {
-            const __m256i wq = fa_quad_weights(w, (int)r);
-            fa_quads(_mm256_loadu_si256((const __m256i *)(rows[r] + c0)),
-                     _mm256_loadu_si256((const __m256i *)(rows[r + 1] + c0)),
-                     _mm256_loadu_si256((const __m256i *)(rows[r + 2] + c0)),
-                     _mm256_loadu_si256((const __m256i *)(rows[r + 3] + c0)), q);
-            for (int i = 0; i < 4; ++i) s[i] = FA_DPBUSD(s[i], wq, q[i]);
-        }
-        fa_quads_add(s, u, ot);
-        return;
-    }
-#endif
     fa_idx c1 = 0; /* the columns summed in vectors */
+#if defined(FA_IDOT_ZMM)
+    /* sixteen accumulators: the 32 registers of AVX-512 VL */
+    for (; c1 + 128 <= nc; c1 += 128) FA_IDOT(igemv_cols)(4, n, w, rows, c1, u, ot);
+#endif
+#if defined(__AVX2__) && !defined(FA_IDOT_SDOT)
+    for (; c1 + 64 <= nc; c1 += 64) FA_IDOT(igemv_cols)(2, n, w, rows, c1, u, ot);
+    for (; c1 + 32 <= nc; c1 += 32) FA_IDOT(igemv_cols)(1, n, w, rows, c1, u, ot);
+#endif
 #if defined(FA_IDOT_SDOT)
     /* 16 columns at a time: four rows' codes zipped into each column's
      * quad, dotted with the four weights (0..127: signed bytes too) */
@@ -164,8 +185,8 @@ static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const i
             int32_t quad;
             memcpy(&quad, w + r, sizeof quad);
             const int8x16_t wq = vreinterpretq_s8_s32(vdupq_n_s32(quad));
-            const int8x16_t x0 = vld1q_s8(rows[r] + c0 + c1), x1 = vld1q_s8(rows[r + 1] + c0 + c1);
-            const int8x16_t x2 = vld1q_s8(rows[r + 2] + c0 + c1), x3 = vld1q_s8(rows[r + 3] + c0 + c1);
+            const int8x16_t x0 = vld1q_s8(rows[r] + c1), x1 = vld1q_s8(rows[r + 1] + c1);
+            const int8x16_t x2 = vld1q_s8(rows[r + 2] + c1), x3 = vld1q_s8(rows[r + 3] + c1);
             const int16x8_t a = vreinterpretq_s16_s8(vzip1q_s8(x0, x1));
             const int16x8_t b = vreinterpretq_s16_s8(vzip2q_s8(x0, x1));
             const int16x8_t c = vreinterpretq_s16_s8(vzip1q_s8(x2, x3));
@@ -182,10 +203,13 @@ static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const i
         }
     }
 #endif
-    int32_t acc[32] = {0};
-    for (fa_idx r = 0; r < n; ++r)
-        for (fa_idx c = c1; c < nc; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
-    for (fa_idx c = c1; c < nc; ++c) ot[c] = ot[c] + u * (float)acc[c];
+    for (fa_idx c0 = c1; c0 < nc; c0 += 32) { /* the rest, 32 columns at a time */
+        const fa_idx m = nc - c0 < 32 ? nc - c0 : 32;
+        int32_t acc[32] = {0};
+        for (fa_idx r = 0; r < n; ++r)
+            for (fa_idx c = 0; c < m; ++c) acc[c] += (int32_t)w[r] * rows[r][c0 + c];
+        for (fa_idx c = 0; c < m; ++c) ot[c0 + c] = ot[c0 + c] + u * (float)acc[c];
+    }
 }
 
 /* fa_itile's register tiles: the sums of up to 8 rows (at most 4 but on

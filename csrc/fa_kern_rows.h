@@ -149,8 +149,7 @@ static void FA_NAME(values_i8_group)(const fa_attn_args *a, int dot, fa_idx n, f
     uint8_t w8[FA_IGROUP];
     for (fa_idx r = 0; r < n; ++r) w8[r] = (uint8_t)rintf(w[r] / u);
     for (fa_idx r = n; r < n4; ++r) w8[r] = 0;
-    for (fa_idx c0 = 0; c0 < a->Ev; c0 += 32)
-        fa_igemv_i8(dot, n4, w8, rows, c0, a->Ev - c0 < 32 ? a->Ev - c0 : 32, u, ot + c0);
+    fa_igemv_i8(dot, n4, w8, rows, a->Ev, u, ot);
 }
 
 /* The end of the group of value rows from g (the next multiple of
@@ -183,20 +182,15 @@ static void FA_NAME(value_rows)(const fa_attn_args *a, const void *v, fa_idx g, 
 static void FA_NAME(rows_values_int8)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                       const void *v, fa_idx nq, fa_idx s0, fa_idx nk, T *s, T *o)
 {
-    const char *buf[2][FA_IGROUP], **rows = buf[0], **next = buf[1];
+    /* no prefetch: the rows are read in order (fa_igemv_i8), which the
+     * hardware prefetcher follows; asking for the next group's 64 lines at
+     * once stalled the loads behind them (threads-and-speed.md) */
+    const char *rows[FA_IGROUP];
     const fa_idx end = s0 + nk;
-    FA_NAME(value_rows)(a, v, s0, FA_NAME(group_end)(s0, end) - s0, next);
     for (fa_idx g0 = s0, g1; g0 < end; g0 = g1) {
         g1 = FA_NAME(group_end)(g0, end);
         const fa_idx n = g1 - g0, n4 = (n + 3) / 4 * 4;
-        const char **done = rows;
-        rows = next, next = done;
-        if (g1 < end) { /* the next group's rows, asked for while this one is summed */
-            const fa_idx m = FA_NAME(group_end)(g1, end) - g1;
-            FA_NAME(value_rows)(a, v, g1, m, next);
-            for (fa_idx r = 0; a->v_es == 1 && !(a->prefetch & FA_PREFETCH_NONE) && r < m; ++r)
-                for (fa_idx b = 0; b < a->Ev; b += 64) FA_PREFETCH(next[r] + b);
-        }
+        FA_NAME(value_rows)(a, v, g0, n, rows);
         for (fa_idx r = 0; a->v_es != 1 && r < n; ++r) { /* copied contiguous */
             int8_t *row = w->codes + r * a->Ev;
             for (fa_idx c = 0; c < a->Ev; ++c) row[c] = (int8_t)rows[r][c * a->v_es];
