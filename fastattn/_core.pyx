@@ -1621,6 +1621,34 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
     return spoilt
 
 
+def col_sums(cnp.ndarray x not None, cnp.ndarray out not None, int nthreads):
+    """out[r, c] = the sum over s of x[r, s, c] (x float32, C-contiguous
+    (R, S, n); out float64, C-contiguous (R, n)), each in float64 with s in
+    order: numpy's order for x.sum(axis=1, dtype=np.float64), on the
+    kernels' threads, an (r) each (the int8 mode's key mean)."""
+    cdef fa_idx R = x.shape[0], S = x.shape[1], n = x.shape[2], r, s, c
+    cdef const float *src = <const float *>cnp.PyArray_DATA(x)
+    cdef double *dst = <double *>cnp.PyArray_DATA(out)
+    cdef const float *xr
+    cdef double *o
+    if x.dtype.char != "f" or out.dtype.char != "d":
+        raise ValueError("col_sums: x float32, out float64")
+    if not (x.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable and
+            out.size == R * n):
+        raise ValueError("col_sums: contiguous arrays, out (R, n) and writeable")
+    if R == 0:
+        return
+    with nogil:
+        for r in prange(R, schedule="static", num_threads=max(1, min(nthreads, R))):
+            o = dst + r * n
+            for c in range(n):
+                o[c] = 0
+            for s in range(S):
+                xr = src + (r * S + s) * n
+                for c in range(n):
+                    o[c] = o[c] + xr[c]
+
+
 def exp(int isa, cnp.ndarray x not None, cnp.ndarray out not None, int mode=0):
     """out = exp(x) with the kernels' exp; x and out contiguous, same dtype.
     mode 0: the general exp; 1: the softmax's, for x <= ln 256; 2: the same

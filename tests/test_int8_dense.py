@@ -225,6 +225,22 @@ def test_rounding_matches_the_twin_on_extreme_rows(rng):
         mean[0, 0] * 127 / np.abs(mean[0, 0]).max())).astype(np.int8))
 
 
+@pytest.mark.parametrize("nthreads", [1, 3])
+def test_key_sums_are_numpys_bit_for_bit(rng, nthreads):
+    """The key mean's float64 sums (_core.col_sums, on the kernels' threads)
+    equal numpy's x.sum(axis=-2, dtype=float64) bit for bit, whatever the
+    shape and magnitude, so that the mean is the twin's."""
+    for _ in range(60):
+        shape = tuple(rng.integers(1, 4, size=rng.integers(0, 3)).tolist()) + (
+            int(rng.integers(0, 700)), int(rng.integers(0, 200)))
+        scale = np.float32(10.0 ** rng.integers(-38, 38))
+        x = (rng.standard_normal(shape) * scale).astype(np.float32)
+        got = fastattn._storage._col_sums(x, nthreads)
+        want = x.sum(axis=-2, dtype=np.float64)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
+
+
 @pytest.mark.parametrize("L", [1, 3, 4, 5, 70])
 @pytest.mark.parametrize("additive", [False, True])
 def test_a_hidden_value_row_of_nan_does_not_leak(rng, L, additive):
