@@ -459,11 +459,11 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
 }
 
 fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
-                      float *buf, int8_t *codes, float *scales)
+                      int8_t *codes, float *scales)
 {
     if (rows < 0 || n < 0) return -1;
     fa_idx spoilt = 0;
-    FA_DISPATCH(isa, int8_rows, f32, (rows, n, x, mean, buf, codes, scales, &spoilt));
+    FA_DISPATCH(isa, int8_rows, f32, (rows, n, x, mean, codes, scales, &spoilt));
     return spoilt;
 }
 

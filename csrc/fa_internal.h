@@ -96,8 +96,8 @@
 #define FA_DECLARE_NARROW(ISA) \
     void FA_CAT4(fa, narrow, f32, ISA)(fa_store st, fa_idx n, const float *x, void *y); \
     void FA_CAT4(fa, int8_rows, f32, ISA)(fa_idx rows, fa_idx n, const float *x,          \
-                                            const float *mean, float *buf, int8_t *codes,   \
-                                            float *scales, fa_idx *spoilt);
+                                            const float *mean, int8_t *codes, float *scales, \
+                                            fa_idx *spoilt);
 
 FA_DECLARE_NARROW(portable)
 #if FA_HAVE_X86_SIMD

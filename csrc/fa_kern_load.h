@@ -321,32 +321,92 @@ static FA_NAME(tile) FA_NAME(value_tile)(const fa_attn_args *a, const void *v, f
 }
 
 #if FA_IS_F32
-/* fa_int8_rows (fastattn.h), one path's: y = x - mean into buf and |y|
- * after it (2 n floats), its largest by the vectorised max, then the codes
- * from buf */
-void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean, float *buf,
-                        int8_t *codes, float *scales, fa_idx *spoilt)
+/* max |x - mean| over a row of n (mean NULL: none), NaN ignored; *nan
+ * set where x - mean holds a NaN.  In vectors on x86: the maximum is
+ * exact in any order. */
+static float FA_NAME(int8_row_max)(fa_idx n, const float *x, const float *mean, int *nan)
 {
-    float *mag = buf + n;
+    float amax = 0;
+    int bad = 0;
+    fa_idx e = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_setzero_ps();
+    __mmask16 un = 0;
+    for (; e + 16 <= n; e += 16) {
+        __m512 y = _mm512_loadu_ps(x + e);
+        if (mean != NULL) y = _mm512_sub_ps(y, _mm512_loadu_ps(mean + e));
+        un |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+        mv = _mm512_max_ps(_mm512_abs_ps(y), mv); /* a NaN lane: mv kept */
+    }
+    amax = _mm512_reduce_max_ps(mv);
+    bad = un != 0;
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mv = _mm256_setzero_ps(), un = _mm256_setzero_ps();
+    for (; e + 8 <= n; e += 8) {
+        __m256 y = _mm256_loadu_ps(x + e);
+        if (mean != NULL) y = _mm256_sub_ps(y, _mm256_loadu_ps(mean + e));
+        un = _mm256_or_ps(un, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+        mv = _mm256_max_ps(_mm256_andnot_ps(sign, y), mv); /* a NaN lane: mv kept */
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int t = 0; t < 8; ++t) amax = lanes[t] > amax ? lanes[t] : amax;
+    bad = _mm256_movemask_ps(un) != 0;
+#endif
+    for (; e < n; ++e) {
+        const float y = fabsf(mean != NULL ? x[e] - mean[e] : x[e]);
+        bad |= y != y;
+        amax = y > amax ? y : amax;
+    }
+    *nan = bad;
+    return amax;
+}
+
+/* c = (x - mean) * f * inv rounded to nearest-even, each product rounded
+ * to float in that order; every |result| <= 127, so narrowing is exact. */
+static void FA_NAME(int8_row_codes)(fa_idx n, const float *x, const float *mean, float f,
+                                    float inv, int8_t *c)
+{
+    fa_idx e = 0;
+#if defined(__AVX512F__)
+    const __m512 fv = _mm512_set1_ps(f), iv = _mm512_set1_ps(inv);
+    for (; e + 16 <= n; e += 16) {
+        __m512 y = _mm512_loadu_ps(x + e);
+        if (mean != NULL) y = _mm512_sub_ps(y, _mm512_loadu_ps(mean + e));
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(y, fv), iv));
+        _mm_storeu_si128((__m128i *)(c + e), _mm512_cvtepi32_epi8(q));
+    }
+#elif defined(__AVX2__)
+    const __m256 fv = _mm256_set1_ps(f), iv = _mm256_set1_ps(inv);
+    for (; e + 8 <= n; e += 8) {
+        __m256 y = _mm256_loadu_ps(x + e);
+        if (mean != NULL) y = _mm256_sub_ps(y, _mm256_loadu_ps(mean + e));
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(y, fv), iv));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(c + e), _mm_packs_epi16(w, w));
+    }
+#endif
+    for (; e < n; ++e) c[e] = (int8_t)rintf((mean != NULL ? x[e] - mean[e] : x[e]) * f * inv);
+}
+
+/* fa_int8_rows (fastattn.h), one path's: the row's largest |x - mean|,
+ * then its codes from x - mean again (the same floats) */
+void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean, int8_t *codes,
+                        float *scales, fa_idx *spoilt)
+{
     for (fa_idx r = 0; r < rows; ++r) {
         const float *xr = x + r * n;
         int8_t *cr = codes + r * n;
-        int nan = 0;
-        for (fa_idx e = 0; e < n; ++e) {
-            const float y = mean != NULL ? xr[e] - mean[e] : xr[e];
-            buf[e] = y;
-            mag[e] = fabsf(y);
-            nan |= y != y;
-        }
-        const float amax = n > 0 ? FA_NAME(max)(n, mag) : 0; /* NaN ignored: flagged above */
+        int nan;
+        const float amax = FA_NAME(int8_row_max)(n, xr, mean, &nan);
         const int bad = nan || !(amax <= FLT_MAX);
         if (bad || amax == 0) { /* a NaN scale, or a row of zeros: codes 0 */
             for (fa_idx e = 0; e < n; ++e) cr[e] = 0;
         } else { /* |y| <= amax: no code past 127; a row too small for 127 / amax
                   * scaled by 2^64 first (exactly: a power of two) */
             const float f = amax < 127.0f / FLT_MAX ? 18446744073709551616.0f : 1;
-            const float inv = 127.0f / (amax * f);
-            for (fa_idx e = 0; e < n; ++e) cr[e] = (int8_t)rintf(buf[e] * f * inv);
+            FA_NAME(int8_row_codes)(n, xr, mean, f, 127.0f / (amax * f), cr);
         }
         scales[r] = bad ? (float)NAN : amax / 127.0f;
         if (bad) { /* spoilt by the mean: x finite throughout */

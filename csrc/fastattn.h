@@ -345,11 +345,11 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
  * the row's y = x - mean, codes = y * (127 / m) rounded to nearest-even
  * (0 for a row of zeros; y and m times 2^64 first where 127 / m would
  * overflow); a row whose y holds a NaN or an
- * inf gets scale NaN and codes 0.  buf: 2 n floats of scratch.  Returns how
+ * inf gets scale NaN and codes 0.  Returns how
  * many rows had a finite x but a non-finite y (the mean pushed them past
  * float's range), or -1 when rows or n is negative. */
 fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
-                      float *buf, int8_t *codes, float *scales);
+                      int8_t *codes, float *scales);
 
 /* ---- The exp used by softmax (error bound: fa_prim_exp_consts.h) ------------ */
 

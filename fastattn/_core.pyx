@@ -157,7 +157,7 @@ cdef extern from "fastattn.h" nogil:
                            fa_idx psum_s)
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
-                          float *buf, int8_t *codes, float *scales)
+                          int8_t *codes, float *scales)
     int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x,
                   fa_idx xs, const void *c, const void *s, void *y, fa_idx ys)
     int fa_exp(fa_isa isa, int elsize, fa_idx n, const void *x, void *y, int mode)
@@ -1582,10 +1582,7 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
     cdef const float *mp = NULL
     cdef int8_t *dst = <int8_t *>cnp.PyArray_DATA(codes)
     cdef float *sp = <float *>cnp.PyArray_DATA(scales)
-    cdef float *buf
     cdef fa_idx lo, hi, row, got
-    cdef int err = 0
-    cdef int *errp = &err
     if x.dtype.char != "f" or codes.dtype.char != "b" or scales.dtype.char != "f":
         raise ValueError("int8_rows: x float32, codes int8, scales float32")
     if not (x.flags.c_contiguous and codes.flags.c_contiguous and scales.flags.c_contiguous and
@@ -1601,23 +1598,16 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
         return 0
     with nogil:
         for c in prange(nchunks, schedule="static", num_threads=min(nthreads, nchunks)):
-            buf = <float *>malloc(sizeof(float) * max(2 * n, 1))
-            if buf == NULL:
-                errp[0] = 1
-            else:
-                lo = c * chunk
-                hi = min(lo + chunk, R * S)
-                row = lo
-                while row < hi:  # runs of rows of one (batch, head): one mean
-                    r = min(hi, (row // S + 1) * S)
-                    got = fa_int8_rows(<fa_isa>isa, r - row, n, src + row * n,
-                                         mp + (row // S) * n if mp != NULL else NULL, buf,
-                                         dst + row * n, sp + row)
-                    spoilt += got
-                    row = r
-                free(buf)
-    if err:
-        raise MemoryError("int8_rows: no memory for a row of scratch")
+            lo = c * chunk
+            hi = min(lo + chunk, R * S)
+            row = lo
+            while row < hi:  # runs of rows of one (batch, head): one mean
+                r = min(hi, (row // S + 1) * S)
+                got = fa_int8_rows(<fa_isa>isa, r - row, n, src + row * n,
+                                     mp + (row // S) * n if mp != NULL else NULL,
+                                     dst + row * n, sp + row)
+                spoilt += got
+                row = r
     return spoilt
 
 
