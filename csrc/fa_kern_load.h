@@ -321,48 +321,6 @@ static FA_NAME(tile) FA_NAME(value_tile)(const fa_attn_args *a, const void *v, f
 }
 
 #if FA_IS_F32
-/* max |x - mean| over a row of n (mean NULL: none), NaN ignored; *nan
- * set where x - mean holds a NaN.  In vectors on x86: the maximum is
- * exact in any order. */
-static float FA_NAME(int8_row_max)(fa_idx n, const float *x, const float *mean, int *nan)
-{
-    float amax = 0;
-    int bad = 0;
-    fa_idx e = 0;
-#if defined(__AVX512F__)
-    __m512 mv = _mm512_setzero_ps();
-    __mmask16 un = 0;
-    for (; e + 16 <= n; e += 16) {
-        __m512 y = _mm512_loadu_ps(x + e);
-        if (mean != NULL) y = _mm512_sub_ps(y, _mm512_loadu_ps(mean + e));
-        un |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-        mv = _mm512_max_ps(_mm512_abs_ps(y), mv); /* a NaN lane: mv kept */
-    }
-    amax = _mm512_reduce_max_ps(mv);
-    bad = un != 0;
-#elif defined(__AVX2__)
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 mv = _mm256_setzero_ps(), un = _mm256_setzero_ps();
-    for (; e + 8 <= n; e += 8) {
-        __m256 y = _mm256_loadu_ps(x + e);
-        if (mean != NULL) y = _mm256_sub_ps(y, _mm256_loadu_ps(mean + e));
-        un = _mm256_or_ps(un, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
-        mv = _mm256_max_ps(_mm256_andnot_ps(sign, y), mv); /* a NaN lane: mv kept */
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, mv);
-    for (int t = 0; t < 8; ++t) amax = lanes[t] > amax ? lanes[t] : amax;
-    bad = _mm256_movemask_ps(un) != 0;
-#endif
-    for (; e < n; ++e) {
-        const float y = fabsf(mean != NULL ? x[e] - mean[e] : x[e]);
-        bad |= y != y;
-        amax = y > amax ? y : amax;
-    }
-    *nan = bad;
-    return amax;
-}
-
 /* c = (x - mean) * f * inv rounded to nearest-even, each product rounded
  * to float in that order; every |result| <= 127, so narrowing is exact. */
 static void FA_NAME(int8_row_codes)(fa_idx n, const float *x, const float *mean, float f,
@@ -399,7 +357,7 @@ void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean
         const float *xr = x + r * n;
         int8_t *cr = codes + r * n;
         int nan;
-        const float amax = FA_NAME(int8_row_max)(n, xr, mean, &nan);
+        const float amax = fa_absmax_f32(n, xr, mean, &nan);
         const int bad = nan || !(amax <= FLT_MAX);
         if (bad || amax == 0) { /* a NaN scale, or a row of zeros: codes 0 */
             for (fa_idx e = 0; e < n; ++e) cr[e] = 0;
