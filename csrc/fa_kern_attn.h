@@ -482,8 +482,15 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
     }
     for (fa_idx e = 0; i8 == NULL && e < E; ++e) /* padding columns */
         for (fa_idx j = nc; j < ld; ++j) qp[e * ld + j] = 0;
-    for (fa_idx j = 0; i8 == NULL && j < ld; ++j)
-        shift[j] = a->k_mean != NULL ? FA_NAME(mean_shift)(a, qp + j, ld, qscale) : 0;
+    for (fa_idx j = 0, n; i8 == NULL && j < ld; j += n) { /* eight columns at a time */
+        n = ld - j < 8 ? ld - j : 8;
+        if (a->k_mean == NULL)
+            for (fa_idx t = 0; t < n; ++t) shift[j + t] = 0;
+        else if (n == 8)
+            FA_NAME(mean_shifts)(a, 8, qp + j, 1, ld, qscale, shift + j);
+        else
+            FA_NAME(mean_shifts)(a, n, qp + j, 1, ld, qscale, shift + j);
+    }
     for (fa_idx j = 0; j < ld; ++j) {
         FA_NAME(sink_start)(a, j % G, m + j, l + j);
         ms[j] = m[j] == ninf ? 0 : m[j];

@@ -27,7 +27,7 @@ static FA_ALWAYS_INLINE int FA_NAME(int8_block)(const fa_attn_args *a)
 typedef struct {
     int8_t *q8;     /* FA_I8_E4 x FA_QB quads: the query block's codes, a column per query */
     float *qd;      /* FA_QB: their scales */
-    float *qrow;    /* E: a query row, converted */
+    float *qrow;    /* 8 x E: query rows, converted */
     int8_t *qcodes; /* 4 FA_I8_E4: its codes, zero padded */
     int32_t *ksum;  /* FA_KB: each key row's sum of codes */
     int8_t *kpanel; /* FA_KB x 4 FA_I8_E4: key rows copied, padded to quads */
@@ -46,7 +46,7 @@ static size_t FA_NAME(iblock_work)(const fa_attn_args *a)
 {
     if (!FA_NAME(int8_block)(a)) return 0;
     const size_t e4 = (size_t)FA_I8_E4(a), qb = (size_t)FA_QB, kb = (size_t)FA_KB;
-    return FA_I8_PAD(4 * e4 * qb) + FA_I8_PAD(4 * qb) + FA_I8_PAD(4 * (size_t)a->E) +
+    return FA_I8_PAD(4 * e4 * qb) + FA_I8_PAD(4 * qb) + FA_I8_PAD(4 * 8 * (size_t)a->E) +
            FA_I8_PAD(4 * e4) + FA_I8_PAD(4 * kb) + FA_I8_PAD(kb * 4 * e4) +
            FA_I8_PAD(kb * (size_t)a->Ev) + FA_I8_PAD((size_t)FA_WGROUP * qb) +
            2 * FA_I8_PAD(4 * qb) + 2 * FA_I8_PAD(4 * kb);
@@ -59,7 +59,7 @@ static FA_NAME(iscratch) FA_NAME(iblock_carve)(const fa_attn_args *a, void *work
     char *p = (char *)work;
     s.q8 = (int8_t *)p, p += FA_I8_PAD(4 * e4 * qb);
     s.qd = (float *)p, p += FA_I8_PAD(4 * qb);
-    s.qrow = (float *)p, p += FA_I8_PAD(4 * (size_t)a->E);
+    s.qrow = (float *)p, p += FA_I8_PAD(4 * 8 * (size_t)a->E);
     s.qcodes = (int8_t *)p, p += FA_I8_PAD(4 * e4);
     s.ksum = (int32_t *)p, p += FA_I8_PAD(4 * kb);
     s.kpanel = (int8_t *)p, p += FA_I8_PAD(kb * 4 * e4);
@@ -95,14 +95,22 @@ static void FA_NAME(int8_queries)(const fa_attn_args *a, const FA_NAME(iscratch)
     memset(s->q8, 0, (size_t)(4 * E4 * ld));
     for (fa_idx j = 0; j < ld; ++j) s->qd[j] = shift[j] = 0;
     for (fa_idx e = E; e < 4 * E4; ++e) s->qcodes[e] = 0; /* past E: never written */
-    for (fa_idx j = 0; j < nc; ++j) {
-        int32_t offset; /* Q4 keys' offset: not used */
-        FA_NAME(load_row)(a->q_store, E,
-                          FA_NAME(st_at)(a->q_store, q, j % G * a->q_hs + (i0 + j / G) * a->q_ls),
-                          a->q_es, s->qrow);
-        fa_quantise_i8(E, s->qrow, E, 1, s->qcodes, s->qd + j, &offset);
-        if (a->k_mean != NULL) shift[j] = FA_NAME(mean_shift)(a, s->qrow, 1, 1);
-        for (fa_idx t = 0; t < E4; ++t) memcpy(s->q8 + 4 * (t * ld + j), s->qcodes + 4 * t, 4);
+    for (fa_idx j0 = 0; j0 < nc; j0 += 8) { /* eight rows at a time: their shifts together */
+        const fa_idx n = nc - j0 < 8 ? nc - j0 : 8;
+        for (fa_idx r = 0; r < n; ++r) {
+            const fa_idx j = j0 + r;
+            int32_t offset; /* Q4 keys' offset: not used */
+            float *row = s->qrow + r * E;
+            FA_NAME(load_row)(a->q_store, E,
+                              FA_NAME(st_at)(a->q_store, q, j % G * a->q_hs + (i0 + j / G) * a->q_ls),
+                              a->q_es, row);
+            fa_quantise_i8(E, row, E, 1, s->qcodes, s->qd + j, &offset);
+            for (fa_idx t = 0; t < E4; ++t) memcpy(s->q8 + 4 * (t * ld + j), s->qcodes + 4 * t, 4);
+        }
+        if (a->k_mean != NULL && n == 8)
+            FA_NAME(mean_shifts)(a, 8, s->qrow, E, 1, 1, shift + j0);
+        else if (a->k_mean != NULL)
+            FA_NAME(mean_shifts)(a, n, s->qrow, E, 1, 1, shift + j0);
     }
 }
 

@@ -59,20 +59,38 @@ static void FA_NAME(key_range)(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_i
     *end = hi < *begin ? *begin : hi > a->S ? a->S : hi;
 }
 
-/* Step 1's term of the key mean for the query row q (stride qs, times
- * unscale, a power of two): summed in double, whose products of floats are
- * exact, in four interleaved parts added in a fixed order, so that both
- * kernels and every path get its bits. */
-static T FA_NAME(mean_shift)(const fa_attn_args *a, const T *q, fa_idx qs, T unscale)
+/* Step 1's term of the key mean for nr <= 8 query rows q + r ldq (their
+ * elements qs apart, times unscale, a power of two), into out[r]: each
+ * summed in double, whose products of floats are exact, in four
+ * interleaved parts added in a fixed order, so that both kernels and every
+ * path get its bits.  Inlined with nr = 8, eight rows' chains of additions
+ * run side by side (one row's are E / 4 additions long). */
+static FA_ALWAYS_INLINE void FA_NAME(mean_shifts)(const fa_attn_args *a, const fa_idx nr,
+                                                  const T *q, fa_idx ldq, fa_idx qs, T unscale,
+                                                  T *out)
 {
     const T *m = (const T *)a->k_mean;
-    double part[4] = {0, 0, 0, 0};
+    double part[8][4];
+    for (fa_idx r = 0; r < nr; ++r)
+        for (int t = 0; t < 4; ++t) part[r][t] = 0;
     fa_idx e = 0;
     for (; e + 4 <= a->E; e += 4)
-        for (int t = 0; t < 4; ++t) part[t] += (double)q[(e + t) * qs] * (double)m[e + t];
-    for (; e < a->E; ++e) part[0] += (double)q[e * qs] * (double)m[e];
-    const double d = (part[0] + part[1]) + (part[2] + part[3]);
-    return (T)a->scale * (T)(d / (double)unscale);
+        for (fa_idx r = 0; r < nr; ++r)
+            for (int t = 0; t < 4; ++t)
+                part[r][t] += (double)q[r * ldq + (e + t) * qs] * (double)m[e + t];
+    for (fa_idx r = 0; r < nr; ++r) {
+        for (fa_idx x = e; x < a->E; ++x) part[r][0] += (double)q[r * ldq + x * qs] * (double)m[x];
+        const double d = (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+        out[r] = (T)a->scale * (T)(d / (double)unscale);
+    }
+}
+
+/* mean_shifts of one row */
+static T FA_NAME(mean_shift)(const fa_attn_args *a, const T *q, fa_idx qs, T unscale)
+{
+    T out;
+    FA_NAME(mean_shifts)(a, 1, q, 0, qs, unscale, &out);
+    return out;
 }
 
 /* Step 2 on n contiguous scores. */
