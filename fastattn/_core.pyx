@@ -1576,13 +1576,17 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
     int8 per row (fa_int8_rows), into codes (int8, x's shape) and scales
     (float32, (R, S)), both C-contiguous.  Returns how many rows the mean
     pushed past float32's range."""
-    cdef fa_idx R = x.shape[0], S = x.shape[1], n = x.shape[2], r, c, spoilt = 0
-    cdef fa_idx chunk = max(1, 16384 // max(n, 1)), nchunks = (R * S + chunk - 1) // chunk
+    cdef fa_idx R, S, n, r, c, spoilt = 0, chunk, nchunks
     cdef const float *src = <const float *>cnp.PyArray_DATA(x)
     cdef const float *mp = NULL
     cdef int8_t *dst = <int8_t *>cnp.PyArray_DATA(codes)
     cdef float *sp = <float *>cnp.PyArray_DATA(scales)
     cdef fa_idx lo, hi, row, got
+    if x.ndim != 3:
+        raise ValueError(f"int8_rows: x of 3 dimensions (R, S, n), got {x.ndim}")
+    R, S, n = x.shape[0], x.shape[1], x.shape[2]
+    chunk = max(1, 16384 // max(n, 1))
+    nchunks = (R * S + chunk - 1) // chunk
     if x.dtype.char != "f" or codes.dtype.char != "b" or scales.dtype.char != "f":
         raise ValueError("int8_rows: x float32, codes int8, scales float32")
     if not (x.flags.c_contiguous and codes.flags.c_contiguous and scales.flags.c_contiguous and
@@ -1597,7 +1601,7 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
     if nchunks == 0:
         return 0
     with nogil:
-        for c in prange(nchunks, schedule="static", num_threads=min(nthreads, nchunks)):
+        for c in prange(nchunks, schedule="static", num_threads=max(1, min(nthreads, nchunks))):
             lo = c * chunk
             hi = min(lo + chunk, R * S)
             row = lo
@@ -1616,11 +1620,14 @@ def col_sums(cnp.ndarray x not None, cnp.ndarray out not None, int nthreads):
     (R, S, n); out float64, C-contiguous (R, n)), each in float64 with s in
     order: numpy's order for x.sum(axis=1, dtype=np.float64), on the
     kernels' threads, an (r) each (the int8 mode's key mean)."""
-    cdef fa_idx R = x.shape[0], S = x.shape[1], n = x.shape[2], r, s, c
+    cdef fa_idx R, S, n, r, s, c
     cdef const float *src = <const float *>cnp.PyArray_DATA(x)
     cdef double *dst = <double *>cnp.PyArray_DATA(out)
     cdef const float *xr
     cdef double *o
+    if x.ndim != 3:
+        raise ValueError(f"col_sums: x of 3 dimensions (R, S, n), got {x.ndim}")
+    R, S, n = x.shape[0], x.shape[1], x.shape[2]
     if x.dtype.char != "f" or out.dtype.char != "d":
         raise ValueError("col_sums: x float32, out float64")
     if not (x.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable and

@@ -306,8 +306,11 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int,
 
 def _col_sums(x: NDArray[np.float32], nthreads: int) -> NDArray[np.float64]:
     """x.sum(axis=-2, dtype=np.float64) of a contiguous x, the same sums
-    (each in order along the positions) from _core.col_sums."""
+    (each in order along the positions) from _core.col_sums; numpy's own
+    for one feature, which it sums pairwise (its axis then contiguous)."""
     S, n = x.shape[-2], x.shape[-1]
+    if n == 1:
+        return x.sum(axis=-2, dtype=np.float64)
     R = x.size // (S * n) if S * n > 0 else 0
     out = np.zeros(x.shape[:-2] + (n,), np.float64)
     if R > 0:
@@ -316,9 +319,12 @@ def _col_sums(x: NDArray[np.float32], nthreads: int) -> NDArray[np.float64]:
 
 
 def _distinct(x: NDArray[Any]) -> NDArray[Any]:
-    """x without the repeats of its broadcast axes (stride 0): index 0 there."""
-    return x[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
-                   for st, n in zip(x.strides, x.shape))]
+    """x without the repeats of its broadcast axes (stride 0) but its last,
+    the features, which the kernels read whole (the key mean too): index 0
+    there."""
+    last = x.ndim - 1
+    return x[tuple(slice(0, 1) if st == 0 and n > 1 and a < last else slice(None)
+                   for a, (st, n) in enumerate(zip(x.strides, x.shape)))]
 
 
 def int8_packed_operands(key: NDArray[Any], value: NDArray[Any], cu_seqlens_k: NDArray[np.int64],

@@ -230,15 +230,42 @@ def test_key_sums_are_numpys_bit_for_bit(rng, nthreads):
     """The key mean's float64 sums (_core.col_sums, on the kernels' threads)
     equal numpy's x.sum(axis=-2, dtype=float64) bit for bit, whatever the
     shape and magnitude, so that the mean is the twin's."""
-    for _ in range(60):
+    for i in range(80):
         shape = tuple(rng.integers(1, 4, size=rng.integers(0, 3)).tolist()) + (
-            int(rng.integers(0, 700)), int(rng.integers(0, 200)))
-        scale = np.float32(10.0 ** rng.integers(-38, 38))
+            int(rng.integers(0, 700)), 1 if i % 4 == 0 else int(rng.integers(0, 200)))
+        # magnitudes mixed within a column, so that the order of the sums shows
+        scale = (10.0 ** rng.integers(-30, 30, size=shape)).astype(np.float32)
         x = (rng.standard_normal(shape) * scale).astype(np.float32)
         got = fastattn._storage._col_sums(x, nthreads)
         want = x.sum(axis=-2, dtype=np.float64)
         assert got.shape == want.shape
         np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
+
+
+def test_rounding_refuses_arrays_of_other_dimensions():
+    """The rounding's and the key sums' C loops take (R, S, n) arrays only:
+    any other shape is a ValueError, never a read past the array."""
+    x = np.ones((4, 8), np.float32)
+    with pytest.raises(ValueError, match="3 dimensions"):
+        fastattn._core.col_sums(x, np.zeros(128), 1)
+    with pytest.raises(ValueError, match="3 dimensions"):
+        fastattn._core.int8_rows(0, x, None, np.zeros(32, np.int8), np.zeros(32, np.float32), 1)
+    with pytest.raises(ValueError, match="3 dimensions"):
+        fastattn._core.col_sums(np.ones((), np.float32), np.zeros(1), 1)
+
+
+@pytest.mark.parametrize("S", [0, 50])
+def test_keys_broadcast_along_their_features(rng, S):
+    """A key broadcast along its features (stride 0), or with no positions
+    at all, gives what its contiguous copy gives: the key mean is read
+    whole (it was a single float, read as E of them)."""
+    q = rng.standard_normal((1, 2, 3, 64), dtype=np.float32)
+    k = np.broadcast_to((rng.standard_normal((1, 2, S, 1)) + 3).astype(np.float32), (1, 2, S, 64))
+    v = rng.standard_normal((1, 2, S, 8), dtype=np.float32)
+    got = fastattn.scaled_dot_product_attention(q, k, v, precision="int8")
+    want = fastattn.scaled_dot_product_attention(q, np.ascontiguousarray(k), v, precision="int8")
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got).all()
 
 
 @pytest.mark.parametrize("L", [1, 3, 4, 5, 70])
