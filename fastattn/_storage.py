@@ -310,7 +310,8 @@ def _col_sums(x: NDArray[np.float32], nthreads: int) -> NDArray[np.float64]:
     for one feature, which it sums pairwise (its axis then contiguous)."""
     S, n = x.shape[-2], x.shape[-1]
     if n == 1:
-        return x.sum(axis=-2, dtype=np.float64)
+        sums: NDArray[np.float64] = x.sum(axis=-2, dtype=np.float64)
+        return sums
     R = x.size // (S * n) if S * n > 0 else 0
     out = np.zeros(x.shape[:-2] + (n,), np.float64)
     if R > 0:
