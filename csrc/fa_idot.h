@@ -400,6 +400,18 @@ static inline int fa_idot_cpu(void)
 #endif
 }
 
+/* Whether fa_itile's instance dot reads asum: only vpdpbusd's, whose
+ * unsigned operand is B with its sign bit flipped (the sign trick and sdot
+ * need no correction). */
+static inline int fa_itile_reads_sums(int dot)
+{
+#if FA_IDOT_DOT && !FA_HAVE_NEON
+    return dot;
+#else
+    return (void)dot, 0;
+#endif
+}
+
 /* s[r] = qd * (float)(q . k_r) for nr rows of n int8 codes, k_r = k + r * rb
  * (n <= FA_IDOT_MAX_E). */
 static inline void fa_idot_i8(int dot, fa_idx nr, fa_idx n, const int8_t *q, float qd,
@@ -437,9 +449,9 @@ static inline void fa_igemv_i8(int dot, fa_idx n, const uint8_t *w, const int8_t
  * put as o says (fa_itile_finish): a's rows as int8 codes in quads of one row
  * (a key row, or four keys' codes of one value column), B's columns
  * (queries) in quads of one column.  sb: B holds int8 codes, and asum[r] is
- * the sum of row r's codes (the unsigned-by-signed instructions take B's
- * sign bit flipped, 128 asum[r] too much); else B holds weights of 0..127
- * and asum is not read. */
+ * the sum of row r's codes where fa_itile_reads_sums(dot) (vpdpbusd takes
+ * B's sign bit flipped, 128 asum[r] too much); else B holds weights of
+ * 0..127 and asum is not read. */
 static inline void fa_itile(int dot, fa_idx m, fa_idx nc, fa_idx n4, const int8_t *a, fa_idx rs,
                             fa_idx cs, const int8_t *b, fa_idx ldb, int sb, const int32_t *asum,
                             const fa_itile_out *o)

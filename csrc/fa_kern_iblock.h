@@ -139,7 +139,7 @@ static void FA_NAME(int8_logits)(const fa_attn_args *a, const FA_NAME(iscratch) 
         kr = s->kpanel;
         rs = 4 * E4;
     }
-    for (fa_idx r = 0; r < nk; ++r) {
+    for (fa_idx r = 0; fa_itile_reads_sums(s->dot) && r < nk; ++r) { /* VNNI's correction */
         int32_t sum = 0;
         for (fa_idx e = 0; e < E; ++e) sum += kr[r * rs + e];
         s->ksum[r] = sum;
