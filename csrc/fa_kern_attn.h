@@ -486,8 +486,6 @@ static void FA_NAME(attn_block)(const fa_attn_args *a, const void *q, const void
         n = ld - j < 8 ? ld - j : 8;
         if (a->k_mean == NULL)
             for (fa_idx t = 0; t < n; ++t) shift[j + t] = 0;
-        else if (n == 8)
-            FA_NAME(mean_shifts)(a, 8, qp + j, 1, ld, qscale, shift + j);
         else
             FA_NAME(mean_shifts)(a, n, qp + j, 1, ld, qscale, shift + j);
     }

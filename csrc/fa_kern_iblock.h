@@ -107,10 +107,7 @@ static void FA_NAME(int8_queries)(const fa_attn_args *a, const FA_NAME(iscratch)
             fa_quantise_i8(E, row, E, 1, s->qcodes, s->qd + j, &offset);
             for (fa_idx t = 0; t < E4; ++t) memcpy(s->q8 + 4 * (t * ld + j), s->qcodes + 4 * t, 4);
         }
-        if (a->k_mean != NULL && n == 8)
-            FA_NAME(mean_shifts)(a, 8, s->qrow, E, 1, 1, shift + j0);
-        else if (a->k_mean != NULL)
-            FA_NAME(mean_shifts)(a, n, s->qrow, E, 1, 1, shift + j0);
+        if (a->k_mean != NULL) FA_NAME(mean_shifts)(a, n, s->qrow, E, 1, 1, shift + j0);
     }
 }
 
@@ -139,11 +136,12 @@ static void FA_NAME(int8_logits)(const fa_attn_args *a, const FA_NAME(iscratch) 
         kr = s->kpanel;
         rs = 4 * E4;
     }
-    for (fa_idx r = 0; fa_itile_reads_sums(s->dot) && r < nk; ++r) { /* VNNI's correction */
-        int32_t sum = 0;
-        for (fa_idx e = 0; e < E; ++e) sum += kr[r * rs + e];
-        s->ksum[r] = sum;
-    }
+    if (fa_itile_reads_sums(s->dot)) /* VNNI's sign correction */
+        for (fa_idx r = 0; r < nk; ++r) {
+            int32_t sum = 0;
+            for (fa_idx e = 0; e < E; ++e) sum += kr[r * rs + e];
+            s->ksum[r] = sum;
+        }
     for (fa_idx r = 0; r < nk; ++r) s->kd[r] = fa_key_scale(a, s0 + r);
     const fa_itile_out o = {FA_ITILE_SCORES, ld, st, s->kd, s->qd, shift, bm, (float)a->scale};
     fa_itile(s->dot, nk, ld, E4, kr, rs, 4, s->q8, ld, 1, s->ksum, &o);

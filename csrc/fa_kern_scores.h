@@ -63,11 +63,11 @@ static void FA_NAME(key_range)(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_i
  * elements qs apart, times unscale, a power of two), into out[r]: each
  * summed in double, whose products of floats are exact, in four
  * interleaved parts added in a fixed order, so that both kernels and every
- * path get its bits.  Inlined with nr = 8, eight rows' chains of additions
- * run side by side (one row's are E / 4 additions long). */
-static FA_ALWAYS_INLINE void FA_NAME(mean_shifts)(const fa_attn_args *a, const fa_idx nr,
-                                                  const T *q, fa_idx ldq, fa_idx qs, T unscale,
-                                                  T *out)
+ * path get its bits.  Inlined with nr = 8 (mean_shifts), eight rows'
+ * chains of additions run side by side (one row's are E / 4 long). */
+static FA_ALWAYS_INLINE void FA_NAME(mean_shifts_n)(const fa_attn_args *a, const fa_idx nr,
+                                                    const T *q, fa_idx ldq, fa_idx qs, T unscale,
+                                                    T *out)
 {
     const T *m = (const T *)a->k_mean;
     double part[8][4];
@@ -85,11 +85,21 @@ static FA_ALWAYS_INLINE void FA_NAME(mean_shifts)(const fa_attn_args *a, const f
     }
 }
 
+/* mean_shifts_n, its accumulators in registers for a whole eight rows */
+static void FA_NAME(mean_shifts)(const fa_attn_args *a, fa_idx nr, const T *q, fa_idx ldq,
+                                 fa_idx qs, T unscale, T *out)
+{
+    if (nr == 8)
+        FA_NAME(mean_shifts_n)(a, 8, q, ldq, qs, unscale, out);
+    else
+        FA_NAME(mean_shifts_n)(a, nr, q, ldq, qs, unscale, out);
+}
+
 /* mean_shifts of one row */
 static T FA_NAME(mean_shift)(const fa_attn_args *a, const T *q, fa_idx qs, T unscale)
 {
     T out;
-    FA_NAME(mean_shifts)(a, 1, q, 0, qs, unscale, &out);
+    FA_NAME(mean_shifts_n)(a, 1, q, 0, qs, unscale, &out);
     return out;
 }
 
