@@ -223,9 +223,8 @@ static float fa_absmax_f32(fa_idx n, const float *x, const float *mean, int *nan
  * codes, fa_idot_q4).  A group holding a NaN gets qd NaN, one holding an
  * inf qd inf, and both codes 0, so that its scores come out NaN as the
  * exact ones would; a group of zeros qd 0.  In vectors on x86 (the same
- * quotients, rounded as rintf rounds them): one division a feature, which
- * one at a time took a fifth of the block kernel's int8 work on
- * encoder-512. */
+ * quotients, rounded as rintf rounds them): the block kernel rounds every
+ * query block so, and a division a feature one at a time dominated it. */
 static void fa_quantise_i8(fa_idx n, const float *x, fa_idx g, fa_idx ng, int8_t *q8, float *qd,
                            int32_t *qb)
 {

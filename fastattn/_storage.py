@@ -277,8 +277,8 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int,
         axes = tuple(a for a in range(k.ndim - 1) if k.shape[a] == 1 and seen.shape[a] > 1)
         seen = np.any(seen, axis=axes, keepdims=True) if axes else seen
     # summed in float64, so that the order of the sums (varlen_attention's
-    # differs) leaves the same float32 mean; in C on the kernels' threads
-    # (numpy's order, a third of bert-base's int8-mode call in numpy)
+    # differs) leaves the same float32 mean; in C on the kernels' threads,
+    # in numpy's order (numpy's own took much of a short call's time)
     sums = _col_sums(k, nthreads) if seen is None else None
     if sums is not None and np.isfinite(sums).all():
         mean = (sums / max(k.shape[-2], 1)).astype(np.float32)
