@@ -467,6 +467,13 @@ fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const flo
     return spoilt;
 }
 
+int fa_col_sums(fa_isa isa, fa_idx rows, fa_idx n, const float *x, double *sums)
+{
+    if (rows < 0 || n < 0) return -1;
+    FA_DISPATCH(isa, col_sums, f32, (rows, n, x, sums));
+    return 0;
+}
+
 int fa_exp(fa_isa isa, int elsize, fa_idx n, const void *x, void *y, int mode)
 {
     if (!elsize_ok(elsize) || n < 0) return -1;

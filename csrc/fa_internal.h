@@ -97,7 +97,8 @@
     void FA_CAT4(fa, narrow, f32, ISA)(fa_store st, fa_idx n, const float *x, void *y); \
     void FA_CAT4(fa, int8_rows, f32, ISA)(fa_idx rows, fa_idx n, const float *x,          \
                                             const float *mean, int8_t *codes, float *scales, \
-                                            fa_idx *spoilt);
+                                            fa_idx *spoilt);                              \
+    void FA_CAT4(fa, col_sums, f32, ISA)(fa_idx rows, fa_idx n, const float *x, double *sums);
 
 FA_DECLARE_NARROW(portable)
 #if FA_HAVE_X86_SIMD

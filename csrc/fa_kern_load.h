@@ -375,6 +375,25 @@ void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean
     }
 }
 
+/* fa_col_sums (fastattn.h), one path's: FA_COL_SUMS columns at a time in
+ * registers, each column's sum in order along the rows (numpy's order), the
+ * path's vectors running across the columns. */
+#define FA_COL_SUMS 32
+void FA_NAME(col_sums)(fa_idx rows, fa_idx n, const float *x, double *sums)
+{
+    for (fa_idx c0 = 0; c0 < n; c0 += FA_COL_SUMS) {
+        const fa_idx nc = n - c0 < FA_COL_SUMS ? n - c0 : FA_COL_SUMS;
+        double acc[FA_COL_SUMS] = {0};
+        if (nc == FA_COL_SUMS)
+            for (fa_idx s = 0; s < rows; ++s)
+                for (fa_idx c = 0; c < FA_COL_SUMS; ++c) acc[c] += x[s * n + c0 + c];
+        else
+            for (fa_idx s = 0; s < rows; ++s)
+                for (fa_idx c = 0; c < nc; ++c) acc[c] += x[s * n + c0 + c];
+        for (fa_idx c = 0; c < nc; ++c) sums[c0 + c] = acc[c];
+    }
+}
+
 /* The other way, for outputs: y[0..n) = x[0..n) rounded to nearest-even F16
  * or BF16 (contiguous). */
 void FA_NAME(narrow)(fa_store st, fa_idx n, const float *x, void *y)

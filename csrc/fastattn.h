@@ -351,6 +351,12 @@ int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y);
 fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
                       int8_t *codes, float *scales);
 
+/* sums[c] = the sum over r of x[r * n + c] (`rows` contiguous rows of n
+ * floats) in double, r in order, as numpy's x.sum(axis=0, dtype=float64)
+ * sums them (n > 1): the int8 mode's key mean.  -1 when rows or n is
+ * negative, else 0. */
+int fa_col_sums(fa_isa isa, fa_idx rows, fa_idx n, const float *x, double *sums);
+
 /* ---- The exp used by softmax (error bound: fa_prim_exp_consts.h) ------------ */
 
 /* y = exp(x) for n elements.  mode 0: the general exp; 1: the softmax's,

@@ -158,6 +158,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_narrow_f32(fa_isa isa, fa_store st, fa_idx n, const float *x, void *y)
     fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const float *mean,
                           int8_t *codes, float *scales)
+    int fa_col_sums(fa_isa isa, fa_idx rows, fa_idx n, const float *x, double *sums)
     int fa_rotary(int elsize, fa_idx n, fa_idx half, int interleaved, const void *x,
                   fa_idx xs, const void *c, const void *s, void *y, fa_idx ys)
     int fa_exp(fa_isa isa, int elsize, fa_idx n, const void *x, void *y, int mode)
@@ -1615,16 +1616,14 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
     return spoilt
 
 
-def col_sums(cnp.ndarray x not None, cnp.ndarray out not None, int nthreads):
+def col_sums(int isa, cnp.ndarray x not None, cnp.ndarray out not None, int nthreads):
     """out[r, c] = the sum over s of x[r, s, c] (x float32, C-contiguous
     (R, S, n); out float64, C-contiguous (R, n)), each in float64 with s in
-    order: numpy's order for x.sum(axis=1, dtype=np.float64), on the
-    kernels' threads, an (r) each (the int8 mode's key mean)."""
-    cdef fa_idx R, S, n, r, s, c
+    order: numpy's order for x.sum(axis=1, dtype=np.float64) (fa_col_sums),
+    on the kernels' threads, an (r) each (the int8 mode's key mean)."""
+    cdef fa_idx R, S, n, r
     cdef const float *src = <const float *>cnp.PyArray_DATA(x)
     cdef double *dst = <double *>cnp.PyArray_DATA(out)
-    cdef const float *xr
-    cdef double *o
     if x.ndim != 3:
         raise ValueError(f"col_sums: x of 3 dimensions (R, S, n), got {x.ndim}")
     R, S, n = x.shape[0], x.shape[1], x.shape[2]
@@ -1637,13 +1636,7 @@ def col_sums(cnp.ndarray x not None, cnp.ndarray out not None, int nthreads):
         return
     with nogil:
         for r in prange(R, schedule="static", num_threads=max(1, min(nthreads, R))):
-            o = dst + r * n
-            for c in range(n):
-                o[c] = 0
-            for s in range(S):
-                xr = src + (r * S + s) * n
-                for c in range(n):
-                    o[c] = o[c] + xr[c]
+            fa_col_sums(<fa_isa>isa, S, n, src + r * S * n, dst + r * n)
 
 
 def exp(int isa, cnp.ndarray x not None, cnp.ndarray out not None, int mode=0):

@@ -299,9 +299,15 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int,
     vc, vs = _int8_rows(np.ascontiguousarray(vd, np.float32), None, nthreads)
     assert kc is not None and vc is not None and ks is not None and vs is not None
     kshape, vshape = np.shape(key), np.shape(value)
-    return (np.broadcast_to(kc, kshape), np.broadcast_to(vc, vshape),
-            np.broadcast_to(ks, kshape[:-1]), np.broadcast_to(vs, vshape[:-1]),
-            np.broadcast_to(mean, kshape[:-2] + kshape[-1:]))
+    return (_widen(kc, kshape), _widen(vc, vshape), _widen(ks, kshape[:-1]),
+            _widen(vs, vshape[:-1]), _widen(mean, kshape[:-2] + kshape[-1:]))
+
+
+def _widen(x: NDArray[Any], shape: tuple[int, ...]) -> NDArray[Any]:
+    """x broadcast to shape (axes _distinct took once), x itself when it
+    has that shape (np.broadcast_to took a tenth of a short call's
+    preparation)."""
+    return x if x.shape == shape else np.broadcast_to(x, shape)
 
 
 def _col_sums(x: NDArray[np.float32], nthreads: int) -> NDArray[np.float64]:
@@ -315,7 +321,7 @@ def _col_sums(x: NDArray[np.float32], nthreads: int) -> NDArray[np.float64]:
     R = x.size // (S * n) if S * n > 0 else 0
     out = np.zeros(x.shape[:-2] + (n,), np.float64)
     if R > 0:
-        _core.col_sums(x.reshape(R, S, n), out.reshape(R, n), nthreads)
+        _core.col_sums(_runtime.isa(), x.reshape(R, S, n), out.reshape(R, n), nthreads)
     return out
 
 

@@ -226,10 +226,11 @@ def test_rounding_matches_the_twin_on_extreme_rows(rng):
 
 
 @pytest.mark.parametrize("nthreads", [1, 3])
-def test_key_sums_are_numpys_bit_for_bit(rng, nthreads):
-    """The key mean's float64 sums (_core.col_sums, on the kernels' threads)
-    equal numpy's x.sum(axis=-2, dtype=float64) bit for bit, whatever the
-    shape and magnitude, so that the mean is the twin's."""
+def test_key_sums_are_numpys_bit_for_bit(rng, simd, nthreads):
+    """The key mean's float64 sums (_core.col_sums, on the kernels' threads,
+    in each path's vectors) equal numpy's x.sum(axis=-2, dtype=float64) bit
+    for bit, whatever the shape and magnitude, so that the mean is the
+    twin's."""
     for i in range(80):
         shape = tuple(rng.integers(1, 4, size=rng.integers(0, 3)).tolist()) + (
             int(rng.integers(0, 700)), 1 if i % 4 == 0 else int(rng.integers(0, 200)))
@@ -247,11 +248,11 @@ def test_rounding_refuses_arrays_of_other_dimensions():
     any other shape is a ValueError, never a read past the array."""
     x = np.ones((4, 8), np.float32)
     with pytest.raises(ValueError, match="3 dimensions"):
-        fastattn._core.col_sums(x, np.zeros(128), 1)
+        fastattn._core.col_sums(0, x, np.zeros(128), 1)
     with pytest.raises(ValueError, match="3 dimensions"):
         fastattn._core.int8_rows(0, x, None, np.zeros(32, np.int8), np.zeros(32, np.float32), 1)
     with pytest.raises(ValueError, match="3 dimensions"):
-        fastattn._core.col_sums(np.ones((), np.float32), np.zeros(1), 1)
+        fastattn._core.col_sums(0, np.ones((), np.float32), np.zeros(1), 1)
 
 
 @pytest.mark.parametrize("S", [0, 50])
