@@ -327,6 +327,24 @@ static void FA_NAME(int8_row_codes)(fa_idx n, const float *x, const float *mean,
                                     float inv, int8_t *c)
 {
     fa_idx e = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    { /* 32 codes a step, packed twice and put back in order: one store where
+       * the 8-code step below made four (AVX-512 narrows with vpmovdb) */
+        const __m256 fv = _mm256_set1_ps(f), iv = _mm256_set1_ps(inv);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (; e + 32 <= n; e += 32) {
+            __m256i q[4];
+            for (int i = 0; i < 4; ++i) {
+                __m256 y = _mm256_loadu_ps(x + e + 8 * i);
+                if (mean != NULL) y = _mm256_sub_ps(y, _mm256_loadu_ps(mean + e + 8 * i));
+                q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(y, fv), iv));
+            }
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                 _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(c + e), _mm256_permutevar8x32_epi32(p, order));
+        }
+    }
+#endif
 #if defined(__AVX512F__)
     const __m512 fv = _mm512_set1_ps(f), iv = _mm512_set1_ps(inv);
     for (; e + 16 <= n; e += 16) {
@@ -378,7 +396,7 @@ void FA_NAME(int8_rows)(fa_idx rows, fa_idx n, const float *x, const float *mean
 /* fa_col_sums (fastattn.h), one path's: FA_COL_SUMS columns at a time in
  * registers, each column's sum in order along the rows (numpy's order), the
  * path's vectors running across the columns. */
-#define FA_COL_SUMS 32
+#define FA_COL_SUMS 64
 void FA_NAME(col_sums)(fa_idx rows, fa_idx n, const float *x, double *sums)
 {
     for (fa_idx c0 = 0; c0 < n; c0 += FA_COL_SUMS) {
