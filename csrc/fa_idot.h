@@ -441,6 +441,14 @@ static inline void fa_igemv_i8(int dot, fa_idx n, const uint8_t *w, const int8_t
     FA_IDOT_PICK(dot, igemv_i8, (n, w, rows, nc, u, ot));
 }
 
+/* sums[r] = the sum of the n codes of row r < m (rows rs bytes apart):
+ * fa_itile's asum. */
+static inline void fa_row_code_sums(int dot, fa_idx m, fa_idx n, const int8_t *a, fa_idx rs,
+                                    int32_t *sums)
+{
+    FA_IDOT_PICK(dot, row_sums, (m, n, a, rs, sums));
+}
+
 /* A register-tiled integer matrix product, the block kernel's (the int8
  * mode's scores and weighted values a block at a time): the sums
  *   x(r, j) = sum over t < n4, u < 4 of a[r * rs + t * cs + u] * B(t, j, u)

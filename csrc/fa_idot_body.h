@@ -163,6 +163,34 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(igemv_cols)(const int nw, fa
 }
 #endif
 
+/* fa_row_code_sums */
+static FA_IDOT_TARGET void FA_IDOT(row_sums)(fa_idx m, fa_idx n, const int8_t *a, fa_idx rs,
+                                             int32_t *sums)
+{
+    fa_idx r = 0;
+#if defined(FA_IDOT_ZMM)
+    /* eight rows at a time, 32 codes a step against ones */
+    const __m256i ones = _mm256_set1_epi8(1);
+    const fa_idx e0 = n / 32 * 32;
+    for (; r + 8 <= m; r += 8) {
+        __m256i acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_si256();
+        for (fa_idx e = 0; e < e0; e += 32)
+            for (int i = 0; i < 8; ++i)
+                acc[i] = _mm256_dpbusd_epi32(
+                    acc[i], ones, _mm256_loadu_si256((const __m256i *)(a + (r + i) * rs + e)));
+        _mm256_storeu_si256((__m256i *)(sums + r), fa_hsum8_epi32(acc));
+        for (int i = 0; i < 8; ++i)
+            for (fa_idx e = e0; e < n; ++e) sums[r + i] += a[(r + i) * rs + e];
+    }
+#endif
+    for (; r < m; ++r) {
+        int32_t sum = 0;
+        for (fa_idx e = 0; e < n; ++e) sum += a[r * rs + e];
+        sums[r] = sum;
+    }
+}
+
 /* fa_igemv_i8 */
 static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const int8_t *const *rows,
                                              fa_idx nc, float u, float *ot)

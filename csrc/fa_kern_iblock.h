@@ -137,11 +137,7 @@ static void FA_NAME(int8_logits)(const fa_attn_args *a, const FA_NAME(iscratch) 
         rs = 4 * E4;
     }
     if (fa_itile_reads_sums(s->dot)) /* VNNI's sign correction */
-        for (fa_idx r = 0; r < nk; ++r) {
-            int32_t sum = 0;
-            for (fa_idx e = 0; e < E; ++e) sum += kr[r * rs + e];
-            s->ksum[r] = sum;
-        }
+        fa_row_code_sums(s->dot, nk, E, kr, rs, s->ksum);
     for (fa_idx r = 0; r < nk; ++r) s->kd[r] = fa_key_scale(a, s0 + r);
     const fa_itile_out o = {FA_ITILE_SCORES, ld, st, s->kd, s->qd, shift, bm, (float)a->scale};
     fa_itile(s->dot, nk, ld, E4, kr, rs, 4, s->q8, ld, 1, s->ksum, &o);
