@@ -277,15 +277,19 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scrat
  * here it then does for any E and any path's vector width.  When the scaled
  * products overflow both ways (inf - inf: a scale near T's largest), the
  * score is the scale times the dot product summed in order, as the score
- * would be without this repair: beyond T's range, it is +-inf. */
+ * would be without this repair: beyond T's range, it is +-inf.  A scaled
+ * row's elements are its codes times its scale, before the products (its
+ * codes, up to 127, times a query near T's largest overflowed where the
+ * true products did not). */
 static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                   const void *k, fa_idx t, fa_idx key)
 {
     const T scale = (T)a->scale, *x = w->qs + t * FA_EP(a);
     const char *row = (const char *)FA_NAME(st_at)(a->kv_store, k, fa_key_at(a, key));
+    const T ks = fa_store_scaled(a->kv_store) ? (T)fa_key_scale(a, key) : 1;
     T s = 0, d = 0;
     for (fa_idx c = 0; c < a->E; ++c) {
-        const T y = FA_NAME(st_get)(a->kv_store, row, c * a->k_es), p = x[c] * y;
+        const T y = FA_NAME(st_get)(a->kv_store, row, c * a->k_es) * ks, p = x[c] * y;
         s += p - p == 0 ? scale * p : (scale * x[c]) * y;
         d += p;
     }
@@ -418,8 +422,7 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
         const fa_attn_args h = FA_NAME(head_args)(a, t / n);
         for (fa_idx r = 0; r < nk; ++r)
             if (z[r] - z[r] != 0 && FA_NAME(modify)(&h, mask, i0 + t % n, s0 + r, 0) != -(T)INFINITY)
-                z[r] = (fa_store_scaled(st) ? (T)fa_key_scale(a, s0 + r) : 1) *
-                       FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
+                z[r] = FA_NAME(rows_dot_scaled)(a, w, k, t, s0 + r);
     }
     for (fa_idx t = 0; a->k_mean != NULL && t < nq; ++t)
         for (fa_idx r = 0; r < nk; ++r) s[t * FA_RB + r] += w->shift[t];

@@ -367,3 +367,22 @@ def test_a_prefill_over_paged_int8_blocks_keeps_its_bits(rng, block_size):
     for n in (1, 2):
         out = paged.attend([mine], packed, np.array([0, L]), precision="int8", num_threads=n)
         np.testing.assert_array_equal(out, expected[0].transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("L", [3, 30])  # the row kernel, and the block kernel's repair by it
+def test_a_query_near_float32s_largest_gives_no_nan(simd, L):
+    """A query row of 1e37 in the int8 mode: its scores' integer sums times
+    the query's scale overflow float32 where the true scores do not; they
+    are computed again from the float query and the dequantised keys, so
+    the row attends to the one key it sees (NaN before)."""
+    rng = np.random.default_rng(L)
+    q = rng.standard_normal((1, 2, L, 64), dtype=np.float32)
+    q[:, :, 1] *= np.float32(1e37)
+    k = rng.standard_normal((1, 2, 9, 64), dtype=np.float32)
+    v = rng.standard_normal((1, 2, 9, 64), dtype=np.float32)
+    out = fastattn.scaled_dot_product_attention(q, k, v, precision="int8")
+    q2, k2, v2 = ref.int8_mode_operands(q, k, v)
+    expected = ref.scaled_dot_product_attention(q2, k2, v2, scale=1 / 8)
+    assert np.isfinite(out).all()
+    # the huge row's softmax is one key's: that value row, as the mode rounds it
+    np.testing.assert_allclose(out[:, :, 1], expected[:, :, 1], rtol=1e-6, atol=1e-6)

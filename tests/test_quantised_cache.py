@@ -12,7 +12,7 @@ code; the quantisation error against its bound per element; and the
 attention's error against the float64 reference, per storage."""
 import numpy as np
 import pytest
-from conftest import simd_path, tolerance
+from conftest import assert_close, simd_path, tolerance
 from hypothesis import given
 from hypothesis import strategies as st
 from test_low_precision import filled_cache
@@ -404,3 +404,25 @@ def test_the_last_query_rows_of_a_prefill_give_the_float32_bits(simd, storage, E
     q = rng.standard_normal((B, H, L, E)).astype(np.float32)
     want = sdpa(q, cache.key, cache.value, is_causal=True, causal_alignment="lower_right")
     np.testing.assert_array_equal(cache.attend(q), want)
+
+
+@pytest.mark.parametrize("L", [1, 8])  # the row kernel, and the block kernel's repair by it
+@pytest.mark.parametrize("storage", ["float16", "bfloat16", "int8"] + STORAGES)
+def test_a_query_near_float32s_largest_gives_no_nan(simd, storage, L):
+    """A query of 1e37 against scaled codes (up to 127 times a scale below
+    1): the codes' products overflow float32 where the true products do
+    not.  The scores beyond float32's range are computed again from the
+    dequantised keys, so the output is the value row of the one key the
+    query sees (NaN before: inf scores, then inf - inf in the softmax).
+    In the int8 mode too, where the cache has it."""
+    rng = np.random.default_rng(L)
+    cache = fastattn.KVCache(1, 2, 16, 64, storage=storage)
+    cache.append(rng.standard_normal((1, 2, 9, 64), dtype=np.float32),
+                 rng.standard_normal((1, 2, 9, 64), dtype=np.float32))
+    q = rng.standard_normal((1, 2, L, 64), dtype=np.float32) * np.float32(1e37)
+    expected = ref.scaled_dot_product_attention(
+        q.astype(np.float64), cache.key.astype(np.float64), cache.value.astype(np.float64),
+        is_causal=True, causal_alignment="lower_right")  # the cache's queries are its last rows
+    for precision in ("exact", "int8") if storage in ("int8", "int4") else ("exact",):
+        out = cache.attend(q, precision=precision)
+        assert_close(out, expected, np.float32, 64)
