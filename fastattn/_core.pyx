@@ -1616,6 +1616,78 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
     return spoilt
 
 
+cdef cnp.ndarray new_array(int nd, fa_idx a, fa_idx b, fa_idx c, int typenum, bint zeros=False):
+    """A new C-ordered array of shape (a, b, c)[:nd], of zeros or not
+    initialised."""
+    cdef cnp.npy_intp dims[3]
+    dims[0], dims[1], dims[2] = a, b, c
+    return cnp.PyArray_ZEROS(nd, dims, typenum, 0) if zeros else cnp.PyArray_EMPTY(nd, dims, typenum, 0)
+
+
+def int8_operands(int isa, cnp.ndarray k not None, cnp.ndarray v not None, int nthreads):
+    """The int8 mode's operands of keys k (R, S, E) and values v (Rv, Sv,
+    Ev), float32 and C-contiguous, in one parallel region: each head's key
+    mean, float32(the column sums (col_sums' bits) / S), then the keys less
+    it and the values rounded to int8 per row (int8_rows').  Returns
+    (key codes, key scales, value codes, value scales, mean), or None when
+    a column sum is not finite or the mean pushed a key past float32's
+    range: _storage.int8_mode_operands takes its general path then."""
+    if k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"int8_operands: k and v of 3 dimensions, got {k.ndim} and {v.ndim}")
+    if k.dtype.char != "f" or v.dtype.char != "f" or not (k.flags.c_contiguous and
+                                                          v.flags.c_contiguous):
+        raise ValueError("int8_operands: k and v float32 and C-contiguous")
+    cdef fa_idx R = k.shape[0], S = k.shape[1], E = k.shape[2]
+    cdef fa_idx Rv = v.shape[0], Sv = v.shape[1], Ev = v.shape[2]
+    cdef fa_idx kchunk = max(1, 16384 // max(E, 1)), vchunk = max(1, 16384 // max(Ev, 1))
+    cdef fa_idx nk = (R * S + kchunk - 1) // kchunk, nv = (Rv * Sv + vchunk - 1) // vchunk
+    sums = new_array(2, R, E, 0, cnp.NPY_FLOAT64)
+    mean = new_array(2, R, E, 0, cnp.NPY_FLOAT32)
+    kc, ks = new_array(3, R, S, E, cnp.NPY_INT8), new_array(2, R, S, 0, cnp.NPY_FLOAT32)
+    vc, vs = new_array(3, Rv, Sv, Ev, cnp.NPY_INT8), new_array(2, Rv, Sv, 0, cnp.NPY_FLOAT32)
+    bad = new_array(1, R + nk, 0, 0, cnp.NPY_INT64, True)  # per head: a sum not finite; per key chunk: rows spoilt
+    cdef const float *kp = <const float *>cnp.PyArray_DATA(k)
+    cdef const float *vp = <const float *>cnp.PyArray_DATA(v)
+    cdef double *sp = <double *>cnp.PyArray_DATA(sums)
+    cdef float *mp = <float *>cnp.PyArray_DATA(mean)
+    cdef int8_t *kcp = <int8_t *>cnp.PyArray_DATA(kc)
+    cdef int8_t *vcp = <int8_t *>cnp.PyArray_DATA(vc)
+    cdef float *ksp = <float *>cnp.PyArray_DATA(ks)
+    cdef float *vsp = <float *>cnp.PyArray_DATA(vs)
+    cdef cnp.int64_t *bp = <cnp.int64_t *>cnp.PyArray_DATA(bad)
+    cdef fa_idx i, c, lo, hi, row, r
+    cdef double x
+    cdef int nt = max(1, min(nthreads, max(R + nv, nk)))
+    if R + nv + nk > 0:
+        with nogil, parallel(num_threads=nt):
+            # the key mean's sums beside the values' rounding; then the keys'
+            for i in prange(R + nv, schedule="static"):
+                if i < R:
+                    fa_col_sums(<fa_isa>isa, S, E, kp + i * S * E, sp + i * E)
+                    for c in range(E):
+                        x = sp[i * E + c]
+                        bp[i] += x - x != 0
+                        mp[i * E + c] = <float>(x / <double>max(S, 1))
+                else:
+                    lo = (i - R) * vchunk
+                    hi = min(lo + vchunk, Rv * Sv)
+                    fa_int8_rows(<fa_isa>isa, hi - lo, Ev, vp + lo * Ev, NULL, vcp + lo * Ev,
+                                 vsp + lo)
+            for i in prange(nk, schedule="static"):
+                lo = i * kchunk
+                hi = min(lo + kchunk, R * S)
+                row = lo
+                while row < hi:  # runs of rows of one head: one mean
+                    r = min(hi, (row // S + 1) * S)
+                    if bp[row // S] == 0:
+                        bp[R + i] += fa_int8_rows(<fa_isa>isa, r - row, E, kp + row * E,
+                                                  mp + (row // S) * E, kcp + row * E, ksp + row)
+                    row = r
+    if bad.any():
+        return None
+    return kc, ks, vc, vs, mean
+
+
 def col_sums(int isa, cnp.ndarray x not None, cnp.ndarray out not None, int nthreads):
     """out[r, c] = the sum over s of x[r, s, c] (x float32, C-contiguous
     (R, S, n); out float64, C-contiguous (R, n)), each in float64 with s in

@@ -3,6 +3,7 @@ user's word, ``storage``) with their NumPy dtypes and the kernels' enum
 (``store``), and the rounding or quantisation of the rows written."""
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -273,6 +274,20 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int,
     twin)."""
     kd, vd = _distinct(key), _distinct(value)
     k = np.ascontiguousarray(kd, np.float32)
+    v = np.ascontiguousarray(vd, np.float32)
+    kshape, vshape = np.shape(key), np.shape(value)
+    # the common case in one C call (_core.int8_operands); the general path
+    # below for what it leaves: a mask's rows, keys of one feature (numpy's
+    # sum is pairwise there), a sum or a row the mean made not finite
+    if seen is None and k.ndim >= 2 and v.ndim >= 2 and k.shape[-1] > 1:
+        got = _core.int8_operands(_runtime.isa(), k.reshape(_heads(k), *k.shape[-2:]),
+                                  v.reshape(_heads(v), *v.shape[-2:]), nthreads)
+        if got is not None:
+            k8, k_scale, v8, v_scale, k_mean = got
+            return (_widen(k8.reshape(k.shape), kshape), _widen(v8.reshape(v.shape), vshape),
+                    _widen(k_scale.reshape(k.shape[:-1]), kshape[:-1]),
+                    _widen(v_scale.reshape(v.shape[:-1]), vshape[:-1]),
+                    _widen(k_mean.reshape(k.shape[:-2] + k.shape[-1:]), kshape[:-2] + kshape[-1:]))
     if seen is not None:  # a key seen along an axis the key broadcasts over
         axes = tuple(a for a in range(k.ndim - 1) if k.shape[a] == 1 and seen.shape[a] > 1)
         seen = np.any(seen, axis=axes, keepdims=True) if axes else seen
@@ -296,11 +311,15 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int,
                 k3 - mean.reshape(-1, 1, k.shape[-1])).all(axis=-1)).any(axis=-1)
         mean.reshape(-1, k.shape[-1])[spoilt] = 0
         kc, ks = _int8_rows(k, mean, nthreads)
-    vc, vs = _int8_rows(np.ascontiguousarray(vd, np.float32), None, nthreads)
+    vc, vs = _int8_rows(v, None, nthreads)
     assert kc is not None and vc is not None and ks is not None and vs is not None
-    kshape, vshape = np.shape(key), np.shape(value)
     return (_widen(kc, kshape), _widen(vc, vshape), _widen(ks, kshape[:-1]),
             _widen(vs, vshape[:-1]), _widen(mean, kshape[:-2] + kshape[-1:]))
+
+
+def _heads(x: NDArray[Any]) -> int:
+    """The rows of (positions, features) x holds: its axes before them."""
+    return math.prod(x.shape[:-2])
 
 
 def _widen(x: NDArray[Any], shape: tuple[int, ...]) -> NDArray[Any]:
@@ -329,6 +348,8 @@ def _distinct(x: NDArray[Any]) -> NDArray[Any]:
     """x without the repeats of its broadcast axes (stride 0) but its last,
     the features, which the kernels read whole (the key mean too): index 0
     there."""
+    if 0 not in x.strides:
+        return x
     last = x.ndim - 1
     return x[tuple(slice(0, 1) if st == 0 and n > 1 and a < last else slice(None)
                    for a, (st, n) in enumerate(zip(x.strides, x.shape)))]

@@ -243,6 +243,29 @@ def test_key_sums_are_numpys_bit_for_bit(rng, simd, nthreads):
         np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
 
 
+@pytest.mark.parametrize("nthreads", [1, 3])
+def test_one_call_and_the_general_path_give_the_same_operands(rng, simd, nthreads):
+    """int8_mode_operands' common case, one C call (_core.int8_operands),
+    and its general path (taken for a mask's rows: here every row seen)
+    give the same bits: the same sums, mean, codes and scales, over shapes
+    (broadcast heads too) and magnitudes from 1e-30 to 1e30 a row."""
+    for i in range(40):
+        B, H, S = (int(n) for n in rng.integers(1, 4, size=3)) if i % 5 else (1, 1, 0)
+        S = int(rng.integers(0, 300)) if i % 5 else 0
+        E, Ev = int(rng.integers(2, 140)), int(rng.integers(1, 140))
+        scale = (10.0 ** rng.integers(-30, 30, size=(B, H, S, 1))).astype(np.float32)
+        k = (rng.standard_normal((B, H, S, E)) * scale).astype(np.float32)
+        v = (rng.standard_normal((B, H, S, Ev)) * scale).astype(np.float32)
+        if i % 3 == 0:  # heads broadcast: rounded once
+            k = np.broadcast_to(k[:, :1], k.shape)
+        fast = fastattn._storage.int8_mode_operands(k, v, nthreads)
+        general = fastattn._storage.int8_mode_operands(
+            k, v, nthreads, seen=np.ones(k.shape[:-1], np.bool_))
+        for got, want in zip(fast, general):
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+
+
 def test_rounding_refuses_arrays_of_other_dimensions():
     """The rounding's and the key sums' C loops take (R, S, n) arrays only:
     any other shape is a ValueError, never a read past the array."""
@@ -253,6 +276,10 @@ def test_rounding_refuses_arrays_of_other_dimensions():
         fastattn._core.int8_rows(0, x, None, np.zeros(32, np.int8), np.zeros(32, np.float32), 1)
     with pytest.raises(ValueError, match="3 dimensions"):
         fastattn._core.col_sums(0, np.ones((), np.float32), np.zeros(1), 1)
+    with pytest.raises(ValueError, match="3 dimensions"):
+        fastattn._core.int8_operands(0, x, x.reshape(1, 4, 8), 1)
+    with pytest.raises(ValueError, match="float32 and C-contiguous"):
+        fastattn._core.int8_operands(0, x.reshape(1, 4, 8)[:, :, ::2], x.reshape(1, 4, 8), 1)
 
 
 @pytest.mark.parametrize("S", [0, 50])
