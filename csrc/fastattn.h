@@ -353,7 +353,8 @@ fa_idx fa_int8_rows(fa_isa isa, fa_idx rows, fa_idx n, const float *x, const flo
 
 /* sums[c] = the sum over r of x[r * n + c] (`rows` contiguous rows of n
  * floats) in double, r in order, as numpy's x.sum(axis=0, dtype=float64)
- * sums them (n > 1): the int8 mode's key mean.  -1 when rows or n is
+ * sums them (n > 1): the int8 mode's key mean (of two NaNs, which one's
+ * payload the sum keeps is the compiler's choice).  -1 when rows or n is
  * negative, else 0. */
 int fa_col_sums(fa_isa isa, fa_idx rows, fa_idx n, const float *x, double *sums);
 

@@ -6,6 +6,7 @@ from typing import Any, Optional
 import numpy as np
 from numpy.typing import NDArray
 
+MAX_THREADS: int
 ISA_PORTABLE: int
 ISA_AVX2: int
 ISA_AVX512: int

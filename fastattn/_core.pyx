@@ -6,6 +6,8 @@ dtypes float32/float64 (bool for masks), element strides, shapes that agree.
 The loops release the GIL and split the work into independent pieces (see
 csrc/fastattn.h), spread over OpenMP threads when the build has OpenMP.
 """
+from os import cpu_count
+
 from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport INFINITY, log
 from libc.stdint cimport int8_t, int32_t
@@ -15,6 +17,10 @@ from libc.string cimport memcpy, memset
 cimport numpy as cnp
 
 cnp.import_array()
+
+# OpenMP ends the whole process when it cannot create a thread it was asked
+# for, so a request is bounded: well past any useful count on this machine.
+MAX_THREADS = max(1024, cpu_count() or 1)
 
 cdef extern from *:
     """
@@ -1588,21 +1594,22 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
     R, S, n = x.shape[0], x.shape[1], x.shape[2]
     chunk = max(1, 16384 // max(n, 1))
     nchunks = (R * S + chunk - 1) // chunk
-    if x.dtype.char != "f" or codes.dtype.char != "b" or scales.dtype.char != "f":
-        raise ValueError("int8_rows: x float32, codes int8, scales float32")
+    if not (native(x, "f") and native(codes, "b") and native(scales, "f")):
+        raise ValueError("int8_rows: x float32, codes int8, scales float32, native and aligned")
     if not (x.flags.c_contiguous and codes.flags.c_contiguous and scales.flags.c_contiguous and
             codes.flags.writeable and scales.flags.writeable and codes.size == x.size and
             scales.size == R * S):
         raise ValueError("int8_rows: contiguous arrays of matching sizes, outputs writeable")
     if mean is not None:
-        if (mean.dtype.char != "f" or not mean.flags.c_contiguous or
-                (<object>mean).shape != (R, n)):
-            raise ValueError("int8_rows: mean float32, C-contiguous, (R, n)")
+        if (not isinstance(mean, cnp.ndarray) or not native(mean, "f") or
+                not mean.flags.c_contiguous or (<object>mean).shape != (R, n)):
+            raise ValueError("int8_rows: mean float32, native, aligned, C-contiguous, (R, n)")
         mp = <const float *>cnp.PyArray_DATA(mean)
+    cdef int nt = loop_threads(nthreads, nchunks)
     if nchunks == 0:
         return 0
     with nogil:
-        for c in prange(nchunks, schedule="static", num_threads=max(1, min(nthreads, nchunks))):
+        for c in prange(nchunks, schedule="static", num_threads=nt):
             lo = c * chunk
             hi = min(lo + chunk, R * S)
             row = lo
@@ -1614,6 +1621,20 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
                 spoilt += got
                 row = r
     return spoilt
+
+
+cdef bint native(cnp.ndarray a, str char):
+    """a's dtype is `char` in native byte order, and a is aligned (C reads
+    it in place)."""
+    return a.dtype.char == char and a.dtype.isnative and a.flags.aligned
+
+
+cdef int loop_threads(int nthreads, fa_idx work) except -1:
+    """The threads of a parallel loop over `work` items: nthreads, checked
+    against MAX_THREADS, at most one an item."""
+    if nthreads < 1 or nthreads > MAX_THREADS:
+        raise ValueError(f"nthreads must be 1..{MAX_THREADS}, got {nthreads}")
+    return max(1, min(nthreads, work))
 
 
 cdef cnp.ndarray new_array(int nd, fa_idx a, fa_idx b, fa_idx c, int typenum, bint zeros=False):
@@ -1634,9 +1655,8 @@ def int8_operands(int isa, cnp.ndarray k not None, cnp.ndarray v not None, int n
     range: _storage.int8_mode_operands takes its general path then."""
     if k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"int8_operands: k and v of 3 dimensions, got {k.ndim} and {v.ndim}")
-    if k.dtype.char != "f" or v.dtype.char != "f" or not (k.flags.c_contiguous and
-                                                          v.flags.c_contiguous):
-        raise ValueError("int8_operands: k and v float32 and C-contiguous")
+    if not (native(k, "f") and native(v, "f") and k.flags.c_contiguous and v.flags.c_contiguous):
+        raise ValueError("int8_operands: k and v float32, native, aligned and C-contiguous")
     cdef fa_idx R = k.shape[0], S = k.shape[1], E = k.shape[2]
     cdef fa_idx Rv = v.shape[0], Sv = v.shape[1], Ev = v.shape[2]
     cdef fa_idx kchunk = max(1, 16384 // max(E, 1)), vchunk = max(1, 16384 // max(Ev, 1))
@@ -1657,7 +1677,7 @@ def int8_operands(int isa, cnp.ndarray k not None, cnp.ndarray v not None, int n
     cdef cnp.int64_t *bp = <cnp.int64_t *>cnp.PyArray_DATA(bad)
     cdef fa_idx i, c, lo, hi, row, r
     cdef double x
-    cdef int nt = max(1, min(nthreads, max(R + nv, nk)))
+    cdef int nt = loop_threads(nthreads, max(R + nv, nk))
     if R + nv + nk > 0:
         with nogil, parallel(num_threads=nt):
             # the key mean's sums beside the values' rounding; then the keys'
@@ -1699,15 +1719,16 @@ def col_sums(int isa, cnp.ndarray x not None, cnp.ndarray out not None, int nthr
     if x.ndim != 3:
         raise ValueError(f"col_sums: x of 3 dimensions (R, S, n), got {x.ndim}")
     R, S, n = x.shape[0], x.shape[1], x.shape[2]
-    if x.dtype.char != "f" or out.dtype.char != "d":
-        raise ValueError("col_sums: x float32, out float64")
+    if not (native(x, "f") and native(out, "d")):
+        raise ValueError("col_sums: x float32, out float64, native and aligned")
     if not (x.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable and
             out.size == R * n):
         raise ValueError("col_sums: contiguous arrays, out (R, n) and writeable")
+    cdef int nt = loop_threads(nthreads, R)
     if R == 0:
         return
     with nogil:
-        for r in prange(R, schedule="static", num_threads=max(1, min(nthreads, R))):
+        for r in prange(R, schedule="static", num_threads=nt):
             fa_col_sums(<fa_isa>isa, S, n, src + r * S * n, dst + r * n)
 
 

@@ -56,9 +56,7 @@ def _path_from_env() -> str:
 
 _simd_path = _path_from_env()
 _num_threads: Optional[int] = None  # None: OpenMP's default (OMP_NUM_THREADS, else the CPU count)
-# OpenMP ends the whole process when it cannot create a thread it was asked
-# for, so a request is bounded: well past any useful count on this machine.
-MAX_THREADS = max(1024, os.cpu_count() or 1)
+MAX_THREADS = _core.MAX_THREADS  # OpenMP aborts when it cannot create a thread
 
 
 def simd_path() -> str:

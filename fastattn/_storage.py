@@ -273,8 +273,7 @@ def int8_mode_operands(key: NDArray[Any], value: NDArray[Any], nthreads: int,
     would be NaN or inf (reference.int8_mode_operands is the readable
     twin)."""
     kd, vd = _distinct(key), _distinct(value)
-    k = np.ascontiguousarray(kd, np.float32)
-    v = np.ascontiguousarray(vd, np.float32)
+    k, v = C.contiguous(kd, np.float32), C.contiguous(vd, np.float32)  # aligned too
     kshape, vshape = np.shape(key), np.shape(value)
     # the common case in one C call (_core.int8_operands); the general path
     # below for what it leaves: a mask's rows, keys of one feature (numpy's
@@ -363,7 +362,7 @@ def int8_packed_operands(key: NDArray[Any], value: NDArray[Any], cu_seqlens_k: N
     (total_k, Hkv, E) and value (total_k, Hkv, Ev), sequence b's rows
     cu_seqlens_k[b]..cu_seqlens_k[b + 1] - 1, each sequence's keys less
     their own mean; the mean is (B, Hkv, E)."""
-    k = np.ascontiguousarray(key, np.float32)
+    k = C.contiguous(key, np.float32)
     lens = np.diff(cu_seqlens_k)
     seq = np.repeat(np.arange(lens.size), lens)  # each row's sequence
     finite: NDArray[np.bool_] = np.all(np.isfinite(k), axis=-1, keepdims=True)
@@ -384,7 +383,7 @@ def int8_packed_operands(key: NDArray[Any], value: NDArray[Any], cu_seqlens_k: N
         mean[spoilt] = 0
         smoothed = k - mean[seq]
     kc, ks = _int8_rows(smoothed[None], None, nthreads)
-    vc, vs = _int8_rows(np.ascontiguousarray(value, np.float32)[None], None, nthreads)
+    vc, vs = _int8_rows(C.contiguous(value, np.float32)[None], None, nthreads)
     assert kc is not None and vc is not None and ks is not None and vs is not None
     return kc[0], vc[0], ks[0], vs[0], mean
 
@@ -400,7 +399,7 @@ def _int8_rows(x: NDArray[np.float32], mean: Optional[NDArray[np.float32]], nthr
     scales = np.empty(x.shape[:-1], np.float32)
     S, n = x.shape[-2], x.shape[-1]
     R = x.size // (S * n)
-    m = None if mean is None else np.ascontiguousarray(mean.reshape(R, n))
+    m = None if mean is None else C.contiguous(mean.reshape(R, n))
     spoilt = _core.int8_rows(_runtime.isa(), x.reshape(R, S, n), m, codes.reshape(R, S, n),
                                scales.reshape(R, S), nthreads)
     return (None, None) if spoilt else (codes, scales)

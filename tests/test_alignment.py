@@ -10,7 +10,7 @@ from test_errors import misaligned as misaligned_zeros
 import fastattn
 from fastattn import _core
 
-ENTRIES = ("attention", "ragged", "rotary", "narrow")
+ENTRIES = ("attention", "ragged", "rotary", "narrow", "int8_operands", "int8_rows", "col_sums")
 
 
 def misaligned(a):
@@ -63,6 +63,26 @@ def test_varlen_attention(spy, rng):
     want = fastattn.varlen_attention(q, k, v, cu, cu, is_causal=True)
     got = fastattn.varlen_attention(misaligned(q), misaligned(k), misaligned(v), misaligned(cu),
                                     misaligned(cu), is_causal=True)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("E", [4, 40])
+def test_the_int8_modes_operands(spy, rng, E):
+    """The int8 mode rounds the keys and values in C (its one call, and the
+    general path a mask takes): misaligned inputs are copied first (UBSan
+    stopped at their loads)."""
+    q, k, v = (rng.standard_normal((1, 2, 3, E)).astype(np.float32) for _ in range(3))
+    mask = np.tril(np.ones((3, 3), np.bool_))
+    for options in ({}, {"attn_mask": mask}):
+        want = fastattn.scaled_dot_product_attention(q, k, v, precision="int8", **options)
+        got = fastattn.scaled_dot_product_attention(misaligned(q), misaligned(k), misaligned(v),
+                                                    precision="int8", **options)
+        np.testing.assert_array_equal(got, want)
+    cu = np.array([0, 1, 3], np.int64)
+    want = fastattn.varlen_attention(q[0, 0, :, None], k[0, 0, :, None], v[0, 0, :, None], cu, cu,
+                                     precision="int8")
+    got = fastattn.varlen_attention(misaligned(q[0, 0, :, None]), misaligned(k[0, 0, :, None]),
+                                    misaligned(v[0, 0, :, None]), cu, cu, precision="int8")
     np.testing.assert_array_equal(got, want)
 
 

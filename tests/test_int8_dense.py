@@ -278,8 +278,27 @@ def test_rounding_refuses_arrays_of_other_dimensions():
         fastattn._core.col_sums(0, np.ones((), np.float32), np.zeros(1), 1)
     with pytest.raises(ValueError, match="3 dimensions"):
         fastattn._core.int8_operands(0, x, x.reshape(1, 4, 8), 1)
-    with pytest.raises(ValueError, match="float32 and C-contiguous"):
+    with pytest.raises(ValueError, match="float32, native, aligned and C-contiguous"):
         fastattn._core.int8_operands(0, x.reshape(1, 4, 8)[:, :, ::2], x.reshape(1, 4, 8), 1)
+
+
+def test_the_c_loops_refuse_other_byte_orders_and_thread_counts():
+    """Big-endian floats (whose dtype char is "f" too) and thread counts
+    OpenMP cannot create are ValueErrors, never garbage or an abort."""
+    x, out = np.ones((2, 3, 4), ">f4"), np.zeros((2, 4), ">f8")
+    with pytest.raises(ValueError, match="native"):
+        fastattn._core.col_sums(0, x, out, 1)
+    with pytest.raises(ValueError, match="native"):
+        fastattn._core.int8_rows(0, x, None, np.zeros((2, 3, 4), np.int8),
+                                 np.zeros((2, 3), np.float32), 1)
+    with pytest.raises(ValueError, match="native"):
+        fastattn._core.int8_operands(0, x, x, 1)
+    x, out = np.ones((5, 2, 2), np.float32), np.zeros((5, 2))
+    for n in (0, -5, fastattn._core.MAX_THREADS + 1):
+        with pytest.raises(ValueError, match="nthreads"):
+            fastattn._core.col_sums(0, x, out, n)
+        with pytest.raises(ValueError, match="nthreads"):
+            fastattn._core.int8_operands(0, x, x, n)
 
 
 @pytest.mark.parametrize("S", [0, 50])
