@@ -277,7 +277,10 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scrat
  * here it then does for any E and any path's vector width.  When the scaled
  * products overflow both ways (inf - inf: a scale near T's largest), the
  * score is the scale times the dot product summed in order, as the score
- * would be without this repair: beyond T's range, it is +-inf.  A scaled
+ * would be without this repair: beyond T's range, it is +-inf.  Summed in
+ * double, so that a partial sum beyond float's range (a score near it)
+ * does not overflow.  In the int8 mode, the query it rounded (so that the
+ * score is the mode's, only in floats).  A scaled
  * row's elements are its codes times its scale, before the products (its
  * codes, up to 127, times a query near T's largest overflowed where the
  * true products did not). */
@@ -287,13 +290,21 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
     const T scale = (T)a->scale, *x = w->qs + t * FA_EP(a);
     const char *row = (const char *)FA_NAME(st_at)(a->kv_store, k, fa_key_at(a, key));
     const T ks = fa_store_scaled(a->kv_store) ? (T)fa_key_scale(a, key) : 1;
-    T s = 0, d = 0;
+    double s = 0; /* a float's partial sums may pass its range where the score does not */
+    T d = 0;
     for (fa_idx c = 0; c < a->E; ++c) {
-        const T y = FA_NAME(st_get)(a->kv_store, row, c * a->k_es) * ks, p = x[c] * y;
-        s += p - p == 0 ? scale * p : (scale * x[c]) * y;
+        T xc = x[c];
+#if FA_IS_F32
+        if (FA_NAME(int8_dots)(a)) { /* the int8 mode's query: its codes times their scale */
+            const fa_idx ng = FA_Q8_GROUPS(a), g = FA_Q8_LD(a) / ng;
+            xc = (T)w->q8[t * FA_Q8_LD(a) + c] * w->qd[t * ng + c / g];
+        }
+#endif
+        const T y = FA_NAME(st_get)(a->kv_store, row, c * a->k_es) * ks, p = xc * y;
+        s += (double)(p - p == 0 ? scale * p : (scale * xc) * y);
         d += p;
     }
-    return s == s ? s : scale * d;
+    return s == s ? (T)s : scale * d;
 }
 
 #if FA_IS_F32

@@ -426,3 +426,43 @@ def test_a_query_near_float32s_largest_gives_no_nan(simd, storage, L):
     for precision in ("exact", "int8") if storage in ("int8", "int4") else ("exact",):
         out = cache.attend(q, precision=precision)
         assert_close(out, expected, np.float32, 64)
+
+
+@pytest.mark.parametrize("L", [1, 8])
+def test_a_score_whose_partial_sums_pass_float32s_range(simd, L):
+    """Scores computed again past float32's range are summed in double: the
+    query (3e38, 3e38, 3e38, -3e38) against the key (1, 1, 1, 1) scores
+    3e38 / 2 x 2 = 3e38, though its partial sums reach 4.5e38 (NaN
+    before, as inf - inf in the softmax)."""
+    cache = fastattn.KVCache(1, 1, 9, 4)
+    k = np.zeros((1, 1, 9, 4), np.float32)  # every query sees key 0 (its others score 0)
+    k[0, 0, 0] = 1
+    v = np.arange(36, dtype=np.float32).reshape(1, 1, 9, 4)
+    cache.append(k, v)
+    q = np.zeros((1, 1, L, 4), np.float32)
+    q[..., :] = np.float32(3e38) * np.array([1, 1, 1, -1], np.float32)
+    out = cache.attend(q)
+    np.testing.assert_array_equal(out, np.broadcast_to(v[:, :, :1], out.shape))
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_the_int8_modes_huge_scores_under_a_causal_mask(rng, dense):
+    """A query of 1e37 in the int8 mode's block kernel (5 rows): a score
+    past float's range is NaN, which sends the row to the row kernel, never
+    -inf (the row's one visible key hidden: zeros, lse -inf, before).  The
+    mode's scores in exact arithmetic: the twin's."""
+    for trial in range(10):
+        k, v = rng.standard_normal((2, 1, 1, 5, 32), dtype=np.float32)
+        q = (rng.standard_normal((1, 1, 5, 32)) * 1e37).astype(np.float32)
+        if dense:
+            out = fastattn.scaled_dot_product_attention(q, k, v, precision="int8", is_causal=True)
+            q2, k2, v2 = ref.int8_mode_operands(q, k, v)
+            expected = ref.scaled_dot_product_attention(q2, k2, v2, is_causal=True, scale=32 ** -0.5)
+        else:
+            cache = fastattn.KVCache(1, 1, 5, 32, storage="int8")
+            cache.append(k, v)
+            out = cache.attend(q, precision="int8")
+            expected = ref.scaled_dot_product_attention(
+                ref.int8_query(q), cache.key.astype(np.float64), cache.value.astype(np.float64),
+                is_causal=True, causal_alignment="lower_right")
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
