@@ -36,10 +36,10 @@
 
 /* Where fa_itile puts the sum x of row r and column j (ld apart):
  * FA_ITILE_SCORES: f[r ld + j] = alpha * (rv[r] * (cv[j] * (float)x)) +
- * sv[j], NaN where that is not finite (a product past float's range that
- * the true score is not, or a non-finite operand: NaN sends the query to
- * the row kernel, which computes such scores again; -inf would hide the
- * key), and cm[j] (not NULL) raised to it (NaN ignored); FA_ITILE_ADD:
+ * sv[j], where `wide` NaN if that is not finite (a product past float's
+ * range that the true score is not, or a non-finite operand: NaN sends the
+ * query to the row kernel, which computes such scores again; -inf would
+ * hide the key), and cm[j] (not NULL) raised to it (NaN ignored); FA_ITILE_ADD:
  * f[r ld + j] += cv[j] * (float)x; each product and sum rounded to float
  * in that order. */
 enum { FA_ITILE_SCORES, FA_ITILE_ADD };
@@ -50,6 +50,7 @@ typedef struct {
     const float *rv, *cv, *sv;
     float *cm;
     float alpha;
+    int wide; /* the scales may take a score past float's range */
 } fa_itile_out;
 
 /* The sums x (m rows of nc, nc apart) of rows r0.. and columns j0.. put
@@ -66,10 +67,13 @@ static FA_ALWAYS_INLINE void fa_itile_finish(const fa_itile_out *o, fa_idx m, fa
             continue;
         }
         const float a = o->alpha, rv = o->rv[r0 + r], *sv = o->sv + j0;
-        for (fa_idx j = 0; j < nc; ++j) {
-            const float y = a * (rv * (cv[j] * (float)xr[j])) + sv[j];
-            f[j] = y - y == 0 ? y : (float)NAN;
-        }
+        if (o->wide)
+            for (fa_idx j = 0; j < nc; ++j) {
+                const float y = a * (rv * (cv[j] * (float)xr[j])) + sv[j];
+                f[j] = y - y == 0 ? y : (float)NAN;
+            }
+        else
+            for (fa_idx j = 0; j < nc; ++j) f[j] = a * (rv * (cv[j] * (float)xr[j])) + sv[j];
         if (o->cm == NULL) continue;
         float *cm = o->cm + j0;
         for (fa_idx j = 0; j < nc; ++j) cm[j] = f[j] > cm[j] ? f[j] : cm[j];

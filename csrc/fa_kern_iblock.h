@@ -37,6 +37,7 @@ typedef struct {
     float *wr;      /* FA_QB: what rounds them to codes */
     float *vd;      /* FA_KB: the block's value scales */
     float *kd;      /* FA_KB: its key scales */
+    float *qmax;    /* 2: the query block's largest |scale| and |key-mean term| */
     int dot;        /* the integer products' instance (fa_idot_cpu) */
 } FA_NAME(iscratch);
 
@@ -49,7 +50,7 @@ static size_t FA_NAME(iblock_work)(const fa_attn_args *a)
     return FA_I8_PAD(4 * e4 * qb) + FA_I8_PAD(4 * qb) + FA_I8_PAD(4 * 8 * (size_t)a->E) +
            FA_I8_PAD(4 * e4) + FA_I8_PAD(4 * kb) + FA_I8_PAD(kb * 4 * e4) +
            FA_I8_PAD(kb * (size_t)a->Ev) + FA_I8_PAD((size_t)FA_WGROUP * qb) +
-           2 * FA_I8_PAD(4 * qb) + 2 * FA_I8_PAD(4 * kb);
+           2 * FA_I8_PAD(4 * qb) + 2 * FA_I8_PAD(4 * kb) + FA_I8_PAD(8);
 }
 
 static FA_NAME(iscratch) FA_NAME(iblock_carve)(const fa_attn_args *a, void *work)
@@ -68,7 +69,8 @@ static FA_NAME(iscratch) FA_NAME(iblock_carve)(const fa_attn_args *a, void *work
     s.wu = (float *)p, p += FA_I8_PAD(4 * qb);
     s.wr = (float *)p, p += FA_I8_PAD(4 * qb);
     s.vd = (float *)p, p += FA_I8_PAD(4 * kb);
-    s.kd = (float *)p;
+    s.kd = (float *)p, p += FA_I8_PAD(4 * kb);
+    s.qmax = (float *)p;
     s.dot = fa_idot_cpu();
     return s;
 }
@@ -109,6 +111,13 @@ static void FA_NAME(int8_queries)(const fa_attn_args *a, const FA_NAME(iscratch)
         }
         if (a->k_mean != NULL) FA_NAME(mean_shifts)(a, n, s->qrow, E, 1, 1, shift + j0);
     }
+    float qm = 0, sm = 0; /* NaN ignored: its scores are NaN anyway */
+    for (fa_idx j = 0; j < nc; ++j) {
+        qm = fabsf(s->qd[j]) > qm ? fabsf(s->qd[j]) : qm;
+        sm = fabsf(shift[j]) > sm ? fabsf(shift[j]) : sm;
+    }
+    s->qmax[0] = qm;
+    s->qmax[1] = sm;
 }
 
 /* st[r * ld + j] = the score of key s0 + r and query column j, for the nk
@@ -138,8 +147,18 @@ static void FA_NAME(int8_logits)(const fa_attn_args *a, const FA_NAME(iscratch) 
     }
     if (fa_itile_reads_sums(s->dot)) /* VNNI's sign correction */
         fa_row_code_sums(s->dot, nk, E, kr, rs, s->ksum);
-    for (fa_idx r = 0; r < nk; ++r) s->kd[r] = fa_key_scale(a, s0 + r);
-    const fa_itile_out o = {FA_ITILE_SCORES, ld, st, s->kd, s->qd, shift, bm, (float)a->scale};
+    float km = 0;
+    for (fa_idx r = 0; r < nk; ++r) {
+        s->kd[r] = fa_key_scale(a, s0 + r);
+        km = fabsf(s->kd[r]) > km ? fabsf(s->kd[r]) : km;
+    }
+    /* bounds on each step of a score, (cv x) then rv (cv x) then alpha
+     * rv (cv x) + sv (|x| = |q . k| <= 127 x 127 x E): below them, no score
+     * needs the tiles' check for one past float's range */
+    const float b1 = s->qmax[0] * (127.0f * 127.0f * 4.0f * (float)E4), b2 = km * b1,
+                b3 = fabsf((float)a->scale) * b2 + s->qmax[1];
+    const int wide = !(b1 <= FLT_MAX / 4 && b2 <= FLT_MAX / 4 && b3 <= FLT_MAX / 4);
+    const fa_itile_out o = {FA_ITILE_SCORES, ld, st, s->kd, s->qd, shift, bm, (float)a->scale, wide};
     fa_itile(s->dot, nk, ld, E4, kr, rs, 4, s->q8, ld, 1, s->ksum, &o);
 }
 
