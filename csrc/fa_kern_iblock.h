@@ -230,7 +230,7 @@ static void FA_NAME(int8_values)(const fa_attn_args *a, const FA_NAME(iscratch) 
         for (fa_idx t = 0; t < n4; ++t)
             fa_pack_weights(n - 4 * t < 4 ? n - 4 * t : 4, ld, w + 4 * t * ld, s->wr,
                             s->wq + 4 * t * ld);
-        const fa_itile_out o = {FA_ITILE_ADD, ld, ot, NULL, s->wu, NULL, NULL, 0};
+        const fa_itile_out o = {FA_ITILE_ADD, ld, ot, NULL, s->wu, NULL, NULL, 0, 0};
         fa_itile(s->dot, Ev, ld, n4, s->vq + 4 * (g0 / 4) * Ev, 4, 4 * Ev, s->wq, ld, 0, NULL, &o);
         for (fa_idx j = 0; exact && j < ld; ++j) {
             if (s->wu[j] > 0) continue;
