@@ -277,13 +277,11 @@ static void FA_NAME(rows_values)(const fa_attn_args *a, const FA_NAME(rows_scrat
  * here it then does for any E and any path's vector width.  When the scaled
  * products overflow both ways (inf - inf: a scale near T's largest), the
  * score is the scale times the dot product summed in order, as the score
- * would be without this repair: beyond T's range, it is +-inf.  Summed in
- * double, so that a partial sum beyond float's range (a score near it)
- * does not overflow.  In the int8 mode, the query it rounded (so that the
- * score is the mode's, only in floats).  A scaled
- * row's elements are its codes times its scale, before the products (its
- * codes, up to 127, times a query near T's largest overflowed where the
- * true products did not). */
+ * would be without this repair: beyond T's range, it is +-inf.  The key's
+ * elements are dequantised before the products and the sum runs in double,
+ * so that neither a code times a huge query nor a partial sum overflows
+ * where the score does not; the int8 mode takes its rounded query (the
+ * mode's score). */
 static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w,
                                   const void *k, fa_idx t, fa_idx key)
 {

@@ -1576,6 +1576,30 @@ def narrow(int isa, int store, cnp.ndarray x, cnp.ndarray out, int nthreads):
     raise_on(err, "narrow")
 
 
+cdef inline fa_idx round_rows_chunk(int isa, fa_idx lo, fa_idx hi, fa_idx S, fa_idx n,
+                                   const float *x, const float *mean, const cnp.int64_t *skip,
+                                   int8_t *codes, float *scales) noexcept nogil:
+    """fa_int8_rows over rows lo..hi-1 of the rows of n floats at x, in runs
+    of one head's S rows (head h less mean + h n, mean NULL: none), the
+    heads with skip[h] != 0 left out (skip NULL: none); the rows the mean
+    made not finite."""
+    cdef fa_idx row = lo, r, h, spoilt = 0
+    while row < hi:
+        h = row // S
+        r = min(hi, (h + 1) * S)
+        if skip == NULL or skip[h] == 0:
+            spoilt += fa_int8_rows(<fa_isa>isa, r - row, n, x + row * n,
+                                   mean + h * n if mean != NULL else NULL, codes + row * n,
+                                   scales + row)
+        row = r
+    return spoilt
+
+
+cdef inline fa_idx round_chunk_rows(fa_idx n) noexcept nogil:
+    """Rows a thread rounds at a time: about 16384 floats."""
+    return max(1, 16384 // max(n, 1))
+
+
 def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
                 cnp.ndarray scales not None, int nthreads):
     """codes, scales = x (float32, C-contiguous (R, S, n)) less mean (None,
@@ -1583,16 +1607,15 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
     int8 per row (fa_int8_rows), into codes (int8, x's shape) and scales
     (float32, (R, S)), both C-contiguous.  Returns how many rows the mean
     pushed past float32's range."""
-    cdef fa_idx R, S, n, r, c, spoilt = 0, chunk, nchunks
+    cdef fa_idx R, S, n, c, spoilt = 0, chunk, nchunks
     cdef const float *src = <const float *>cnp.PyArray_DATA(x)
     cdef const float *mp = NULL
     cdef int8_t *dst = <int8_t *>cnp.PyArray_DATA(codes)
     cdef float *sp = <float *>cnp.PyArray_DATA(scales)
-    cdef fa_idx lo, hi, row, got
     if x.ndim != 3:
         raise ValueError(f"int8_rows: x of 3 dimensions (R, S, n), got {x.ndim}")
     R, S, n = x.shape[0], x.shape[1], x.shape[2]
-    chunk = max(1, 16384 // max(n, 1))
+    chunk = round_chunk_rows(n)
     nchunks = (R * S + chunk - 1) // chunk
     if not (native(x, "f") and native(codes, "b") and native(scales, "f")):
         raise ValueError("int8_rows: x float32, codes int8, scales float32, native and aligned")
@@ -1610,16 +1633,8 @@ def int8_rows(int isa, cnp.ndarray x not None, mean, cnp.ndarray codes not None,
         return 0
     with nogil:
         for c in prange(nchunks, schedule="static", num_threads=nt):
-            lo = c * chunk
-            hi = min(lo + chunk, R * S)
-            row = lo
-            while row < hi:  # runs of rows of one (batch, head): one mean
-                r = min(hi, (row // S + 1) * S)
-                got = fa_int8_rows(<fa_isa>isa, r - row, n, src + row * n,
-                                     mp + (row // S) * n if mp != NULL else NULL,
-                                     dst + row * n, sp + row)
-                spoilt += got
-                row = r
+            spoilt += round_rows_chunk(isa, c * chunk, min((c + 1) * chunk, R * S), S, n, src,
+                                       mp, NULL, dst, sp)
     return spoilt
 
 
@@ -1659,7 +1674,7 @@ def int8_operands(int isa, cnp.ndarray k not None, cnp.ndarray v not None, int n
         raise ValueError("int8_operands: k and v float32, native, aligned and C-contiguous")
     cdef fa_idx R = k.shape[0], S = k.shape[1], E = k.shape[2]
     cdef fa_idx Rv = v.shape[0], Sv = v.shape[1], Ev = v.shape[2]
-    cdef fa_idx kchunk = max(1, 16384 // max(E, 1)), vchunk = max(1, 16384 // max(Ev, 1))
+    cdef fa_idx kchunk = round_chunk_rows(E), vchunk = round_chunk_rows(Ev)
     cdef fa_idx nk = (R * S + kchunk - 1) // kchunk, nv = (Rv * Sv + vchunk - 1) // vchunk
     sums = new_array(2, R, E, 0, cnp.NPY_FLOAT64)
     mean = new_array(2, R, E, 0, cnp.NPY_FLOAT32)
@@ -1675,7 +1690,7 @@ def int8_operands(int isa, cnp.ndarray k not None, cnp.ndarray v not None, int n
     cdef float *ksp = <float *>cnp.PyArray_DATA(ks)
     cdef float *vsp = <float *>cnp.PyArray_DATA(vs)
     cdef cnp.int64_t *bp = <cnp.int64_t *>cnp.PyArray_DATA(bad)
-    cdef fa_idx i, c, lo, hi, row, r
+    cdef fa_idx i, c, lo
     cdef double x
     cdef int nt = loop_threads(nthreads, max(R + nv, nk))
     if R + nv + nk > 0:
@@ -1690,19 +1705,11 @@ def int8_operands(int isa, cnp.ndarray k not None, cnp.ndarray v not None, int n
                         mp[i * E + c] = <float>(x / <double>max(S, 1))
                 else:
                     lo = (i - R) * vchunk
-                    hi = min(lo + vchunk, Rv * Sv)
-                    fa_int8_rows(<fa_isa>isa, hi - lo, Ev, vp + lo * Ev, NULL, vcp + lo * Ev,
-                                 vsp + lo)
-            for i in prange(nk, schedule="static"):
-                lo = i * kchunk
-                hi = min(lo + kchunk, R * S)
-                row = lo
-                while row < hi:  # runs of rows of one head: one mean
-                    r = min(hi, (row // S + 1) * S)
-                    if bp[row // S] == 0:
-                        bp[R + i] += fa_int8_rows(<fa_isa>isa, r - row, E, kp + row * E,
-                                                  mp + (row // S) * E, kcp + row * E, ksp + row)
-                    row = r
+                    round_rows_chunk(isa, lo, min(lo + vchunk, Rv * Sv), Sv, Ev, vp, NULL, NULL,
+                                     vcp, vsp)
+            for i in prange(nk, schedule="static"):  # the heads whose sums were finite
+                bp[R + i] = round_rows_chunk(isa, i * kchunk, min((i + 1) * kchunk, R * S), S, E,
+                                             kp, mp, bp, kcp, ksp)
     if bad.any():
         return None
     return kc, ks, vc, vs, mean
