@@ -63,7 +63,7 @@ int fa_cpu_has_avx512_vnni(void)
 #if FA_HAVE_X86_SIMD && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni") &&
-           __builtin_cpu_supports("avx512vl");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
 #else
     return 0;
 #endif

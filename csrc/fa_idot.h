@@ -363,8 +363,21 @@ static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
 #define FA_IDOT_DOT 1
 #define FA_IDOT_ZMM 1
 #define FA_IDOT(name) fa_idot_##name##_dot
-#define FA_IDOT_TARGET __attribute__((target("avx512vnni,avx512vl")))
-#define FA_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+/* BW for the byte shuffles on registers 16-31 (else copied to 0-15) */
+#define FA_IDOT_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw")))
+/* vpdpbusd in place: of the intrinsics' accumulator gcc 12 makes a copy
+ * per product in the decoding loops (in a register or on the stack). */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET __m256i fa_dpbusd256(__m256i acc, __m256i u, __m256i s)
+{
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+static FA_ALWAYS_INLINE FA_IDOT_TARGET __m512i fa_dpbusd512(__m512i acc, __m512i u, __m512i s)
+{
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+#define FA_DPBUSD(acc, u, s) fa_dpbusd256((acc), (u), (s))
 #include "fa_idot_body.h"
 #undef FA_IDOT
 #undef FA_IDOT_TARGET

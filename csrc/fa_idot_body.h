@@ -32,9 +32,9 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(i8_sums)(const fa_idx nr, fa
     for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_si512();
     for (fa_idx e = 0; e < e0; e += 64) {
         const __m512i qv = _mm512_loadu_si512((const void *)(q + e));
-        qsum = _mm512_dpbusd_epi32(qsum, ones, qv);
+        qsum = fa_dpbusd512(qsum, ones, qv);
         for (fa_idx r = 0; r < nr; ++r)
-            acc[r] = _mm512_dpbusd_epi32(
+            acc[r] = fa_dpbusd512(
                 acc[r], _mm512_xor_si512(_mm512_loadu_si512((const void *)(k + r * rb + e)), flip), qv);
     }
     __m256i halves[8];
@@ -71,12 +71,66 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(i8_sums)(const fa_idx nr, fa
     }
 }
 
+#if defined(FA_IDOT_ZMM)
+/* Lane r: the sum of the lanes of a[r], r < 16 (pairs of rows' lanes
+ * interleaved and added, then pairs of those, then their 128-bit parts) */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET __m512i FA_IDOT(hsum16)(const __m512i *a)
+{
+    __m512i t[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                                _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+        w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0x44),
+                                _mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0xee));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x88),
+                            _mm512_shuffle_i32x4(w[0], w[1], 0xdd));
+}
+
+/* s[r] = qd * (float)(q . k_r) for r < 16 (fa_idot_i8), n a multiple of
+ * 64 (steps of 64 bytes; the inlined constant 2 of E = 128 unrolls them):
+ * the sums of i8_sums, sixteen rows reduced together. */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(i8_rows16)(const fa_idx steps, const int8_t *q,
+                                                               __m512i offset, float qd,
+                                                               const int8_t *k, fa_idx rb, float *s)
+{
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i acc[16];
+    for (int r = 0; r < 16; ++r, k += rb) { /* a row at a time: one pointer */
+        acc[r] = _mm512_setzero_si512();
+        for (fa_idx i = 0; i < steps; ++i)
+            acc[r] = fa_dpbusd512(acc[r], _mm512_xor_si512(_mm512_loadu_si512((const void *)(k + 64 * i)), flip),
+                                  _mm512_loadu_si512((const void *)(q + 64 * i)));
+    }
+    const __m512i x = _mm512_sub_epi32(FA_IDOT(hsum16)(acc), offset);
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_set1_ps(qd), _mm512_cvtepi32_ps(x)));
+}
+#endif
+
 /* fa_idot_i8 */
 static FA_IDOT_TARGET void FA_IDOT(i8)(fa_idx nr, fa_idx n, const int8_t *q, float qd,
                                        const int8_t *k, fa_idx rb, float *s)
 {
     int32_t isum[8];
-    for (fa_idx r0 = 0; r0 < nr; r0 += 8) {
+    fa_idx r0 = 0;
+#if defined(FA_IDOT_ZMM)
+    if (nr >= 16 && n % 64 == 0) { /* sixteen rows at a time; 128 times the codes' sum too much */
+        __m512i qsum = _mm512_setzero_si512();
+        for (fa_idx e = 0; e < n; e += 64)
+            qsum = fa_dpbusd512(qsum, _mm512_set1_epi8(1), _mm512_loadu_si512((const void *)(q + e)));
+        const __m512i offset = _mm512_set1_epi32(128 * _mm512_reduce_add_epi32(qsum));
+        for (; r0 + 16 <= nr; r0 += 16) {
+            if (n == 128)
+                FA_IDOT(i8_rows16)(2, q, offset, qd, k + r0 * rb, rb, s + r0);
+            else
+                FA_IDOT(i8_rows16)(n / 64, q, offset, qd, k + r0 * rb, rb, s + r0);
+        }
+    }
+#endif
+    for (; r0 < nr; r0 += 8) {
         const fa_idx m = nr - r0 < 8 ? nr - r0 : 8;
         if (m == 8)
             FA_IDOT(i8_sums)(8, n, q, k + r0 * rb, rb, isum);

@@ -20,8 +20,8 @@
 int fa_cpu_has_avx2_fma(void);
 /* 1 when they also support AVX-512 (foundation), else 0. */
 int fa_cpu_has_avx512(void);
-/* 1 when they also support AVX-512 VNNI on 256-bit vectors (VNNI and VL),
- * which the int8 mode's integer products use on the AVX-512 path, else 0. */
+/* 1 when they also support AVX-512 VNNI on 256-bit vectors (VNNI, VL and
+ * BW), which the int8 mode's integer products use on the AVX-512 path, else 0. */
 int fa_cpu_has_avx512_vnni(void);
 /* 1 on an aarch64 CPU with Advanced SIMD (NEON) and a build with the NEON
  * path, else 0. */
