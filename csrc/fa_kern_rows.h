@@ -308,15 +308,15 @@ static T FA_NAME(rows_dot_scaled)(const fa_attn_args *a, const FA_NAME(rows_scra
 #if FA_IS_F32
 /* dots (fa_kern_load.h) from integer products, for the int8 mode
  * (int8_dots): s[t * FA_RB + r] = the int8 query row t against key row r
- * of the nr rows from y, rb bytes apart (fa_idot.h), eight rows at a time
- * asked for ahead as dots asks, a run of rows at once (fetch_run); 64 at
- * a time when none is asked for (in L1 for the next query row). */
+ * of the nr rows from y, rb bytes apart (fa_idot.h), sixteen rows at a
+ * time asked for ahead as dots asks, a run of rows at once (fetch_run); 64
+ * at a time when none is asked for (in L1 for the next query row). */
 static void FA_NAME(idots)(const fa_attn_args *a, const FA_NAME(rows_scratch) *w, fa_idx nq,
                            fa_idx nr, const void *y, fa_idx rb, T *s, const fa_ahead_rows *l1,
                            const fa_ahead_rows *l2)
 {
     const fa_idx ng = FA_Q8_GROUPS(a), ld = FA_Q8_LD(a);
-    const fa_idx step = l1->count > 0 || l2[0].count > 0 || l2[1].count > 0 ? 8 : 64;
+    const fa_idx step = l1->count > 0 || l2[0].count > 0 || l2[1].count > 0 ? 16 : 64;
     for (fa_idx r0 = 0; r0 < nr; r0 += step) {
         const fa_idx m = nr - r0 < step ? nr - r0 : step;
         const char *rows = (const char *)y + r0 * rb;
