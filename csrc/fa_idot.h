@@ -366,7 +366,8 @@ static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
 /* BW for the byte shuffles on registers 16-31 (else copied to 0-15) */
 #define FA_IDOT_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw")))
 /* vpdpbusd in place: of the intrinsics' accumulator gcc 12 makes a copy
- * per product in the decoding loops (in a register or on the stack). */
+ * per product in the decoding loops and the key tiles (in a register or
+ * on the stack). */
 static FA_ALWAYS_INLINE FA_IDOT_TARGET __m256i fa_dpbusd256(__m256i acc, __m256i u, __m256i s)
 {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));

@@ -231,7 +231,7 @@ static FA_IDOT_TARGET void FA_IDOT(row_sums)(fa_idx m, fa_idx n, const int8_t *a
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_si256();
         for (fa_idx e = 0; e < e0; e += 32)
             for (int i = 0; i < 8; ++i)
-                acc[i] = _mm256_dpbusd_epi32(
+                acc[i] = fa_dpbusd256(
                     acc[i], ones, _mm256_loadu_si256((const __m256i *)(a + (r + i) * rs + e)));
         _mm256_storeu_si256((__m256i *)(sums + r), fa_hsum8_epi32(acc));
         for (int i = 0; i < 8; ++i)
@@ -324,7 +324,7 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, 
             int32_t x;
             memcpy(&x, ar, sizeof x);
             const __m512i av = _mm512_set1_epi32(x);
-            for (int i = 0; i < w; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], bv[i], av);
+            for (int i = 0; i < w; ++i) acc[r][i] = fa_dpbusd512(acc[r][i], bv[i], av);
         }
     }
     int32_t x[8 * 32];
