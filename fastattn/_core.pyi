@@ -7,6 +7,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 MAX_THREADS: int
+SCRATCH_KEEP: int  # bytes of kernel scratch a Python thread keeps between calls
 ISA_PORTABLE: int
 ISA_AVX2: int
 ISA_AVX512: int

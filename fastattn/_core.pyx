@@ -6,6 +6,7 @@ dtypes float32/float64 (bool for masks), element strides, shapes that agree.
 The loops release the GIL and split the work into independent pieces (see
 csrc/fastattn.h), spread over OpenMP threads when the build has OpenMP.
 """
+import threading
 from os import cpu_count
 
 from cython.parallel cimport parallel, prange, threadid
@@ -682,30 +683,54 @@ cdef double ragged_cost(const fa_attn_args *a, fa_idx i0, fa_idx i1, fa_idx s_lo
 ctypedef int (*task_fn)(const void *ctx, fa_idx t, void *work) noexcept nogil
 
 
+# The kernels' scratch, kept between calls per Python thread up to this
+# size: malloc'd and freed per call, glibc gave it back to the OS (a trim of
+# its heap) and the next call faulted it in again, 0.24 of bert-base's 0.62
+# ms in the int8 mode (threads-and-speed.md, "Scratch kept between calls").
+SCRATCH_KEEP = 8 << 20
+_kept = threading.local()
+
+
+cdef char *kept_scratch(size_t nbytes) except? NULL:
+    """nbytes of this Python thread's kept scratch (one buffer, grown when
+    asked for more), or NULL past SCRATCH_KEEP: the caller allocates its
+    own then.  Called with the GIL, the buffer used without it."""
+    if nbytes > SCRATCH_KEEP:
+        return NULL
+    buf = getattr(_kept, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>max(nbytes, 1)], cnp.NPY_UINT8, 0)
+        _kept.buf = buf
+    return <char *>cnp.PyArray_DATA(buf)
+
+
 cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes, int nthreads,
                       fa_stop *stop) except -1:
     """task(ctx, t, work) for t in 0..n-1 over nthreads threads, each with
-    work_bytes of scratch; a single thread without a parallel region:
-    entering one costs a tenth of a small call (threads-and-speed.md,
-    "Small calls").  1 when a thread's scratch could not be allocated, 2
-    when a task returned non-zero, else 0."""
+    work_bytes of scratch (parts of kept_scratch, else malloc'd); a single
+    thread without a parallel region: entering one costs a tenth of a small
+    call (threads-and-speed.md, "Small calls").  1 when a thread's scratch
+    could not be allocated, 2 when a task returned non-zero, else 0."""
     cdef fa_idx t
     cdef void *work
     cdef int err = 0
     cdef int *errp = &err
     nthreads = min(nthreads, n)
+    cdef size_t stride = (work_bytes + 63) // 64 * 64  # each thread's part on its own lines
+    cdef char *kept = kept_scratch(stride * max(nthreads, 1)) if n > 0 else NULL
     if nthreads <= 1:
         with nogil:
-            work = malloc(work_bytes)
+            work = kept if kept != NULL else malloc(work_bytes)
             err = 1 if work == NULL else 0
             t = 0
             while err == 0 and t < n and not stopped(stop):
                 err = 2 if task(ctx, t, work) != 0 else 0
                 t += 1
-            free(work)
+            if kept == NULL:
+                free(work)
     else:
         with nogil, parallel(num_threads=nthreads):
-            work = malloc(work_bytes)
+            work = kept + threadid() * stride if kept != NULL else malloc(work_bytes)
             if work == NULL:
                 errp[0] = 1
             for t in prange(n, schedule="dynamic"):
@@ -713,7 +738,8 @@ cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes
                     continue
                 if task(ctx, t, work) != 0:
                     errp[0] = 2
-            free(work)
+            if kept == NULL:
+                free(work)
     return err
 
 

@@ -148,6 +148,48 @@ def test_concurrent_python_threads(big):
             np.testing.assert_array_equal(f.result(), expected)
 
 
+def scratch_jobs(rng):
+    """Calls through each of the kernels' loops (dense, int8 mode, ragged,
+    paged, backward), each returning arrays."""
+    def arr(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q, k, v = arr(1, 4, 130, 64), arr(1, 4, 200, 64), arr(1, 4, 200, 64)
+    cache = fastattn.KVCache(1, 4, 64, 64, storage="int8")
+    cache.append(k[:, :, :64], v[:, :, :64])
+    cu = np.array([0, 50, 130], np.int64)
+    packed = [x[0].transpose(1, 0, 2)[:130].copy() for x in (q, k, v)]
+    out, lse = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    return [
+        lambda n: fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=n),
+        lambda n: fastattn.scaled_dot_product_attention(q, k, v, num_threads=n, precision="int8"),
+        lambda n: cache.attend(q[:, :, :1], num_threads=n, precision="int8"),
+        lambda n: fastattn.varlen_attention(*packed, cu, cu, is_causal=True, num_threads=n),
+        lambda n: fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse,
+                                              is_causal=True, num_threads=n)[0],
+    ]
+
+
+def test_kept_scratch_gives_the_bits_of_fresh_scratch(rng, monkeypatch):
+    """The kernels' scratch kept between calls (_core.SCRATCH_KEEP) and
+    scratch allocated per call give the same bits, as the buffer grows from
+    a small call to a larger one, filled with NaN bytes by the test (no
+    kernel reads scratch it did not write), and a thread keeps one buffer."""
+    from fastattn import _core
+    jobs = scratch_jobs(rng)
+    kept = [[job(n) for job in jobs] for n in (1, 2)]
+    buf = _core._kept.buf
+    for n in (1, 2):
+        for i, job in enumerate(jobs):
+            buf[:] = 0xFF
+            assert same_bits(job(n), kept[n - 1][i]), f"job {i}, {n} threads, NaN scratch"
+    assert _core._kept.buf is buf  # no new buffer for calls of the same sizes
+    monkeypatch.setattr(_core, "SCRATCH_KEEP", 0)  # each thread's own, freed after
+    for j, n in enumerate((1, 2)):
+        for i, job in enumerate(jobs):
+            assert same_bits(job(n), kept[j][i]), f"job {i}, {n} threads"
+
+
 def mixed_jobs(rng):
     """(function, args, kwargs): every function, float32 and float64, the
     row kernel and the block kernel, masks, GQA, strided views."""
