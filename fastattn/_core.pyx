@@ -16,6 +16,8 @@ from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcpy, memset
 
 cimport numpy as cnp
+from cpython.exc cimport PyErr_Fetch, PyErr_Restore
+from cpython.ref cimport PyObject
 
 cnp.import_array()
 
@@ -691,23 +693,60 @@ SCRATCH_KEEP = 8 << 20
 _kept = threading.local()
 
 
-cdef char *kept_scratch(size_t nbytes) except? NULL:
-    """nbytes of this Python thread's kept scratch (one buffer, grown when
-    asked for more), or NULL past SCRATCH_KEEP: the caller allocates its
-    own then.  Called with the GIL, the buffer used without it."""
+cdef class Scratch:
+    """nbytes of malloc'd scratch, freed with the object (take_scratch)."""
+    cdef char *data
+    cdef readonly size_t nbytes
+
+    def __cinit__(self, size_t nbytes):
+        self.data = <char *>malloc(max(nbytes, 1))
+        if self.data == NULL:
+            raise MemoryError(f"cannot allocate {nbytes} bytes of scratch")
+        self.nbytes = nbytes
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def fill(self, unsigned char byte):
+        """Every byte set to byte (the tests' garbage between calls)."""
+        memset(self.data, byte, self.nbytes)
+
+
+cdef Scratch take_scratch(size_t nbytes):
+    """This Python thread's kept scratch, taken out of its keeping for the
+    call (a call made meanwhile on this thread, by a signal handler or a
+    finaliser run at a signal check, makes its own), or a new one when it
+    is smaller than nbytes; None past SCRATCH_KEEP.  Given back by
+    keep_scratch."""
     if nbytes > SCRATCH_KEEP:
-        return NULL
-    buf = getattr(_kept, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>max(nbytes, 1)], cnp.NPY_UINT8, 0)
-        _kept.buf = buf
-    return <char *>cnp.PyArray_DATA(buf)
+        return None
+    s = getattr(_kept, "buf", None)
+    _kept.buf = None
+    if type(s) is not Scratch or (<Scratch>s).nbytes < nbytes:
+        s = Scratch(nbytes)
+    return <Scratch>s
+
+
+cdef void keep_scratch(Scratch s):
+    """s kept for this Python thread's next calls, unless it keeps a larger
+    one (made by a call nested in the one that took s); an exception a
+    signal handler left set for stop_raise stays set."""
+    cdef PyObject *etype
+    cdef PyObject *evalue
+    cdef PyObject *etb
+    if s is None:
+        return
+    PyErr_Fetch(&etype, &evalue, &etb)
+    held = getattr(_kept, "buf", None)
+    if type(held) is not Scratch or (<Scratch>held).nbytes < s.nbytes:
+        _kept.buf = s
+    PyErr_Restore(etype, evalue, etb)
 
 
 cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes, int nthreads,
                       fa_stop *stop) except -1:
     """task(ctx, t, work) for t in 0..n-1 over nthreads threads, each with
-    work_bytes of scratch (parts of kept_scratch, else malloc'd); a single
+    work_bytes of scratch (parts of take_scratch's, else malloc'd); a single
     thread without a parallel region: entering one costs a tenth of a small
     call (threads-and-speed.md, "Small calls").  1 when a thread's scratch
     could not be allocated, 2 when a task returned non-zero, else 0."""
@@ -717,7 +756,8 @@ cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes
     cdef int *errp = &err
     nthreads = min(nthreads, n)
     cdef size_t stride = (work_bytes + 63) // 64 * 64  # each thread's part on its own lines
-    cdef char *kept = kept_scratch(stride * max(nthreads, 1)) if n > 0 else NULL
+    cdef Scratch scratch = take_scratch(stride * max(nthreads, 1)) if n > 0 else None
+    cdef char *kept = scratch.data if scratch is not None else NULL
     if nthreads <= 1:
         with nogil:
             work = kept if kept != NULL else malloc(work_bytes)
@@ -740,6 +780,7 @@ cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes
                     errp[0] = 2
             if kept == NULL:
                 free(work)
+    keep_scratch(scratch)
     return err
 
 

@@ -4,6 +4,7 @@ import concurrent.futures
 import functools
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -181,13 +182,46 @@ def test_kept_scratch_gives_the_bits_of_fresh_scratch(rng, monkeypatch):
     buf = _core._kept.buf
     for n in (1, 2):
         for i, job in enumerate(jobs):
-            buf[:] = 0xFF
+            buf.fill(0xFF)
             assert same_bits(job(n), kept[n - 1][i]), f"job {i}, {n} threads, NaN scratch"
     assert _core._kept.buf is buf  # no new buffer for calls of the same sizes
     monkeypatch.setattr(_core, "SCRATCH_KEEP", 0)  # each thread's own, freed after
     for j, n in enumerate((1, 2)):
         for i, job in enumerate(jobs):
             assert same_bits(job(n), kept[j][i]), f"job {i}, {n} threads"
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no interval timer signals here")
+def test_calls_from_a_signal_handler_during_a_call(rng):
+    """A signal handler runs while a call waits for its threads (the loops
+    check for signals): its own calls, smaller and larger than the running
+    call, leave the running call's kept scratch alone and get their bits."""
+    sdpa = fastattn.scaled_dot_product_attention
+    q = rng.standard_normal((1, 8, 2048, 64)).astype(np.float32)  # 20-50 ms: signal checks
+    small = rng.standard_normal((1, 1, 64, 256)).astype(np.float32)
+    large = rng.standard_normal((1, 1, 4, 1000)).astype(np.float32)
+    expected = sdpa(q, q, q, num_threads=2)
+    nested = {id(x): sdpa(x, x, x, num_threads=1) for x in (small, large)}
+    wrong, calls = [], []
+
+    def handler(signum, frame):
+        x = small if len(calls) % 2 else large
+        calls.append(1)
+        if not same_bits(sdpa(x, x, x, num_threads=1), nested[id(x)]):
+            wrong.append("handler's call")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        for _ in range(4):
+            signal.setitimer(signal.ITIMER_REAL, 0.003, 0.003)
+            got = sdpa(q, q, q, num_threads=2)
+            signal.setitimer(signal.ITIMER_REAL, 0, 0)
+            if not same_bits(got, expected):
+                wrong.append("the running call")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert calls and not wrong
 
 
 def mixed_jobs(rng):
