@@ -743,6 +743,25 @@ cdef void keep_scratch(Scratch s):
     PyErr_Restore(etype, evalue, etb)
 
 
+cdef inline size_t scratch_stride(size_t work_bytes) noexcept nogil:
+    """Bytes between two threads' parts of a kept scratch: their own lines."""
+    return (work_bytes + 63) // 64 * 64
+
+
+cdef inline void *thread_scratch(char *kept, size_t work_bytes) noexcept nogil:
+    """The calling thread's work_bytes: its part of kept (take_scratch's,
+    sized for every thread of the region), or malloc'd (NULL if that
+    fails) when kept is NULL; released by release_scratch."""
+    if kept != NULL:
+        return kept + threadid() * scratch_stride(work_bytes)
+    return malloc(work_bytes)
+
+
+cdef inline void release_scratch(char *kept, void *work) noexcept nogil:
+    if kept == NULL:
+        free(work)
+
+
 cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes, int nthreads,
                       fa_stop *stop) except -1:
     """task(ctx, t, work) for t in 0..n-1 over nthreads threads, each with
@@ -755,8 +774,7 @@ cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes
     cdef int err = 0
     cdef int *errp = &err
     nthreads = min(nthreads, n)
-    cdef size_t stride = (work_bytes + 63) // 64 * 64  # each thread's part on its own lines
-    cdef Scratch scratch = take_scratch(stride * max(nthreads, 1)) if n > 0 else None
+    cdef Scratch scratch = take_scratch(scratch_stride(work_bytes) * max(nthreads, 1)) if n > 0 else None
     cdef char *kept = scratch.data if scratch is not None else NULL
     if nthreads <= 1:
         with nogil:
@@ -766,11 +784,10 @@ cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes
             while err == 0 and t < n and not stopped(stop):
                 err = 2 if task(ctx, t, work) != 0 else 0
                 t += 1
-            if kept == NULL:
-                free(work)
+            release_scratch(kept, work)
     else:
         with nogil, parallel(num_threads=nthreads):
-            work = kept + threadid() * stride if kept != NULL else malloc(work_bytes)
+            work = thread_scratch(kept, work_bytes)
             if work == NULL:
                 errp[0] = 1
             for t in prange(n, schedule="dynamic"):
@@ -778,8 +795,7 @@ cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes
                     continue
                 if task(ctx, t, work) != 0:
                     errp[0] = 2
-            if kept == NULL:
-                free(work)
+            release_scratch(kept, work)
     keep_scratch(scratch)
     return err
 
@@ -1524,9 +1540,11 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
     cdef fa_stop stop
     if b.count == 0 or n == 0:
         return
+    cdef Scratch scratch = take_scratch(scratch_stride(work_bytes) * max(nthreads, 1))
+    cdef char *kept = scratch.data if scratch is not None else NULL
     stop_init(&stop)
     with nogil, parallel(num_threads=nthreads):
-        work = malloc(work_bytes)
+        work = thread_scratch(kept, work_bytes)
         if work == NULL:
             errp[0] = 1
         for r in prange(b.count, schedule="static"):
@@ -1537,7 +1555,8 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
                               <fa_mask_kind>mask_kind, mrow, m_s, at(op, elsize, &b, os, r),
                               o_s, work) != 0:
                 errp[0] = 2
-        free(work)
+        release_scratch(kept, work)
+    keep_scratch(scratch)
     stop_raise(&stop)
     raise_on(err, "softmax")
 
@@ -1575,9 +1594,11 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
     if ntasks == 0:
         return
     nthreads = min(nthreads, ntasks)
+    cdef Scratch scratch = take_scratch(scratch_stride(work_bytes) * max(nthreads, 1))
+    cdef char *kept = scratch.data if scratch is not None else NULL
     stop_init(&stop)
     with nogil, parallel(num_threads=nthreads):
-        work = malloc(work_bytes)
+        work = thread_scratch(kept, work_bytes)
         if work == NULL:
             errp[0] = 1
         for t in prange(ntasks, schedule="dynamic"):
@@ -1593,7 +1614,8 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
                        at(bp, elsize, &b, bs, item), at(op, elsize, &b, os, item),
                        i0, i1, j0, j1, work) != 0:
                 errp[0] = 2
-        free(work)
+        release_scratch(kept, work)
+    keep_scratch(scratch)
     stop_raise(&stop)
     raise_on(err, "matmul")
 

@@ -151,7 +151,7 @@ def test_concurrent_python_threads(big):
 
 def scratch_jobs(rng):
     """Calls through each of the kernels' loops (dense, int8 mode, ragged,
-    paged, backward), each returning arrays."""
+    paged, backward, matmul, softmax), each returning arrays."""
     def arr(*shape):
         return rng.standard_normal(shape).astype(np.float32)
 
@@ -168,6 +168,8 @@ def scratch_jobs(rng):
         lambda n: fastattn.varlen_attention(*packed, cu, cu, is_causal=True, num_threads=n),
         lambda n: fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse,
                                               is_causal=True, num_threads=n)[0],
+        lambda n: fastattn.matmul(q[0], k[0].transpose(0, 2, 1), num_threads=n),
+        lambda n: fastattn.softmax(q[0] * 10, mask=q[0] > -1, num_threads=n),
     ]
 
 
