@@ -712,12 +712,18 @@ cdef class Scratch:
         memset(self.data, byte, self.nbytes)
 
 
-cdef Scratch take_scratch(size_t nbytes):
+cdef inline size_t scratch_stride(size_t work_bytes) noexcept nogil:
+    """Bytes between two threads' parts of a kept scratch: their own lines."""
+    return (work_bytes + 63) // 64 * 64
+
+
+cdef Scratch take_scratch(size_t work_bytes, int nthreads):
     """This Python thread's kept scratch, taken out of its keeping for the
     call (a call made meanwhile on this thread, by a signal handler or a
     finaliser run at a signal check, makes its own), or a new one when it
-    is smaller than nbytes; None past SCRATCH_KEEP.  Given back by
-    keep_scratch."""
+    is smaller than nthreads parts of work_bytes; None past SCRATCH_KEEP.
+    Given back by keep_scratch."""
+    cdef size_t nbytes = scratch_stride(work_bytes) * max(nthreads, 1)
     if nbytes > SCRATCH_KEEP:
         return None
     s = getattr(_kept, "buf", None)
@@ -743,15 +749,16 @@ cdef void keep_scratch(Scratch s):
     PyErr_Restore(etype, evalue, etb)
 
 
-cdef inline size_t scratch_stride(size_t work_bytes) noexcept nogil:
-    """Bytes between two threads' parts of a kept scratch: their own lines."""
-    return (work_bytes + 63) // 64 * 64
+cdef inline char *scratch_data(Scratch s) noexcept:
+    """s's bytes, NULL for None (each thread mallocs its own then)."""
+    return s.data if s is not None else NULL
 
 
 cdef inline void *thread_scratch(char *kept, size_t work_bytes) noexcept nogil:
-    """The calling thread's work_bytes: its part of kept (take_scratch's,
-    sized for every thread of the region), or malloc'd (NULL if that
-    fails) when kept is NULL; released by release_scratch."""
+    """The calling thread's work_bytes (thread 0 outside a parallel region):
+    its part of kept (take_scratch's, sized for every thread of the
+    region), or malloc'd (NULL if that fails) when kept is NULL; released
+    by release_scratch."""
     if kept != NULL:
         return kept + threadid() * scratch_stride(work_bytes)
     return malloc(work_bytes)
@@ -774,11 +781,11 @@ cdef int run_parallel(task_fn task, const void *ctx, fa_idx n, size_t work_bytes
     cdef int err = 0
     cdef int *errp = &err
     nthreads = min(nthreads, n)
-    cdef Scratch scratch = take_scratch(scratch_stride(work_bytes) * max(nthreads, 1)) if n > 0 else None
-    cdef char *kept = scratch.data if scratch is not None else NULL
+    cdef Scratch scratch = take_scratch(work_bytes, nthreads) if n > 0 else None
+    cdef char *kept = scratch_data(scratch)
     if nthreads <= 1:
         with nogil:
-            work = kept if kept != NULL else malloc(work_bytes)
+            work = thread_scratch(kept, work_bytes)
             err = 1 if work == NULL else 0
             t = 0
             while err == 0 and t < n and not stopped(stop):
@@ -1540,8 +1547,8 @@ def softmax_rows(int isa, cnp.ndarray x, object mask, int mask_kind, cnp.ndarray
     cdef fa_stop stop
     if b.count == 0 or n == 0:
         return
-    cdef Scratch scratch = take_scratch(scratch_stride(work_bytes) * max(nthreads, 1))
-    cdef char *kept = scratch.data if scratch is not None else NULL
+    cdef Scratch scratch = take_scratch(work_bytes, nthreads)
+    cdef char *kept = scratch_data(scratch)
     stop_init(&stop)
     with nogil, parallel(num_threads=nthreads):
         work = thread_scratch(kept, work_bytes)
@@ -1594,8 +1601,8 @@ def matmul(int isa, cnp.ndarray a, cnp.ndarray bm, cnp.ndarray out, int nthreads
     if ntasks == 0:
         return
     nthreads = min(nthreads, ntasks)
-    cdef Scratch scratch = take_scratch(scratch_stride(work_bytes) * max(nthreads, 1))
-    cdef char *kept = scratch.data if scratch is not None else NULL
+    cdef Scratch scratch = take_scratch(work_bytes, nthreads)
+    cdef char *kept = scratch_data(scratch)
     stop_init(&stop)
     with nogil, parallel(num_threads=nthreads):
         work = thread_scratch(kept, work_bytes)
