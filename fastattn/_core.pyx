@@ -686,9 +686,9 @@ ctypedef int (*task_fn)(const void *ctx, fa_idx t, void *work) noexcept nogil
 
 
 # The kernels' scratch, kept between calls per Python thread up to this
-# size: malloc'd and freed per call, glibc gave it back to the OS (a trim of
-# its heap) and the next call faulted it in again, 0.24 of bert-base's 0.62
-# ms in the int8 mode (threads-and-speed.md, "Scratch kept between calls").
+# size: malloc'd and freed per call, glibc could give it back to the OS and
+# the next call fault it in again (threads-and-speed.md, "Scratch kept
+# between calls").
 SCRATCH_KEEP = 8 << 20
 _kept = threading.local()
 
