@@ -126,6 +126,39 @@ def cache_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
         yield f"kvcache {storage}", dense
 
 
+def int8_mode_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
+    """precision="int8": the block kernel's tiles (rows of 5 queries and up)
+    and the row kernel, dense and against int8 / int4 caches."""
+    sdpa = fastattn.scaled_dot_product_attention
+    shapes = {"prefill": (2, 4, 2, 77, 77, 64), "cross": (1, 8, 8, 33, 300, 40),
+              "encoder": (1, 4, 4, 256, 256, 128), "decode": (1, 8, 2, 1, 3000, 128)}
+    for name, (B, Hq, Hkv, L, S, E) in shapes.items():
+        q = rng.standard_normal((B, Hq, L, E)).astype(np.float32)
+        k, v = (rng.standard_normal((B, Hkv, S, E)).astype(np.float32) for _ in range(2))
+        k += np.linspace(-4, 4, E, dtype=np.float32)  # outlier channels: the key mean's case
+        pad = rng.random((B, 1, 1, S)) > 0.2
+        tag = f"sdpa-int8 {name}"
+        yield f"{tag} plain", lambda n, q=q, k=k, v=v: sdpa(
+            q, k, v, enable_gqa=True, return_lse=True, precision="int8", num_threads=n)
+        yield f"{tag} causal mask", lambda n, q=q, k=k, v=v, m=pad: sdpa(
+            q, k, v, attn_mask=m, is_causal=True, causal_alignment="lower_right",
+            enable_gqa=True, precision="int8", num_threads=n)
+        yield f"{tag} variants", lambda n, q=q, k=k, v=v, H=Hq: sdpa(
+            q, k, v, is_causal=True, causal_alignment=3, enable_gqa=True, window_size=(40, 2),
+            alibi_slopes=np.linspace(0.05, 0.5, H), softcap=20.0, sinks=np.linspace(-1, 1, H),
+            scale=0.11, return_lse=True, precision="int8", num_threads=n)
+    Hkv, D, S = 2, 64, 700
+    k, v = (rng.standard_normal((1, Hkv, S, D)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 8, 6, D)).astype(np.float32)
+    for storage in ("int8", "int4"):
+        def cached(n: int, storage: str = storage) -> Any:
+            cache = fastattn.KVCache(1, Hkv, S, D, storage=storage)
+            cache.append(k, v)
+            return (cache.attend(q[:, :, :1], return_lse=True, precision="int8", num_threads=n),
+                    cache.attend(q, is_causal=True, precision="int8", num_threads=n))
+        yield f"kvcache-int8 {storage}", cached
+
+
 def layer_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
     mha = fastattn.MultiHeadAttention(64, 8, num_kv_heads=2, rng=1)
     x = rng.standard_normal((2, 21, 64)).astype(np.float32)
@@ -155,7 +188,8 @@ def main() -> None:
         print("output_hashes: no ml_dtypes, bfloat16 cases left out", file=sys.stderr)
     threads = [int(t) for t in args.threads.split(",")]
     rng = np.random.default_rng(20261206)
-    cases = [*dense_cases(rng), *varlen_cases(rng), *cache_cases(rng), *layer_cases(rng)]
+    cases = [*dense_cases(rng), *varlen_cases(rng), *cache_cases(rng), *layer_cases(rng),
+             *int8_mode_cases(rng)]
     for path in fastattn.available_simd_paths():
         fastattn.set_simd_path(path)
         for name, case in cases:

@@ -298,6 +298,50 @@ static FA_IDOT_TARGET void FA_IDOT(igemv_i8)(fa_idx n, const uint8_t *w, const i
  * 512-bit vectors) times 16 or 32 columns of B, sb: B signed (else 0..127,
  * whose products need no sign trick) */
 #if defined(FA_IDOT_ZMM)
+/* fa_itile_finish of an 8 x 32 tile's sums from their registers, the same
+ * steps in the same order (vmaxps keeps its second operand, cm, for a NaN
+ * as fa_itile_finish does): through memory, the sums' stores and reloads
+ * took as long as half the products on 512-bit units. */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_finish)(const fa_itile_out *o,
+                                                                 const fa_idx mr, const int w,
+                                                                 __m512i (*acc)[2], const int sb,
+                                                                 const int32_t *asum, fa_idx r0,
+                                                                 fa_idx j0)
+{
+    __m512 cv[2], sv[2], cm[2];
+    for (int i = 0; i < w; ++i) cv[i] = _mm512_loadu_ps(o->cv + j0 + 16 * i);
+    for (fa_idx r = 0; sb && r < mr; ++r) /* B's flipped sign bit */
+        for (int i = 0; i < w; ++i) acc[r][i] = _mm512_sub_epi32(acc[r][i], _mm512_set1_epi32(128 * asum[r]));
+    float *f = o->f + r0 * o->ld + j0;
+    if (o->form == FA_ITILE_ADD) {
+        for (fa_idx r = 0; r < mr; ++r, f += o->ld)
+            for (int i = 0; i < w; ++i)
+                _mm512_storeu_ps(f + 16 * i,
+                                 _mm512_add_ps(_mm512_loadu_ps(f + 16 * i),
+                                               _mm512_mul_ps(cv[i], _mm512_cvtepi32_ps(acc[r][i]))));
+        return;
+    }
+    const __m512 alpha = _mm512_set1_ps(o->alpha), zero = _mm512_setzero_ps();
+    for (int i = 0; i < w; ++i) {
+        sv[i] = _mm512_loadu_ps(o->sv + j0 + 16 * i);
+        cm[i] = o->cm != NULL ? _mm512_loadu_ps(o->cm + j0 + 16 * i) : zero;
+    }
+    for (fa_idx r = 0; r < mr; ++r, f += o->ld) {
+        const __m512 rv = _mm512_set1_ps(o->rv[r0 + r]);
+        for (int i = 0; i < w; ++i) {
+            const __m512 x = _mm512_cvtepi32_ps(acc[r][i]);
+            __m512 y = _mm512_add_ps(_mm512_mul_ps(alpha, _mm512_mul_ps(rv, _mm512_mul_ps(cv[i], x))),
+                                     sv[i]);
+            if (o->wide) /* NaN where not finite */
+                y = _mm512_mask_mov_ps(_mm512_set1_ps(NAN),
+                                       _mm512_cmp_ps_mask(_mm512_sub_ps(y, y), zero, _CMP_EQ_OQ), y);
+            _mm512_storeu_ps(f + 16 * i, y);
+            cm[i] = _mm512_max_ps(y, cm[i]);
+        }
+    }
+    for (int i = 0; o->cm != NULL && i < w; ++i) _mm512_storeu_ps(o->cm + j0 + 16 * i, cm[i]);
+}
+
 static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, const int w,
                                                                const int sb, fa_idx n4,
                                                                const int8_t *a, fa_idx rs,
@@ -327,13 +371,7 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, 
             for (int i = 0; i < w; ++i) acc[r][i] = fa_dpbusd512(acc[r][i], bv[i], av);
         }
     }
-    int32_t x[8 * 32];
-    for (fa_idx r = 0; r < mr; ++r) {
-        const __m512i off = _mm512_set1_epi32(sb ? 128 * asum[r] : 0);
-        for (int i = 0; i < w; ++i)
-            _mm512_storeu_si512((void *)(x + r * 16 * w + 16 * i), _mm512_sub_epi32(acc[r][i], off));
-    }
-    fa_itile_finish(o, mr, 16 * w, x, r0, j0);
+    FA_IDOT(tile_finish)(o, mr, w, acc, sb, asum, r0, j0);
 }
 #define FA_ITILE_ROWS 8
 #define FA_ITILE_COLS 32
