@@ -145,19 +145,16 @@ static void fa_pack_weights(fa_idx n, fa_idx ld, const float *w, const float *wr
 #if defined(__AVX512F__)
     const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(127);
     for (; j + 16 <= ld; j += 16) {
-        __m128i b[4];
+        __m512i c[4];
         const __m512 r = _mm512_loadu_ps(wr + j);
         for (fa_idx u = 0; u < 4; ++u) {
             const __m512 x = u < n ? _mm512_mul_ps(_mm512_loadu_ps(w + u * ld + j), r) : zero;
-            b[u] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(x, zero), top)));
+            c[u] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(x, zero), top));
         }
-        const __m128i lo01 = _mm_unpacklo_epi8(b[0], b[1]), hi01 = _mm_unpackhi_epi8(b[0], b[1]);
-        const __m128i lo23 = _mm_unpacklo_epi8(b[2], b[3]), hi23 = _mm_unpackhi_epi8(b[2], b[3]);
-        __m128i *o = (__m128i *)(out + 4 * j);
-        _mm_storeu_si128(o, _mm_unpacklo_epi16(lo01, lo23));
-        _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(lo01, lo23));
-        _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(hi01, hi23));
-        _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(hi01, hi23));
+        /* codes of 0..127: row u's is byte u of its column's int32 */
+        const __m512i q = _mm512_ternarylogic_epi32(c[0], _mm512_slli_epi32(c[1], 8),
+                                                    _mm512_slli_epi32(c[2], 16), 0xfe);
+        _mm512_storeu_si512((void *)(out + 4 * j), _mm512_or_si512(q, _mm512_slli_epi32(c[3], 24)));
     }
 #elif defined(__AVX2__)
     const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(127);
