@@ -2,6 +2,7 @@
 every runner computes attention (so none can report the speed of a wrong
 answer), the peak loops do the work they count, the CLI writes the JSON it
 promises.  Nothing here asserts a speed."""
+import ctypes
 import importlib.util
 import json
 import signal
@@ -21,6 +22,28 @@ from fastattn.bench import RUNNERS, measure, report, runners, suite, worker
 from fastattn.bench import cli as bench_cli
 from fastattn.bench.cli import require
 from fastattn.bench.shapes import ALL_SHAPES, SHAPES, Shape
+
+
+class SignalStack(ctypes.Structure):
+    """Linux's stack_t (sigaltstack(2))."""
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+
+@pytest.fixture(autouse=True)
+def alternate_signal_stack_kept():
+    """OpenVINO 2026.4's compiled models leave the calling thread's alternate
+    signal stack pointing at memory they have freed; CPython's handlers run
+    there (SA_ONSTACK), so a later test's SIGALRM ended the process with
+    SIGSEGV (test_threads' signal handler test, on a Zen 5).  The stack each
+    test starts with is put back after it."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    libc = ctypes.CDLL(None)
+    before = SignalStack()
+    libc.sigaltstack(None, ctypes.byref(before))
+    yield
+    libc.sigaltstack(ctypes.byref(before), None)
 
 
 def available(name):
