@@ -353,6 +353,8 @@ static FA_ALWAYS_INLINE __m256i fa_quad_weights(const void *w, int r)
  * these functions compiled for it (the rest of the path runs without),
  * taken where fa_idot_cpu() says the CPU has it:
  * - the AVX-512 path: AVX-512 VNNI's vpdpbusd (fa_cpu_has_avx512_vnni);
+ * - the AVX2 path: AVX-VNNI's, the same instruction VEX-encoded, on
+ *   registers 0-15 (fa_cpu_has_avx_vnni);
  * - the NEON path: ARMv8.2's sdot, signed by signed, four products a lane
  *   (fa_cpu_has_neon_dotprod), on Linux with gcc, whose target attribute
  *   names the extension so. */
@@ -376,11 +378,19 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET __m512i fa_dpbusd512(__m512i acc, __m512i
     return acc;
 }
 #define FA_DPBUSD(acc, u, s) fa_dpbusd256((acc), (u), (s))
-#include "fa_idot_body.h"
-#undef FA_IDOT
-#undef FA_IDOT_TARGET
-#undef FA_DPBUSD
-#undef FA_IDOT_ZMM
+#elif defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+#define FA_IDOT_DOT 1
+#define FA_IDOT_VNNI 1
+#define FA_IDOT(name) fa_idot_##name##_dot
+#define FA_IDOT_TARGET __attribute__((target("avxvnni")))
+/* AVX-VNNI's vpdpbusd, VEX-encoded ({vex}, spelled %{vex%} in an asm
+ * template), in place as fa_dpbusd256 */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET __m256i fa_vdpbusd256(__m256i acc, __m256i u, __m256i s)
+{
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    return acc;
+}
+#define FA_DPBUSD(acc, u, s) fa_vdpbusd256((acc), (u), (s))
 #elif FA_HAVE_NEON && defined(FA_SIMD) && defined(__linux__) && defined(__GNUC__) && \
     !defined(__clang__)
 #include <arm_neon.h>
@@ -388,12 +398,17 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET __m512i fa_dpbusd512(__m512i acc, __m512i
 #define FA_IDOT_SDOT 1
 #define FA_IDOT(name) fa_idot_##name##_dot
 #define FA_IDOT_TARGET __attribute__((target("arch=armv8.2-a+dotprod")))
+#else
+#define FA_IDOT_DOT 0
+#endif
+#if FA_IDOT_DOT
 #include "fa_idot_body.h"
 #undef FA_IDOT
 #undef FA_IDOT_TARGET
+#undef FA_DPBUSD
+#undef FA_IDOT_ZMM
+#undef FA_IDOT_VNNI
 #undef FA_IDOT_SDOT
-#else
-#define FA_IDOT_DOT 0
 #endif
 
 /* The instance the kernel asks for: dot (fa_idot_cpu) for the CPU's own
@@ -413,8 +428,10 @@ static inline int fa_idot_cpu(void)
 {
 #if FA_IDOT_DOT && FA_HAVE_NEON
     return fa_cpu_has_neon_dotprod();
-#elif FA_IDOT_DOT
+#elif FA_IDOT_DOT && defined(__AVX512F__)
     return fa_cpu_has_avx512_vnni();
+#elif FA_IDOT_DOT
+    return fa_cpu_has_avx_vnni();
 #else
     return 0;
 #endif

@@ -222,7 +222,7 @@ static FA_IDOT_TARGET void FA_IDOT(row_sums)(fa_idx m, fa_idx n, const int8_t *a
                                              int32_t *sums)
 {
     fa_idx r = 0;
-#if defined(FA_IDOT_ZMM)
+#if defined(FA_IDOT_ZMM) || defined(FA_IDOT_VNNI)
     /* eight rows at a time, 32 codes a step against ones */
     const __m256i ones = _mm256_set1_epi8(1);
     const fa_idx e0 = n / 32 * 32;
@@ -231,8 +231,8 @@ static FA_IDOT_TARGET void FA_IDOT(row_sums)(fa_idx m, fa_idx n, const int8_t *a
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_si256();
         for (fa_idx e = 0; e < e0; e += 32)
             for (int i = 0; i < 8; ++i)
-                acc[i] = fa_dpbusd256(
-                    acc[i], ones, _mm256_loadu_si256((const __m256i *)(a + (r + i) * rs + e)));
+                acc[i] = FA_DPBUSD(acc[i], ones,
+                                   _mm256_loadu_si256((const __m256i *)(a + (r + i) * rs + e)));
         _mm256_storeu_si256((__m256i *)(sums + r), fa_hsum8_epi32(acc));
         for (int i = 0; i < 8; ++i)
             for (fa_idx e = e0; e < n; ++e) sums[r + i] += a[(r + i) * rs + e];
@@ -408,6 +408,48 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, 
 #define FA_ITILE_ROWS 4
 #define FA_ITILE_COLS 16
 #elif defined(__AVX2__)
+/* The ZMM tile_finish on 256-bit vectors: a 4 x 16 tile, asum (not NULL)
+ * the rows' code sums, 128 times each too much in its sums */
+static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_finish)(const fa_itile_out *o,
+                                                                 const fa_idx mr,
+                                                                 __m256i (*acc)[2],
+                                                                 const int32_t *asum, fa_idx r0,
+                                                                 fa_idx j0)
+{
+    __m256 cv[2], sv[2], cm[2];
+    for (int i = 0; i < 2; ++i) cv[i] = _mm256_loadu_ps(o->cv + j0 + 8 * i);
+    for (fa_idx r = 0; asum != NULL && r < mr; ++r)
+        for (int i = 0; i < 2; ++i) acc[r][i] = _mm256_sub_epi32(acc[r][i], _mm256_set1_epi32(128 * asum[r]));
+    float *f = o->f + r0 * o->ld + j0;
+    if (o->form == FA_ITILE_ADD) {
+        for (fa_idx r = 0; r < mr; ++r, f += o->ld)
+            for (int i = 0; i < 2; ++i)
+                _mm256_storeu_ps(f + 8 * i,
+                                 _mm256_add_ps(_mm256_loadu_ps(f + 8 * i),
+                                               _mm256_mul_ps(cv[i], _mm256_cvtepi32_ps(acc[r][i]))));
+        return;
+    }
+    const __m256 alpha = _mm256_set1_ps(o->alpha), zero = _mm256_setzero_ps();
+    for (int i = 0; i < 2; ++i) {
+        sv[i] = _mm256_loadu_ps(o->sv + j0 + 8 * i);
+        cm[i] = o->cm != NULL ? _mm256_loadu_ps(o->cm + j0 + 8 * i) : zero;
+    }
+    for (fa_idx r = 0; r < mr; ++r, f += o->ld) {
+        const __m256 rv = _mm256_set1_ps(o->rv[r0 + r]);
+        for (int i = 0; i < 2; ++i) {
+            const __m256 x = _mm256_cvtepi32_ps(acc[r][i]);
+            __m256 y = _mm256_add_ps(_mm256_mul_ps(alpha, _mm256_mul_ps(rv, _mm256_mul_ps(cv[i], x))),
+                                     sv[i]);
+            if (o->wide) /* NaN where not finite */
+                y = _mm256_blendv_ps(_mm256_set1_ps(NAN), y,
+                                     _mm256_cmp_ps(_mm256_sub_ps(y, y), zero, _CMP_EQ_OQ));
+            _mm256_storeu_ps(f + 8 * i, y);
+            cm[i] = _mm256_max_ps(y, cm[i]);
+        }
+    }
+    for (int i = 0; o->cm != NULL && i < 2; ++i) _mm256_storeu_ps(o->cm + j0 + 8 * i, cm[i]);
+}
+
 static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, const int w,
                                                                const int sb, fa_idx n4,
                                                                const int8_t *a, fa_idx rs,
@@ -416,31 +458,41 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET void FA_IDOT(tile_regs)(const fa_idx mr, 
                                                                const fa_itile_out *o, fa_idx r0,
                                                                fa_idx j0)
 {
-    (void)w, (void)asum;
+    (void)w;
     __m256i acc[4][2];
     for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (fa_idx t = 0; t < n4; ++t) {
         const int8_t *bt = b + 4 * t * ldb;
-        const __m256i b0 = _mm256_loadu_si256((const __m256i *)bt);
-        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(bt + 32));
+        __m256i b0 = _mm256_loadu_si256((const __m256i *)bt);
+        __m256i b1 = _mm256_loadu_si256((const __m256i *)(bt + 32));
+#if defined(FA_IDOT_VNNI)
+        if (sb) { /* as the ZMM tiles: B's sign bit flipped, asum taken off at the end */
+            b0 = _mm256_xor_si256(b0, _mm256_set1_epi8((char)0x80));
+            b1 = _mm256_xor_si256(b1, _mm256_set1_epi8((char)0x80));
+        }
+#endif
         for (fa_idx r = 0; r < mr; ++r) {
             int32_t x;
             memcpy(&x, a + r * rs + t * cs, sizeof x);
             const __m256i av = _mm256_set1_epi32(x);
+#if !defined(FA_IDOT_VNNI)
             if (sb) { /* the sign trick: |a| by b with a's sign */
                 const __m256i ua = _mm256_abs_epi8(av);
                 acc[r][0] = FA_DPBUSD(acc[r][0], ua, _mm256_sign_epi8(b0, av));
                 acc[r][1] = FA_DPBUSD(acc[r][1], ua, _mm256_sign_epi8(b1, av));
-            } else {
-                acc[r][0] = FA_DPBUSD(acc[r][0], b0, av);
-                acc[r][1] = FA_DPBUSD(acc[r][1], b1, av);
+                continue;
             }
+#endif
+            acc[r][0] = FA_DPBUSD(acc[r][0], b0, av);
+            acc[r][1] = FA_DPBUSD(acc[r][1], b1, av);
         }
     }
-    int32_t x[4 * 16];
-    for (fa_idx r = 0; r < mr; ++r)
-        for (int i = 0; i < 2; ++i) _mm256_storeu_si256((__m256i *)(x + r * 16 + 8 * i), acc[r][i]);
-    fa_itile_finish(o, mr, 16, x, r0, j0);
+#if defined(FA_IDOT_VNNI)
+    FA_IDOT(tile_finish)(o, mr, acc, sb ? asum : NULL, r0, j0);
+#else
+    (void)asum;
+    FA_IDOT(tile_finish)(o, mr, acc, NULL, r0, j0);
+#endif
 }
 #define FA_ITILE_ROWS 4
 #define FA_ITILE_COLS 16

@@ -71,7 +71,7 @@ static FA_NAME(iscratch) FA_NAME(iblock_carve)(const fa_attn_args *a, void *work
     s.vd = (float *)p, p += FA_I8_PAD(4 * kb);
     s.kd = (float *)p, p += FA_I8_PAD(4 * kb);
     s.qmax = (float *)p;
-    s.dot = fa_idot_cpu();
+    s.dot = !a->int8_base && fa_idot_cpu();
     return s;
 }
 

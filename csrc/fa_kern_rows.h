@@ -96,7 +96,7 @@ static FA_NAME(rows_scratch) FA_NAME(rows_carve)(const fa_attn_args *a, T *work)
     w.qb = (int32_t *)(w.qd + FA_ROWS_MAX * FA_Q8_GROUPS(a));
     w.q8 = (int8_t *)(w.qb + FA_ROWS_MAX * FA_Q8_GROUPS(a));
     w.codes = w.q8 + FA_ROWS_MAX * FA_Q8_LD(a);
-    w.dot = FA_NAME(int8_dots)(a) && fa_idot_cpu();
+    w.dot = FA_NAME(int8_dots)(a) && !a->int8_base && fa_idot_cpu();
     return w;
 }
 

@@ -23,6 +23,10 @@ int fa_cpu_has_avx512(void);
 /* 1 when they also support AVX-512 VNNI on 256-bit vectors (VNNI, VL and
  * BW), which the int8 mode's integer products use on the AVX-512 path, else 0. */
 int fa_cpu_has_avx512_vnni(void);
+/* 1 when they support AVX-VNNI (vpdpbusd on 256-bit vectors, VEX-encoded:
+ * Alder Lake and later Intel cores without AVX-512, and AMD's Zen 4 and 5),
+ * which the int8 mode's integer products use on the AVX2 path, else 0. */
+int fa_cpu_has_avx_vnni(void);
 /* 1 on an aarch64 CPU with Advanced SIMD (NEON) and a build with the NEON
  * path, else 0. */
 int fa_cpu_has_neon(void);
@@ -140,6 +144,10 @@ typedef struct {
      * results differ from the exact ones by the rounding of the query and
      * of the weights to 8 bits. */
     fa_precision precision;
+    /* 1: the int8 mode's integer products without the CPU's dot-product
+     * instruction (vpdpbusd, sdot), as on a CPU that lacks it; the same
+     * sums, so the same results (for testing the instance every CPU runs). */
+    int int8_base;
     /* Key smoothing (SageAttention's smooth_k, Zhang et al. 2025): the keys
      * were stored less a mean m, E values of the kernels' type (NULL:
      * none); step 1 adds scale * q_i . m back to every score of row i, so

@@ -15,6 +15,8 @@ def info():
           f"{', '.join(fastattn.available_simd_paths())}; set FASTATTN_SIMD to choose)")
     if _core.cpu_has_avx512_vnni():
         print("int8 mode's integer products: AVX-512 VNNI (vpdpbusd) on the avx512 path")
+    if _core.cpu_has_avx_vnni():
+        print("int8 mode's integer products: AVX-VNNI (vpdpbusd) on the avx2 path")
     if _core.cpu_has_neon_dotprod():
         print("int8 mode's integer products: ARMv8.2 dot products (sdot) on the neon path")
     if _core.cpu_has_neon():  # what a reduced-precision path would use; no kernel does yet

@@ -96,6 +96,7 @@ cdef extern from "fastattn.h" nogil:
         const double *head_sinks
         int prefetch
         fa_precision precision
+        int int8_base
         const void *k_mean
     enum:
         FA_PREFETCH_KEYS
@@ -105,6 +106,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_cpu_has_avx2_fma()
     int fa_cpu_has_avx512()
     int fa_cpu_has_avx512_vnni()
+    int fa_cpu_has_avx_vnni()
     int fa_cpu_has_neon()
     int fa_cpu_has_neon_fp16()
     int fa_cpu_has_neon_bf16()
@@ -227,6 +229,10 @@ def cpu_has_avx512():
 
 def cpu_has_avx512_vnni():
     return bool(fa_cpu_has_avx512_vnni())
+
+
+def cpu_has_avx_vnni():
+    return bool(fa_cpu_has_avx_vnni())
 
 
 def cpu_has_neon():
@@ -1169,7 +1175,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
               object slopes=None, object sinks=None, object lse=None,
               int q_store=STORE_NATIVE, int kv_store=STORE_NATIVE, object k_scale=None,
               object v_scale=None, bint ahead_blocks=True, int precision=PRECISION_EXACT,
-              object key_mean=None):
+              object key_mean=None, bint int8_dot=True):
     """out[..., L, Ev] = attention of q (..., L, E), k/v (..., S, E|Ev).
 
     All arrays have the same number of dimensions; the axes before the last
@@ -1182,8 +1188,8 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     so Ev is out's last axis, not v's.  prefetch: fa_attn_args'
     (fastattn/_tuning.py chooses it); ahead_blocks: FA_PREFETCH_BLOCKS joins
     it for items whose keys and values exceed L2.  No result depends on
-    either.  precision: fa_attn_args' (PRECISION_EXACT or PRECISION_INT8).
-    key_mean: None, or the mean the keys were stored less (fa_attn_args'
+    either.  precision: fa_attn_args' (PRECISION_EXACT or PRECISION_INT8);
+    int8_dot: False sets its int8_base (the same results).  key_mean: None, or the mean the keys were stored less (fa_attn_args'
     k_mean), out's dtype, k's batch shape and E, its last axis contiguous.
     The tasks: schedule()'s, every item of the batch a sequence."""
     cdef int nd = q.ndim - 2
@@ -1204,6 +1210,7 @@ def attention(int isa, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         p.a.ksc_s, p.a.vsc_s = estride(k_scale, nd), estride(v_scale, nd)
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
     p.a.prefetch, p.a.precision = prefetch, <fa_precision>precision
+    p.a.int8_base = not int8_dot
     p.kv_row_bytes = (k.shape[nd + 1] + v.shape[nd + 1]) * cnp.PyArray_ITEMSIZE(k)
     p.ahead_blocks = ahead_blocks
     # heads share their key/value head's reads only without weights, with
@@ -1416,7 +1423,7 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
            double softcap, object slopes, object sinks, int q_store, int kv_store,
            int prefetch=FA_PREFETCH_KEYS | FA_PREFETCH_VALUES, bint ahead_blocks=True,
            int precision=PRECISION_EXACT, object key_mean=None, object tree_mask=None,
-           object tree_at=None, object read=None):
+           object tree_at=None, object read=None, bint int8_dot=True):
     """Attention of a ragged batch of sequences (checked by the caller): q
     (total_q, Hq, E) stored as q_store, key_cache (num_blocks, Hkv,
     block_size, E) and value_cache (..., Ev) as kv_store, with int8 and
@@ -1433,7 +1440,8 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
     or a C-contiguous bool array holding, for each sequence b with
     tree_at[b] >= 0 (int64 (B,)), an (L, L) mask from element tree_at[b]
     over its L queries and its last L keys (fa_attn_args' m_s0). The tasks:
-    schedule()'s; prefetch, ahead_blocks and precision as in attention().
+    schedule()'s; prefetch, ahead_blocks, precision and int8_dot as in
+    attention().
     read: None, or an int64 (1,) array that receives the bytes of keys and
     values the tasks stream (plan_reads)."""
     cdef Ragged p
@@ -1454,6 +1462,7 @@ def ragged(int isa, cnp.ndarray q, cnp.ndarray key_cache, cnp.ndarray value_cach
         p.a.ksc_bs, p.a.ksc_s = estride(k_scale, 0), estride(k_scale, 2)
         p.a.vsc_bs, p.a.vsc_s = estride(v_scale, 0), estride(v_scale, 2)
     p.a.prefetch, p.a.precision = prefetch, <fa_precision>precision
+    p.a.int8_base = not int8_dot
     p.a.q_store, p.a.kv_store = <fa_store>q_store, <fa_store>kv_store
     p.a.block_size = key_cache.shape[2]
     p.kv_row_bytes = (key_cache.shape[3] + value_cache.shape[3]) * cnp.PyArray_ITEMSIZE(key_cache)

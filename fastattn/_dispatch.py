@@ -176,13 +176,14 @@ def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float
                 _core.attention(isa, q, k, v, mask, kind, out, None, group, is_causal, offset,
                                 scale, nthreads, _tuning.current(tkey), kv_store=kv_store,
                                 k_scale=k_scale, v_scale=v_scale, precision=precision,
-                                key_mean=key_mean)
+                                key_mean=key_mean, int8_dot=_runtime.int8_dot())
         else:
             _tuning.run(tkey, _tuning.distinct_bytes(key, value), True,
                         lambda prefetch: _core.attention(
                             isa, q, k, v, mask, kind, out, None, group, is_causal, offset, scale,
                             nthreads, prefetch, kv_store=kv_store, k_scale=k_scale,
-                            v_scale=v_scale, precision=precision, key_mean=key_mean))
+                            v_scale=v_scale, precision=precision, key_mean=key_mean,
+                            int8_dot=_runtime.int8_dot()))
     return out
 
 
@@ -391,7 +392,8 @@ def checked_attention(query: NDArray[Any], key: NDArray[Any], value: NDArray[Any
                         window_right=variants.window_right, softcap=variants.softcap,
                         slopes=variants.slopes, sinks=variants.sinks, lse=lse, q_store=store,
                         kv_store=kv_store, k_scale=k_scale, v_scale=v_scale,
-                        prefetch=prefetch, precision=precision, key_mean=key_mean))
+                        prefetch=prefetch, precision=precision, key_mean=key_mean,
+                        int8_dot=_runtime.int8_dot()))
     half = compute != dtype  # 16-bit inputs: the float32 results rounded once to their dtype
     out = narrow(result, dtype, nthreads, out) if half else result
     if half and weights is not None:
@@ -822,7 +824,8 @@ def ragged(query: NDArray[Any], key_cache: NDArray[Any], value_cache: NDArray[An
                         variants.window_right, variants.softcap, slopes, sink, q_store,
                         kv_store, prefetch=prefetch, precision=precision, key_mean=key_mean,
                         tree_mask=None if trees is None else trees.mask,
-                        tree_at=None if trees is None else trees.at, read=streamed))
+                        tree_at=None if trees is None else trees.at, read=streamed,
+                        int8_dot=_runtime.int8_dot()))
         if counts is not None and streamed is not None:
             counts.append(int(streamed[0]))
     out = narrow(result, dtype, nthreads, out) if compute != dtype else result

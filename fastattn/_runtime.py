@@ -55,6 +55,21 @@ def _path_from_env() -> str:
 
 
 _simd_path = _path_from_env()
+# FASTATTN_INT8_DOT=off: the int8 mode's integer products without the CPU's
+# dot-product instruction (AVX-512 VNNI, AVX-VNNI, ARMv8.2 sdot), as on a CPU
+# that lacks it: the same exact sums, so the same results (for testing)
+INT8_DOT_ENV = "FASTATTN_INT8_DOT"
+
+
+def _int8_dot_from_env() -> bool:
+    value = os.environ.get(INT8_DOT_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "off"):
+        warnings.warn(f"{INT8_DOT_ENV}={value!r} is not 'auto' or 'off'; using 'auto'",
+                      RuntimeWarning, stacklevel=2)
+    return value != "off"
+
+
+_int8_dot = _int8_dot_from_env()
 _num_threads: Optional[int] = None  # None: OpenMP's default (OMP_NUM_THREADS, else the CPU count)
 MAX_THREADS = _core.MAX_THREADS  # OpenMP aborts when it cannot create a thread
 
@@ -102,6 +117,12 @@ def set_simd_path(name: str) -> None:
 
 def isa() -> int:
     return _PATHS[_simd_path]
+
+
+def int8_dot() -> bool:
+    """False when FASTATTN_INT8_DOT=off asks the int8 mode not to use the
+    CPU's dot-product instruction."""
+    return _int8_dot
 
 
 def openmp_enabled() -> bool:

@@ -58,6 +58,19 @@ def simd_path(name):
         fastattn.set_simd_path(before)
 
 
+@contextlib.contextmanager
+def without_int8_dot():
+    """The int8 mode's products without the CPU's dot-product instruction
+    inside the block (FASTATTN_INT8_DOT=off), as on a CPU that lacks it."""
+    from fastattn import _runtime
+    before = _runtime._int8_dot
+    _runtime._int8_dot = False
+    try:
+        yield
+    finally:
+        _runtime._int8_dot = before
+
+
 @pytest.fixture(params=fastattn.available_simd_paths())
 def simd(request):
     """Runs a test once per SIMD path this CPU has (portable, and avx2 when present)."""

@@ -10,13 +10,15 @@ times their value scales, rounded to 7 bits of their largest, which moves
 an output element by at most the sum over the groups of largest / 254 x 64
 x 127 (|code| <= 127) over the row's sum of weights.  Against the original
 float64 data the mode's own error is bounded as README's table states."""
+import contextlib
+
 import numpy as np
 import pytest
 
 import fastattn
 from fastattn import reference as ref
 
-from conftest import simd_path, tolerance
+from conftest import simd_path, tolerance, without_int8_dot
 
 GROUP = 64  # key positions whose weights share a scale in the block kernel
 
@@ -109,13 +111,16 @@ def test_same_bits_for_any_threads_layout_batch_and_path(rng):
     qt, kt, vt = (np.swapaxes(np.swapaxes(x, 1, 2).copy(), 1, 2) for x in (q, k, v))
     assert np.array_equal(out, fastattn.scaled_dot_product_attention(
         qt, kt, vt, is_causal=True, precision="int8"))
-    # the AVX2 path's maddubs and AVX-512 VNNI's vpdpbusd sum alike
+    # the AVX2 path's maddubs and the vpdpbusd of AVX-512 VNNI and of
+    # AVX-VNNI sum alike: every x86 path, with the CPU's instruction or without
     if "avx512" in fastattn.available_simd_paths():
         with simd_path("avx512"):
             wide = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, precision="int8")
-        with simd_path("avx2"):
-            assert np.array_equal(wide, fastattn.scaled_dot_product_attention(
-                q, k, v, is_causal=True, precision="int8"))
+        for path in ("avx2", "avx512"):
+            for base in (False, True):
+                with simd_path(path), without_int8_dot() if base else contextlib.nullcontext():
+                    assert np.array_equal(wide, fastattn.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, precision="int8")), (path, base)
 
 
 def test_weights_and_lse_come_from_the_integer_scores(rng):

@@ -10,13 +10,15 @@ of their largest, which moves an output by at most the sum over the groups
 of (largest weight x value scale) / 254 x 32 x 128 (|code| <= 128): that
 bound is added.  Against the original float64 data, the mode's own error
 is bounded per storage by what README's table states."""
+import contextlib
+
 import numpy as np
 import pytest
 
 import fastattn
 from fastattn import reference as ref
 
-from conftest import assert_close, simd_path, tolerance
+from conftest import assert_close, simd_path, tolerance, without_int8_dot
 
 STORAGES = ["int8", "int4"]
 # the query's scale groups: one per row against int8, a q4_0 block against int4
@@ -127,16 +129,20 @@ def test_same_bits_for_any_threads_blocks_and_batch(rng, storage):
 @pytest.mark.parametrize("E, Ev", [(64, 64), (128, 128), (48, 80), (256, 96)])
 def test_avx512_gives_the_avx2_paths_bits(rng, storage, E, Ev):
     """The AVX-512 path sums the codes with AVX-512 VNNI's vpdpbusd where
-    the CPU has it, AVX2's vpmaddubsw + vpmaddwd otherwise, as the AVX2
-    path: exact int32 sums either way, and the same float steps after
-    them, so the same bits (E, Ev of 48, 80: the sums' tails in C)."""
+    the CPU has it, AVX2's vpmaddubsw + vpmaddwd otherwise; the AVX2 path
+    with AVX-VNNI's vpdpbusd where the CPU has it: exact int32 sums every
+    way, and the same float steps after them, so the same bits (E, Ev of
+    48, 80: the sums' tails in C; 5 query rows: the block kernel's tiles)."""
     cache, _, _ = filled(rng, storage, B=2, S=1100, E=E, Ev=Ev)
     q = rng.standard_normal((2, 8, 2, E), dtype=np.float32)
-    with simd_path("avx2"):
-        expected = cache.attend(q, precision="int8")
-    with simd_path("avx512"):
-        out = cache.attend(q, precision="int8")
-    assert np.array_equal(out, expected)
+    rows = rng.standard_normal((2, 8, 5, E), dtype=np.float32)
+    with simd_path("avx2"), without_int8_dot():
+        expected = cache.attend(q, precision="int8"), cache.attend(rows, precision="int8")
+    for path in ("avx2", "avx512"):
+        for base in (False, True):
+            with simd_path(path), without_int8_dot() if base else contextlib.nullcontext():
+                out = cache.attend(q, precision="int8"), cache.attend(rows, precision="int8")
+            assert np.array_equal(out[0], expected[0]) and np.array_equal(out[1], expected[1])
 
 
 def test_paged_attention_over_a_callers_pool(rng):

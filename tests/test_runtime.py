@@ -55,6 +55,30 @@ def test_unavailable_simd_env_warns_once_and_takes_the_widest():
     assert "a path this CPU or build cannot run" in seen["warnings"][0][1]
 
 
+INT8_DOT = """
+import json, warnings
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    from fastattn import _runtime
+print(json.dumps({"dot": _runtime.int8_dot(), "warnings": [str(w.message) for w in seen]}))
+"""
+
+
+@pytest.mark.parametrize("value, dot, warned", [
+    ("auto", True, False), ("", True, False), (" OFF ", False, False), ("no", True, True)])
+def test_int8_dot_env(value, dot, warned):
+    """FASTATTN_INT8_DOT=off: the int8 mode sums without the CPU's
+    dot-product instruction; anything but auto or off warns once."""
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, "-c", INT8_DOT], capture_output=True, text=True,
+                           timeout=120, cwd=cwd, env=dict(os.environ, FASTATTN_INT8_DOT=value))
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    assert seen["dot"] is dot
+    assert seen["warnings"] == ([f"FASTATTN_INT8_DOT={value.strip().lower()!r} is not 'auto' or "
+                                 "'off'; using 'auto'"] if warned else [])
+
+
 @pytest.mark.parametrize("value", ["portable", " Portable ", "auto", ""])
 def test_valid_simd_env_is_silent(value):
     seen = import_with(value)

@@ -220,6 +220,7 @@ def machine_info():
         pass
     return {"cpu": cpu, "cpu_id": describe(), "logical_cpus": os.cpu_count(), "simd_paths": fastattn.available_simd_paths(),
             "fastattn": fastattn.__version__, "fastattn_simd": fastattn.simd_path(),
-            "avx512_vnni": _core.cpu_has_avx512_vnni(), "neon_dotprod": _core.cpu_has_neon_dotprod(),
+            "avx512_vnni": _core.cpu_has_avx512_vnni(),
+            "avx_vnni": _core.cpu_has_avx_vnni(), "neon_dotprod": _core.cpu_has_neon_dotprod(),
             "openmp": fastattn.openmp_enabled(), "numpy": np.__version__,
             "python": sys.version.split()[0]}
