@@ -144,6 +144,10 @@ def test_bench_table_after_ctrl_c_has_no_empty_thread_block():
     table = report.format_table(result)
     assert "== 1 thread ==" in table and "4.0 us" in table
     assert "2 threads" not in table
+    # a run under FASTATTN_INT8_DOT=off says so in its header (older records lack the key)
+    assert "FASTATTN_INT8_DOT" not in table
+    result["machine"]["int8_dot"] = False
+    assert "without the CPU's dot products, FASTATTN_INT8_DOT=off" in report.format_table(result)
 
 
 def test_bench_memory_column_is_never_negative(monkeypatch):

@@ -10,7 +10,7 @@ from time import perf_counter
 import numpy as np
 
 import fastattn
-from fastattn import _core, _peak
+from fastattn import _core, _peak, _runtime
 
 from .cpu import describe
 
@@ -222,5 +222,6 @@ def machine_info():
             "fastattn": fastattn.__version__, "fastattn_simd": fastattn.simd_path(),
             "avx512_vnni": _core.cpu_has_avx512_vnni(),
             "avx_vnni": _core.cpu_has_avx_vnni(), "neon_dotprod": _core.cpu_has_neon_dotprod(),
+            "int8_dot": _runtime.int8_dot(),
             "openmp": fastattn.openmp_enabled(), "numpy": np.__version__,
             "python": sys.version.split()[0]}

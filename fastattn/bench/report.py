@@ -150,7 +150,10 @@ def format_table(report):
              f"{', '.join(m['simd_paths'])})",
              f"fastattn {m['fastattn']} (SIMD path{'s' * (len(s.get('simd', [])) > 1)} measured: "
              f"{', '.join(s.get('simd', [m['fastattn_simd']]))}; OpenMP "
-             f"{'on' if m['openmp'] else 'off'}), numpy {m['numpy']}, python {m['python']}"]
+             f"{'on' if m['openmp'] else 'off'}"
+             + ("; int8 mode without the CPU's dot products, FASTATTN_INT8_DOT=off"
+                if m.get("int8_dot") is False else "")
+             + f"), numpy {m['numpy']}, python {m['python']}"]
     versions = sorted({f"{RUNNERS[c['runner']].library} {c['version']}" for c in report["cases"]
                        if c.get("version") and RUNNERS[c["runner"]].library in PEERS})
     if versions:
