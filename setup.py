@@ -52,6 +52,16 @@ int main(void) {
 }
 """
 
+# The int8 mode's AVX-VNNI instruction as csrc/fa_idot.h writes it: an
+# assembler older than binutils 2.36 does not know it.
+AVX_VNNI_PROBE = r"""
+#include <immintrin.h>
+__attribute__((target("avx2,avxvnni"))) __m256i f(__m256i a, __m256i u, __m256i s) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(a) : "x"(u), "x"(s));
+    return a;
+}
+"""
+
 
 INSTALL_COMPILER = ("Debian/Ubuntu: apt-get install gcc python3-dev; "
                     "Fedora: dnf install gcc python3-devel; macOS: xcode-select --install; "
@@ -103,6 +113,19 @@ class BuildExt(build_ext):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _compiles(self, source):
+        tmp = tempfile.mkdtemp()
+        try:
+            src = os.path.join(tmp, "probe.c")
+            with open(src, "w") as f:
+                f.write(source)
+            self.compiler.compile([src], output_dir=tmp)
+            return True
+        except Exception:
+            return False
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def _openmp_works(self, flag):
         tmp = tempfile.mkdtemp()
         try:
@@ -149,6 +172,8 @@ class BuildExt(build_ext):
         if use_omp:
             common.append(omp_flag)
             link.append(omp_flag)
+        if unix and _is_x86_64() and not self._compiles(AVX_VNNI_PROBE):
+            common.append("-DFA_NO_AVX_VNNI")  # the int8 mode sums as on a CPU without it
         print(f"fastattn build: openmp={'yes' if use_omp else 'no'} flags={' '.join(common)}")
 
         # -fno-trapping-math: floating-point exceptions are never unmasked, so

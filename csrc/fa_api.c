@@ -69,12 +69,11 @@ int fa_cpu_has_avx512_vnni(void)
 #endif
 }
 
-/* Asked per call too, so from libgcc's or compiler-rt's table (gcc 11 and
- * clang 16 name the feature); an older compiler's build leaves it unused. */
+/* Asked per call too, so from libgcc's or compiler-rt's table; 0 where
+ * the build has no AVX-VNNI instance (FA_HAVE_AVX_VNNI). */
 int fa_cpu_has_avx_vnni(void)
 {
-#if FA_HAVE_X86_SIMD && ((defined(__clang__) && __clang_major__ >= 16) || \
-                         (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#if FA_HAVE_AVX_VNNI
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
 #else

@@ -378,7 +378,7 @@ static FA_ALWAYS_INLINE FA_IDOT_TARGET __m512i fa_dpbusd512(__m512i acc, __m512i
     return acc;
 }
 #define FA_DPBUSD(acc, u, s) fa_dpbusd256((acc), (u), (s))
-#elif defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+#elif defined(__AVX2__) && FA_HAVE_AVX_VNNI
 #define FA_IDOT_DOT 1
 #define FA_IDOT_VNNI 1
 #define FA_IDOT(name) fa_idot_##name##_dot

@@ -19,6 +19,18 @@
 #define FA_HAVE_X86_SIMD 0
 #endif
 
+/* The int8 mode's AVX-VNNI instance on the AVX2 path: a compiler that
+ * knows the feature (its target attribute, libgcc's or compiler-rt's CPU
+ * table) and an assembler that knows the instruction (binutils 2.36;
+ * setup.py defines FA_NO_AVX_VNNI where its probe fails). */
+#if FA_HAVE_X86_SIMD && !defined(FA_NO_AVX_VNNI) &&                          \
+    ((defined(__clang__) && __clang_major__ >= 16) ||                       \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define FA_HAVE_AVX_VNNI 1
+#else
+#define FA_HAVE_AVX_VNNI 0
+#endif
+
 #if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
 #define FA_HAVE_NEON 1 /* the NEON path is compiled in */
 #else

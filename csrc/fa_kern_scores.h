@@ -81,7 +81,10 @@ static FA_ALWAYS_INLINE void FA_NAME(mean_shifts_n)(const fa_attn_args *a, const
     for (fa_idx r = 0; r < nr; ++r) {
         for (fa_idx x = e; x < a->E; ++x) part[r][0] += (double)q[r * ldq + x * qs] * (double)m[x];
         const double d = (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
-        out[r] = (T)a->scale * (T)(d / (double)unscale);
+        const T x = (T)(d / (double)unscale);
+        /* the product in double where the sum alone is past T's range (a
+         * query of 1e37 against keys of mean 1: the term 1e38, its sum 1e39) */
+        out[r] = x - x == 0 ? (T)a->scale * x : (T)((double)(T)a->scale * (d / (double)unscale));
     }
 }
 

@@ -8,17 +8,18 @@ def info():
     import numpy
 
     import fastattn
-    from fastattn import _core
+    from fastattn import _core, _runtime
 
     print(f"fastattn {fastattn.__version__}")
     print(f"SIMD path: {fastattn.simd_path()} (available: "
           f"{', '.join(fastattn.available_simd_paths())}; set FASTATTN_SIMD to choose)")
+    off = "" if _runtime.int8_dot() else ": not used, FASTATTN_INT8_DOT=off"
     if _core.cpu_has_avx512_vnni():
-        print("int8 mode's integer products: AVX-512 VNNI (vpdpbusd) on the avx512 path")
+        print(f"int8 mode's integer products: AVX-512 VNNI (vpdpbusd) on the avx512 path{off}")
     if _core.cpu_has_avx_vnni():
-        print("int8 mode's integer products: AVX-VNNI (vpdpbusd) on the avx2 path")
+        print(f"int8 mode's integer products: AVX-VNNI (vpdpbusd) on the avx2 path{off}")
     if _core.cpu_has_neon_dotprod():
-        print("int8 mode's integer products: ARMv8.2 dot products (sdot) on the neon path")
+        print(f"int8 mode's integer products: ARMv8.2 dot products (sdot) on the neon path{off}")
     if _core.cpu_has_neon():  # what a reduced-precision path would use; no kernel does yet
         print(f"aarch64 half precision: fp16 arithmetic "
               f"{'yes' if _core.cpu_has_neon_fp16() else 'no'}, bf16 dot products "

@@ -465,9 +465,10 @@ class KVCache(KeyOptions):
             alibi_slopes count positions with the same bottom-right
             alignment (query i at position length - L + i).
         precision : {"exact", "int8"}
-            As in ``paged_attention``: "int8" (opt-in) computes an int8 or
-            int4 cache's scores from integer dot products when L is at
-            most 4 (decoding); the default "exact" reads it exactly.  Its
+            As in ``paged_attention``: "int8" (opt-in) computes an int8
+            cache's scores and weighted values from integer dot products,
+            and an int4 cache's scores when L is at most 4 (decoding);
+            the default "exact" reads it exactly.  Its
             groups of 32 key positions count the cache's slots, padding
             included: a row of a padded batch and the same tokens unpadded
             differ in the mode's rounding.

@@ -236,18 +236,19 @@ def paged_attention(
         How the scores are computed (the name of JAX's ``precision``
         argument of its products and of PyTorch's
         ``set_float32_matmul_precision``).  "exact" (the default): every
-        stored element read exactly.  "int8" (opt-in): against int8 and
-        int4 caches, the queries of a sequence of at most four query rows
-        (decoding) are rounded to int8, one scale per row against int8
-        keys and per block of 32 against int4 ones, and the scores summed
-        as integer products, llama.cpp's q8_0 dot products and
-        SageAttention's int8 Q Kᵀ (Zhang et al., ICLR 2025); against int8
-        values, the weights of each 32 key positions are rounded to 7
-        bits too.  The output then differs from the exact one by that
-        rounding (README, "The int8 mode", gives the measured error); the
-        same bits for any thread count, layout, block placement and batch,
-        as in the exact mode.  Other caches and sequences of more query
-        rows stay exact.
+        stored element read exactly.  "int8" (opt-in): against int8
+        caches, and int4 caches in sequences of at most four query rows
+        (decoding), the queries are rounded to int8, one scale per row
+        against int8 keys and per block of 32 against int4 ones, and the
+        scores summed as integer products, llama.cpp's q8_0 dot products
+        and SageAttention's int8 Q Kᵀ (Zhang et al., ICLR 2025); against
+        int8 values, the weights of each 32 key positions (64 in
+        sequences of more than four query rows) are rounded to 7 bits
+        too.  The output then differs from the exact one by that rounding
+        (README, "The int8 mode", gives the measured error); the same bits
+        for any thread count, layout, block placement and batch, as in
+        the exact mode.  Other caches, and int4 caches in sequences of
+        more query rows, stay exact.
     key_mean : ndarray, shape (B, Hkv, E), or None
         The per-channel mean each sequence's keys were stored less
         (SageAttention's ``smooth_k``, Zhang et al., ICLR 2025, with the

@@ -437,3 +437,27 @@ def test_a_query_near_float32s_largest_gives_no_nan(simd, L):
     assert np.isfinite(out).all()
     # the huge row's softmax is one key's: that value row, as the mode rounds it
     np.testing.assert_allclose(out[:, :, 1], expected[:, :, 1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("L", [1, 6])  # the row kernel, and the block kernel
+@pytest.mark.parametrize("form", ["huge query", "huge keys"])
+def test_a_key_mean_term_past_float32s_range_gives_no_nan(simd, L, form):
+    """The key mean's term of a score, scale q . m, was rounded to float32
+    before the scale: q of 1e37 against keys of mean 1 (E = 100, the term
+    1e38, q . m 1e39), or keys near 1e38 against normal queries, gave inf
+    there and NaN rows where every true score is finite."""
+    rng = np.random.default_rng(L)
+    if form == "huge query":
+        q = np.full((1, 1, L, 100), 1e37, np.float32)
+        k = (1 + 0.1 * rng.standard_normal((1, 1, 8, 100))).astype(np.float32)
+    else:
+        q = rng.standard_normal((1, 1, L, 256)).astype(np.float32)
+        k = (1e38 * (1 + 0.1 * rng.standard_normal((1, 1, 40, 256)))).astype(np.float32)
+    v = rng.standard_normal((1, 1, k.shape[2], 4)).astype(np.float32)
+    out = fastattn.scaled_dot_product_attention(q, k, v, precision="int8")
+    q2, k2, v2 = ref.int8_mode_operands(q, k, v)
+    expected = ref.scaled_dot_product_attention(q2, k2, v2, scale=1 / np.sqrt(q.shape[-1]))
+    assert np.isfinite(out).all()
+    # scores 1e36 and more apart: each row's softmax is its largest score's
+    # key, whose value row the twin gives to float32's rounding
+    np.testing.assert_allclose(out, expected, atol=1e-6)
