@@ -146,6 +146,29 @@ def test_stored_codes_and_key_read_back(smooth, rotate):
     assert np.all(np.where(real, np.abs(held - original) <= step, True))
 
 
+@pytest.mark.parametrize("L", [1, 6])  # the row kernel, the block kernel
+@pytest.mark.parametrize("storage,precision", [
+    ("float32", "exact"), ("int8", "exact"), ("int8", "int8"), ("int4", "exact"), ("int4", "int8")])
+def test_a_mean_term_past_float32s_range_gives_no_nan(L, storage, precision):
+    """Queries of 1e37 against keys of mean 1 (E = 100): the mean's term,
+    about 1e38, was rounded to float32 as q . m = 1e39 before the scale
+    (inf), so the rows came out NaN in both modes; every logit is finite,
+    and 1e36 and more apart, so each row is its largest logit's value row,
+    as in the cache without smoothing (int4 aside)."""
+    rng = np.random.default_rng(L)
+    k = (1 + 0.1 * rng.standard_normal((1, 2, 50, 100))).astype(np.float32)
+    v = rng.standard_normal((1, 2, 50, 100)).astype(np.float32)
+    q = np.full((1, 2, L, 100), 1e37, np.float32)
+    outs = []
+    for smooth in (False, True):
+        cache = fastattn.KVCache(1, 2, 50, 100, storage=storage, smooth_k=smooth)
+        cache.append(k, v)
+        outs.append(cache.attend(q, precision=precision, is_causal=False))
+    assert np.isfinite(outs[1]).all()
+    if storage != "int4":  # int4's steps (an eighth of the largest, 0.14) exceed the spread (0.1)
+        np.testing.assert_allclose(outs[1], outs[0], atol=1e-6)
+
+
 def test_mean_fixed_until_reset():
     rng = np.random.default_rng(4)
     cache = fastattn.KVCache(1, 1, 16, 32, storage="int8", smooth_k=True)
