@@ -18,6 +18,10 @@
  * further ahead, the prefetches wait for fill buffers that the value rows'
  * misses hold (see threads-and-speed.md, "Prefetch distance"). */
 #define FA_PREFETCH_BYTES 2048
+/* ... or this far, with FA_PREFETCH_FAR: on a Zen 5 8 KB ahead was 4-11 %
+ * faster for every storage, where 2 KB had been on the CPU that chose it;
+ * fastattn/_tuning.py measures both. */
+#define FA_PREFETCH_FAR_BYTES 8192
 /* Paged keys (fa_attn_args' placement) are asked into L2 this far ahead,
  * across blocks, and the next block's first FA_VALUE_AHEAD_ROWS value rows
  * as each block's are summed (rows_values): each block starts a new stream
@@ -351,9 +355,10 @@ static void FA_NAME(rows_logits)(const fa_attn_args *a, const FA_NAME(rows_scrat
     const T scale = (T)a->scale;
     const fa_store st = a->kv_store;
     const fa_idx row_bytes = FA_NAME(st_row_bytes)(st, a->E); /* 0 when E = 0: nothing to fetch */
+    const fa_idx far = (a->prefetch & FA_PREFETCH_FAR) ? FA_PREFETCH_FAR_BYTES : FA_PREFETCH_BYTES;
     const fa_idx ahead = row_bytes == 0 || !(a->prefetch & FA_PREFETCH_KEYS) ? 0
-                         : row_bytes < FA_PREFETCH_BYTES ? FA_PREFETCH_BYTES / row_bytes
-                                                         : 1;
+                         : row_bytes < far ? far / row_bytes
+                                           : 1;
     const fa_idx eb = FA_NAME(st_bytes)(st);
     const fa_ahead_rows none = {NULL, 0, 0, 0}, nones[2] = {none, none};
     const fa_idx block_ahead = a->block_table == NULL || row_bytes == 0 ||

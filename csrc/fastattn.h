@@ -135,9 +135,10 @@ typedef struct {
     const double *head_slopes;
     const double *head_sinks;
     /* What the kernels ask the cache for ahead of their reads, beyond the
-     * hardware prefetcher: a bitwise or of FA_PREFETCH_KEYS and
-     * FA_PREFETCH_VALUES (the row kernel: which is faster depends on the
-     * CPU, fastattn/_tuning.py measures it) and FA_PREFETCH_BLOCKS (the
+     * hardware prefetcher: a bitwise or of FA_PREFETCH_KEYS (with
+     * FA_PREFETCH_FAR or without) and FA_PREFETCH_VALUES (the row kernel:
+     * which is faster depends on the CPU, fastattn/_tuning.py measures
+     * it) and FA_PREFETCH_BLOCKS (the
      * block kernel, for keys and values beyond L2).  No result depends on
      * it. */
     int prefetch;
@@ -163,7 +164,13 @@ typedef struct {
  * FA_PREFETCH_NONE: nothing, not even a paged cache's next blocks: the rows
  * are in cache already (fa_attn_parts gives it to the calls after the first
  * that read the same rows). */
-enum { FA_PREFETCH_KEYS = 1, FA_PREFETCH_VALUES = 2, FA_PREFETCH_BLOCKS = 4, FA_PREFETCH_NONE = 8 };
+enum {
+    FA_PREFETCH_KEYS = 1,
+    FA_PREFETCH_VALUES = 2,
+    FA_PREFETCH_BLOCKS = 4,
+    FA_PREFETCH_NONE = 8,
+    FA_PREFETCH_FAR = 16 /* with KEYS: FA_PREFETCH_FAR_BYTES ahead, not FA_PREFETCH_BYTES */
+};
 
 /* Where the caller's next call of fa_attn_* on this thread will read its
  * queries (rows i0..i1-1), keys and values: the kernel asks the cache for

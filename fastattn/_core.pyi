@@ -26,6 +26,7 @@ PRECISION_EXACT: int
 PRECISION_INT8: int
 PREFETCH_KEYS: int
 PREFETCH_VALUES: int
+PREFETCH_FAR: int
 ATTN_MAX_FEATURES: int
 
 def cpu_has_avx2_fma() -> bool: ...

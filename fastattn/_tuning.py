@@ -5,22 +5,24 @@ The row kernel, which decodes (a few query rows against a long key/value
 cache), can ask the cache for data ahead of its reads, beyond what the
 hardware prefetcher fetches (fa_attn_args.prefetch, csrc/fastattn.h):
 
-- KEYS: the key rows 2 KB ahead, into L1;
+- KEYS: the key rows 2 KB ahead, into L1, or with FAR 8 KB ahead;
 - VALUES: a block's value rows into L2 while its keys are read, so that the
   weighted sum over them that follows finds them there.
 
 Each pays on some CPUs and costs on others (docs/guide/threads-and-speed.md,
 "What the decoding kernel prefetches, measured per machine").  So the first
-decoding calls of a process over caches larger than L2 take the four ways
-(both, KEYS, VALUES, neither) in turn, TRIALS calls each, and the way with
+decoding calls of a process over caches larger than L2 take the six ways
+(both, KEYS, VALUES, neither, and KEYS far with VALUES and without) in
+turn, TRIALS calls each, and the way with
 the shortest time per byte of cache is kept for the rest of the process,
 per SIMD path, thread count, cache storage and layout (dense or paged).
 One call is timed at a time: a call made while another thread's
 is being timed takes the default, untimed.  No result depends on the choice
 (a prefetch only moves data between caches; tests/test_tuning.py checks the
 bits).  FASTATTN_PREFETCH fixes it, for benchmarks of one way:
-"keys,values", "keys", "values" or "none"; "auto", the default, measures,
-and anything else warns and measures.
+"keys,values", "keys", "values", "none", or "far" with keys ("keys,far",
+"keys,values,far"); "auto", the default, measures, and anything else
+warns and measures.
 """
 from __future__ import annotations
 
@@ -36,10 +38,10 @@ import numpy as np
 from . import _core
 
 PREFETCH_ENV = "FASTATTN_PREFETCH"
-KEYS, VALUES = _core.PREFETCH_KEYS, _core.PREFETCH_VALUES
+KEYS, VALUES, FAR = _core.PREFETCH_KEYS, _core.PREFETCH_VALUES, _core.PREFETCH_FAR
 # the ways, in the order the first calls take them; the first is the default
 # before any measurement, and for calls too small to measure
-WAYS = (KEYS | VALUES, KEYS, VALUES, 0)
+WAYS = (KEYS | VALUES, KEYS, VALUES, 0, KEYS | FAR, KEYS | VALUES | FAR)
 DEFAULT = WAYS[0]
 # calls of each way before choosing: the fastest of 5 is robust to a few
 # calls slowed by other processes
@@ -52,12 +54,12 @@ MIN_BYTES = 8 << 20
 DECODE_ROWS = 4
 
 Key = Tuple[int, int, int, bool, int]  # SIMD path, threads, key/value storage, paged, precision
-_NAMES = {"keys": KEYS, "values": VALUES}
+_NAMES = {"keys": KEYS, "values": VALUES, "far": FAR}
 
 
 def describe(way: int) -> str:
     """A way as FASTATTN_PREFETCH spells it: "keys,values", "keys",
-    "values" or "none"."""
+    "values", "none", "keys,far" or "keys,values,far"."""
     return ",".join(name for name, bit in _NAMES.items() if way & bit) or "none"
 
 
@@ -81,10 +83,12 @@ def _from_env() -> Optional[int]:
         way = 0
         for part in parts:
             way |= _NAMES[part]
-        return way
+        if way in WAYS:  # "far" only with "keys"
+            return way
     shown = raw if len(raw) <= 40 else raw[:40] + "..."
     warnings.warn(f"{PREFETCH_ENV}={shown!r} is not one of 'auto', 'none', 'keys', 'values', "
-                  "'keys,values'; using 'auto'", RuntimeWarning, stacklevel=2)
+                  "'keys,values', 'keys,far', 'keys,values,far'; using 'auto'", RuntimeWarning,
+                  stacklevel=2)
     return None
 
 
@@ -96,7 +100,7 @@ _chosen: Dict[Key, int] = {}
 
 
 def force(way: Optional[int]) -> None:
-    """Fix the choice (a bitwise or of KEYS and VALUES) or, with None,
+    """Fix the choice (a bitwise or of KEYS, VALUES and FAR) or, with None,
     return to measuring; forgets what was measured."""
     global _forced
     with _lock:

@@ -42,7 +42,7 @@ def test_bits_do_not_depend_on_the_choice(simd, fresh, storage):
         dense = fastattn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         outs[way] = (dense, cache.attend(q),
                      paged.attend(seqs, q[:, :, 0].reshape(B, Hq, E)))
-    assert sorted(outs) == [0, 1, 2, 3]
+    assert sorted(outs) == [0, 1, 2, 3, 17, 19]
     for way in _tuning.WAYS[1:]:
         for a, b in zip(outs[_tuning.DEFAULT], outs[way]):
             np.testing.assert_array_equal(a, b)
@@ -55,7 +55,7 @@ def fake_clock(monkeypatch, durations):
     monkeypatch.setattr(_tuning, "time", types.SimpleNamespace(perf_counter=lambda: next(now)))
 
 
-@pytest.mark.parametrize("fastest", range(4))
+@pytest.mark.parametrize("fastest", range(6))
 def test_the_fastest_way_is_kept(monkeypatch, fresh, fastest):
     key, nbytes = (1, 1, 0, False, 0), _tuning.MIN_BYTES
     n = len(_tuning.WAYS)
@@ -124,6 +124,7 @@ def test_a_failed_call_is_not_counted(monkeypatch, fresh):
 
 @pytest.mark.parametrize("value, expected", [("keys,values", 3), (" Values , keys", 3),
                                              ("keys", 1), ("values", 2), ("none", 0),
+                                             ("keys,far", 17), ("far, values, keys", 19),
                                              ("auto", None), (" ", None)])
 def test_environment(monkeypatch, value, expected):
     monkeypatch.setenv(_tuning.PREFETCH_ENV, value)
@@ -133,7 +134,8 @@ def test_environment(monkeypatch, value, expected):
         assert _tuning._from_env() == expected
 
 
-@pytest.mark.parametrize("value", ["yes", "1", "keys,", "KEYS;values", "\u212aeys", "keys\u00a0"])
+@pytest.mark.parametrize("value", ["yes", "1", "keys,", "KEYS;values", "\u212aeys", "keys\u00a0",
+                                   "far", "values,far"])  # far: only with keys
 def test_environment_typo_warns(monkeypatch, value):
     monkeypatch.setenv(_tuning.PREFETCH_ENV, value)
     with pytest.warns(RuntimeWarning, match=re.escape(f"FASTATTN_PREFETCH={value!r}")):
