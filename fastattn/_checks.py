@@ -339,11 +339,15 @@ def check_finite_in(values: object, name: str, compute: np.dtype[Any], times: fl
 
 def check_scale(scale: object, E: int, compute: np.dtype[Any]) -> float:
     """The scale the kernels take: 1/sqrt(E) when None (PyTorch's default),
-    else a real number finite in the dtype computed in."""
+    else a real number finite in the dtype computed in, and not 0 there
+    unless it is 0 (a float32 kernel would take 1e-46 for 0: a plain mean)."""
     x = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else check_real(scale, "scale")
     largest = LARGEST.get(compute, 0.0)
     if not -largest <= x <= largest:  # else plainly finite there
         check_finite_in(x, "scale", compute)
+    if x != 0 and float(np.asarray(x).astype(compute)) == 0:
+        raise ValueError(f"scale must round to a nonzero {np.dtype(compute).name}, the dtype "
+                         f"computed in, or be 0; got {x!r}")
     return x
 
 

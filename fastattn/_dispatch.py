@@ -129,8 +129,9 @@ def common_call(query: NDArray[Float], key: NDArray[Float], value: NDArray[Float
         return None
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
-    elif type(scale) is not float or not -largest <= scale <= largest:
-        return None
+    elif type(scale) is not float or not (-largest <= scale <= largest and
+                                          (scale == 0 or abs(scale) >= 1e-38)):
+        return None  # (a subnormal scale: check_scale's, which may refuse it)
     if math.prod(batch) * (L or 1) * (S or 1) * ((E if E > Ev else Ev) or 1) > limit:
         return None
     if attn_mask is None:

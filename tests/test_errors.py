@@ -203,6 +203,8 @@ HOSTILE = [
     row("flag", sdpa, (f32, f32, f32), {"scale": float("nan")}, ValueError, "scale must be finite, got nan"),
     row("flag", sdpa, (f32, f32, f32), {"scale": -float("inf")}, ValueError, "scale must be finite, got -inf"),
     row("flag", sdpa, (f32, f32, f32), {"scale": True}, TypeError, "scale must be a real number, got bool"),
+    row("flag", sdpa, (f32, f32, f32), {"scale": 1e-46}, ValueError,
+        "scale must round to a nonzero float32, the dtype computed in, or be 0; got 1e-46"),
     row("flag", sdpa, (f32, f32, f32), {"scale": 1j}, TypeError, "scale must be a real number, got complex"),
     row("flag", sdpa, (f32, f32, f32), {"causal_alignment": "bottom"}, ValueError, "causal_alignment must be"),
     row("flag", sdpa, (f32, f32, f32), {"causal_alignment": None}, ValueError, "causal_alignment must be"),
