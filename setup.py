@@ -113,29 +113,19 @@ class BuildExt(build_ext):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _compiles(self, source):
+    def _probe(self, source, flags=(), run=False):
+        """Whether source compiles with flags (and, with run, links and runs)."""
         tmp = tempfile.mkdtemp()
         try:
             src = os.path.join(tmp, "probe.c")
             with open(src, "w") as f:
                 f.write(source)
-            self.compiler.compile([src], output_dir=tmp)
-            return True
-        except Exception:
-            return False
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def _openmp_works(self, flag):
-        tmp = tempfile.mkdtemp()
-        try:
-            src = os.path.join(tmp, "probe.c")
-            with open(src, "w") as f:
-                f.write(OPENMP_PROBE)
-            objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=[flag])
-            exe = os.path.join(tmp, "probe")
-            self.compiler.link_executable(objs, "probe", output_dir=tmp, extra_postargs=[flag])
-            subprocess.run([exe], check=True, capture_output=True, timeout=60)
+            objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=list(flags))
+            if run:
+                exe = os.path.join(tmp, "probe")
+                self.compiler.link_executable(objs, "probe", output_dir=tmp,
+                                              extra_postargs=list(flags))
+                subprocess.run([exe], check=True, capture_output=True, timeout=60)
             return True
         except Exception:
             return False
@@ -165,14 +155,14 @@ class BuildExt(build_ext):
 
         omp_flag = "-fopenmp" if unix else "/openmp"
         use_omp = os.environ.get("FASTATTN_OPENMP", "1") != "0"
-        if use_omp and not self._openmp_works(omp_flag):
+        if use_omp and not self._probe(OPENMP_PROBE, [omp_flag], run=True):
             warnings.warn("fastattn: the compiler cannot build and run an OpenMP program; "
                           "building a serial extension")
             use_omp = False
         if use_omp:
             common.append(omp_flag)
             link.append(omp_flag)
-        if unix and _is_x86_64() and not self._compiles(AVX_VNNI_PROBE):
+        if unix and _is_x86_64() and not self._probe(AVX_VNNI_PROBE):
             common.append("-DFA_NO_AVX_VNNI")  # the int8 mode sums as on a CPU without it
         print(f"fastattn build: openmp={'yes' if use_omp else 'no'} flags={' '.join(common)}")
 

@@ -18,9 +18,9 @@
  * further ahead, the prefetches wait for fill buffers that the value rows'
  * misses hold (see threads-and-speed.md, "Prefetch distance"). */
 #define FA_PREFETCH_BYTES 2048
-/* ... or this far, with FA_PREFETCH_FAR: on a Zen 5 8 KB ahead was 4-11 %
- * faster for every storage, where 2 KB had been on the CPU that chose it;
- * fastattn/_tuning.py measures both. */
+/* ... or this far, with FA_PREFETCH_FAR: which distance is faster depends
+ * on the CPU, so fastattn/_tuning.py measures both (threads-and-speed.md,
+ * "Prefetch distance"). */
 #define FA_PREFETCH_FAR_BYTES 8192
 /* Paged keys (fa_attn_args' placement) are asked into L2 this far ahead,
  * across blocks, and the next block's first FA_VALUE_AHEAD_ROWS value rows

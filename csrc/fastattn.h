@@ -23,9 +23,9 @@ int fa_cpu_has_avx512(void);
 /* 1 when they also support AVX-512 VNNI on 256-bit vectors (VNNI, VL and
  * BW), which the int8 mode's integer products use on the AVX-512 path, else 0. */
 int fa_cpu_has_avx512_vnni(void);
-/* 1 when they support AVX-VNNI (vpdpbusd on 256-bit vectors, VEX-encoded:
- * Alder Lake and later Intel cores without AVX-512, and AMD's Zen 4 and 5),
- * which the int8 mode's integer products use on the AVX2 path, and the
+/* 1 when they support AVX-VNNI (vpdpbusd on 256-bit vectors, VEX-encoded,
+ * on CPUs without AVX-512 too), which the int8 mode's integer products use
+ * on the AVX2 path, and the
  * build has that instance (a compiler and assembler that know it), else 0. */
 int fa_cpu_has_avx_vnni(void);
 /* 1 on an aarch64 CPU with Advanced SIMD (NEON) and a build with the NEON
