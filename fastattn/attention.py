@@ -239,7 +239,8 @@ def scaled_dot_product_attention(
         a negative softcap, alibi_slopes or sinks of the
         wrong shape, sinks NaN or +inf; a scale or softcap that is not
         finite in the dtype computed in (float32 or float64: 1e300 is finite
-        only in float64), a softcap that rounds to 0 there, an alibi slope
+        only in float64), a scale or softcap that rounds to 0 there (a scale
+        of 0 itself is taken), an alibi slope
         whose bias at distance L + S is not finite there; a precision
         other than "exact" and "int8" (TypeError when not a str).
 
